@@ -1,0 +1,19 @@
+"""gmm_jax: grouped matrix multiplication (GroupedGEMM) for JAX.
+
+This file is the whole public API.
+"""
+
+from gmm_jax._src.api import gmm as gmm
+from gmm_jax._src.api import ragged_dot as ragged_dot
+from gmm_jax._src.config import GmmConfig as GmmConfig
+from gmm_jax._src.config import Tiling as Tiling
+from gmm_jax._src.dispatch import implementations as implementations
+from gmm_jax._src.epilogue import ACTIVATIONS as ACTIVATIONS
+from gmm_jax._src.layout import GroupedArray as GroupedArray
+from gmm_jax._src.layout import GroupedDesc as GroupedDesc
+from gmm_jax._src.layout import TileMetadata as TileMetadata
+from gmm_jax._src.layout import check_group_list as check_group_list
+from gmm_jax._src.layout import grouped_desc as grouped_desc
+from gmm_jax._src.layout import make_tile_metadata as make_tile_metadata
+
+__version__ = "0.1.0"

@@ -1,0 +1,200 @@
+"""Public entry points: `gmm` and the `jax.lax.ragged_dot` drop-in."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gmm_jax._src import dispatch, layout
+from gmm_jax._src.config import GmmConfig
+from gmm_jax._src.epilogue import resolve_activation
+from gmm_jax._src.layout import GroupedArray
+from gmm_jax._src.vjp import gmm_core
+
+GROUP_TYPES = ("m", "k")
+
+
+def _check_operand_dtype(x, name):
+  dtype = x.dtype
+  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+    raise ValueError(f"{name} must be a floating or integer array, got {jax.typeof(x)}")
+
+
+def _group_offset(group_offset, num_total: int):
+  if group_offset is None:
+    return jnp.zeros((), jnp.int32)
+  if not isinstance(group_offset, jax.core.Tracer):
+    value = np.asarray(group_offset)
+    if value.size != 1 or not np.issubdtype(value.dtype, np.integer):
+      raise ValueError(f"group_offset must be an integer scalar, got {group_offset!r}")
+    if not 0 <= int(value.reshape(())) <= num_total:
+      raise ValueError(f"group_offset must lie in [0, {num_total}], got {int(value.reshape(()))}")
+  group_offset = jnp.asarray(group_offset)
+  if group_offset.size != 1 or not jnp.issubdtype(group_offset.dtype, jnp.integer):
+    raise ValueError(f"group_offset must be an integer scalar, got {jax.typeof(group_offset)}")
+  return group_offset.reshape(()).astype(jnp.int32)
+
+
+def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
+        num_groups=None, bias=None, activation=None, transpose_lhs=False, transpose_rhs=False,
+        preferred_element_type=None, precision=None, group_offset=None, implementation=None,
+        interpret=False):
+  """Grouped matrix multiplication with a fused bias + activation epilogue.
+
+  m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
+  ``[G, K, N]`` (``[G, N, K]`` if transpose_rhs) -> ``[M, N]``; the rows of group g are
+  multiplied by ``rhs[g]``. Rows at or past the total of the group sizes, and rows of groups
+  not held locally (group_offset), are exactly 0.
+
+  k-grouping (``group_type="k"``): lhs ``[M, K]`` (``[K, M]``), rhs ``[K, N]`` (``[N, K]``)
+  with K split into contiguous groups -> ``[G, M, N]``, ``out[g] = lhs[:, cols of g] @
+  rhs[rows of g]``; an empty group gives ``activation(bias[g])``.
+
+  Args:
+    lhs: the left operand, or a `GroupedArray` (its offsets are then the group list and its
+      variable_dim picks the grouping: 0 -> "m", 1 -> "k").
+    rhs: the right operand (per-group weights for "m").
+    group_list: ``[G]`` int sizes ("counts"), ``[G]`` non-decreasing end offsets ("cumsum")
+      or ``[E, 2]`` rows ``(group_index, size)`` with increasing indices ("sparse"; unlisted
+      groups are empty). May be traced: one compilation serves any sizes.
+    group_type: "m" or "k"; default "m" (or from a GroupedArray lhs).
+    group_list_type: "counts", "cumsum" or "sparse".
+    num_groups: G of a sparse list (default ``rhs.shape[0]`` for "m"); for "k" the number
+      of output groups (default G of the list).
+    bias: ``[G_local, N]``, added in the f32 accumulator.
+    activation: None, "relu", "gelu_tanh", "gelu", "fast_gelu", "silu" or a jnp-traceable
+      callable, applied after the bias and before the cast.
+    transpose_lhs, transpose_rhs: operands stored transposed (see shapes above).
+    preferred_element_type: output dtype; default the promoted input dtype. Floating inputs
+      always accumulate in f32; integer inputs accumulate exactly in int32.
+    precision: passed to the dots (as in jax.lax.dot_general).
+    group_offset: int or traced int32 scalar: rhs (for "m") or the output (for "k") holds
+      only groups ``[group_offset, group_offset + G_local)`` of the list (expert
+      parallelism).
+    implementation: None/"auto" (platform default chain), "xla" or "reference" (and the
+      kernels registered by later releases).
+    interpret: run Pallas kernels in interpret mode.
+
+  Returns:
+    ``[M, N]`` for "m" (a `GroupedArray` with lhs's offsets if lhs was one), ``[G_local, M,
+    N]`` for "k".
+
+  Raises:
+    ValueError: malformed shapes, dtypes, names, or a concrete group list that is negative,
+      decreasing (cumsum), has bad sparse indices or sums past the grouped dimension.
+    NotImplementedError: a valid combination no registered implementation serves.
+  """
+  out_offsets = None
+  if isinstance(lhs, GroupedArray):
+    if group_list is not None:
+      raise ValueError("pass either a GroupedArray lhs or a group_list, not both")
+    if transpose_lhs:
+      raise ValueError("a GroupedArray lhs is stored untransposed; transpose_lhs must be False")
+    inferred = "m" if lhs.variable_dim == 0 else "k"
+    if group_type is not None and group_type != inferred:
+      raise ValueError(
+          f"a GroupedArray with variable_dim={lhs.variable_dim} means group_type="
+          f"{inferred!r}, got {group_type!r}")
+    group_type, group_list, group_list_type = inferred, lhs.offsets, "cumsum"
+    out_offsets = lhs.offsets if inferred == "m" else None
+    lhs = lhs.values
+  group_type = "m" if group_type is None else group_type
+  if group_type not in GROUP_TYPES:
+    raise ValueError(f"group_type must be one of {GROUP_TYPES}, got {group_type!r}")
+  if group_list is None:
+    raise ValueError("gmm needs a group_list (or a GroupedArray lhs)")
+
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  _check_operand_dtype(lhs, "lhs")
+  _check_operand_dtype(rhs, "rhs")
+  if jnp.issubdtype(lhs.dtype, jnp.integer) != jnp.issubdtype(rhs.dtype, jnp.integer):
+    raise NotImplementedError(
+        f"mixed integer and floating operands ({lhs.dtype} x {rhs.dtype}) are quantized "
+        "modes; supported here: both floating or both integer")
+  rhs_rank = 3 if group_type == "m" else 2
+  if lhs.ndim != 2 or rhs.ndim != rhs_rank:
+    raise ValueError(
+        f"group_type={group_type!r} needs a 2-D lhs and a {rhs_rank}-D rhs, got lhs "
+        f"{jax.typeof(lhs)} and rhs {jax.typeof(rhs)}")
+  m, k = (lhs.shape[1], lhs.shape[0]) if transpose_lhs else lhs.shape
+  rhs_k, n = (rhs.shape[-1], rhs.shape[-2]) if transpose_rhs else rhs.shape[-2:]
+  if rhs_k != k:
+    raise ValueError(
+        f"contraction sizes differ: lhs {lhs.shape} (transpose_lhs={transpose_lhs}) has "
+        f"K={k}, rhs {rhs.shape} (transpose_rhs={transpose_rhs}) has K={rhs_k}")
+
+  layout.check_group_list_shape(group_list, group_list_type)
+  list_len = np.shape(group_list)[0]
+  if group_list_type == "sparse":
+    if num_groups is None:
+      if group_type == "k" or group_offset is not None:
+        raise ValueError(
+            "num_groups is required for a sparse group_list with group_type='k' or a "
+            "group_offset")
+      num_groups = rhs.shape[0]
+    num_total = int(num_groups)
+  else:
+    num_total = list_len
+  if group_type == "m":
+    num_local = rhs.shape[0]
+    if group_list_type != "sparse" and num_groups is not None and num_groups != num_total:
+      raise ValueError(f"num_groups={num_groups} differs from the group_list length {num_total}")
+    if group_offset is None and num_local != num_total:
+      raise ValueError(
+          f"rhs {rhs.shape} holds {num_local} groups but the group list has {num_total}; "
+          "pass group_offset if rhs holds a slice of the groups")
+    if num_local > num_total:
+      raise ValueError(f"rhs {rhs.shape} holds more groups than the group list ({num_total})")
+  else:
+    num_local = num_total if (num_groups is None or group_list_type == "sparse") else int(
+        num_groups)
+    if num_local > num_total:
+      raise ValueError(f"num_groups={num_local} exceeds the group list length {num_total}")
+  dim_size, dim_name = (m, "M") if group_type == "m" else (k, "K")
+  layout.validate_concrete_group_list(
+      group_list, group_list_type, dim_size, num_total, dim_name)
+  offset = _group_offset(group_offset, num_total)
+
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    _check_operand_dtype(bias, "bias")
+    if bias.shape != (num_local, n):
+      raise ValueError(f"bias must have shape [G_local, N] = {(num_local, n)}, got {bias.shape}")
+  resolve_activation(activation)
+  if preferred_element_type is None:
+    out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+  else:
+    try:
+      out_dtype = jnp.dtype(preferred_element_type)
+    except TypeError as err:
+      raise ValueError(f"bad preferred_element_type {preferred_element_type!r}") from err
+
+  cfg = GmmConfig(
+      group_type=group_type, num_local=num_local, transpose_lhs=bool(transpose_lhs),
+      transpose_rhs=bool(transpose_rhs), activation=activation, out_dtype=np.dtype(out_dtype),
+      precision=precision, implementation=implementation, interpret=bool(interpret))
+  dispatch.candidates(cfg)  # unknown implementation names fail here, with the list
+  counts = layout.to_counts(group_list, group_list_type, num_total)
+  out = gmm_core(cfg, lhs, rhs, counts, offset, bias)
+  return out if out_offsets is None else GroupedArray(out, out_offsets, 0)
+
+
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+               group_offset=None):
+  """A drop-in for `jax.lax.ragged_dot` (m-grouping, counts), backed by `gmm`.
+
+  Args:
+    lhs: ``[M, K]``.
+    rhs: ``[G, K, N]``.
+    group_sizes: int ``[G]``.
+    precision, preferred_element_type: as in jax.lax.ragged_dot.
+    group_offset: optional int scalar (or ``[1]`` array): rhs holds groups
+      ``[group_offset, group_offset + rhs.shape[0])`` of group_sizes.
+
+  Returns:
+    ``[M, N]``; rows past ``sum(group_sizes)`` are 0.
+  """
+  return gmm(lhs, rhs, group_sizes, group_type="m", group_list_type="counts",
+             precision=precision, preferred_element_type=preferred_element_type,
+             group_offset=group_offset)

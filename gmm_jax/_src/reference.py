@@ -1,0 +1,50 @@
+"""The obviously-correct jax.numpy gmm: one masked dense product per local group.
+
+It does G times the work of the fast paths and exists to be read and trusted: tests compare
+the other implementations against it, and its autodiff checks the shared VJP.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gmm_jax._src import layout
+from gmm_jax._src.config import GmmConfig, accumulator_dtype
+from gmm_jax._src.epilogue import apply_epilogue
+
+
+def _dot(a, b, cfg, acc_dtype):
+  return jnp.matmul(a, b, precision=cfg.precision, preferred_element_type=acc_dtype)
+
+
+def gmm_reference(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig) -> jax.Array:
+  """Reference gmm on canonical operands (see `GmmConfig`)."""
+  acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
+  lhs = lhs.T if cfg.transpose_lhs else lhs  # [M, K]
+  rhs = jnp.swapaxes(rhs, -1, -2) if cfg.transpose_rhs else rhs  # [..., K, N]
+  m, k = lhs.shape
+  n = rhs.shape[-1]
+  zero_lhs = jnp.zeros((), lhs.dtype)
+  if cfg.group_type == "m":
+    group_of_row = layout.row_group_ids(counts, m, group_offset, cfg.num_local)
+    out = jnp.zeros((m, n), cfg.out_dtype)
+    for g in range(cfg.num_local):
+      rows = (group_of_row == g)[:, None]
+      acc = _dot(jnp.where(rows, lhs, zero_lhs), rhs[g], cfg, acc_dtype)
+      y = apply_epilogue(acc, None if bias is None else bias[g], cfg.activation, cfg.out_dtype)
+      out = jnp.where(rows, y, out)
+    return out
+  group_of_col = layout.row_group_ids(counts, k, group_offset, cfg.num_local)
+  outs = []
+  for g in range(cfg.num_local):
+    cols = group_of_col == g
+    acc = _dot(
+        jnp.where(cols[None, :], lhs, zero_lhs),
+        jnp.where(cols[:, None], rhs, jnp.zeros((), rhs.dtype)), cfg, acc_dtype,
+    )
+    outs.append(
+        apply_epilogue(acc, None if bias is None else bias[g], cfg.activation, cfg.out_dtype))
+  if not outs:
+    return jnp.zeros((0, m, n), cfg.out_dtype)
+  return jnp.stack(outs)

@@ -1,0 +1,104 @@
+"""The fast jax.numpy/XLA gmm: loops over the layout module's work items.
+
+Work is proportional to the rows actually grouped, not to G: each work item (a tile of rows
+x one group it touches, from `layout.make_tile_metadata`) does one dot of its rows with its
+group's weights. A partial item of L rows runs in the smallest power-of-two window >= L
+(one while loop per window size, so no `lax.cond`/`lax.switch`, which copies the output on
+XLA:CPU), so the waste per item is under 2x its own rows. Rows are written with a select,
+leaving exact zeros past the group total and in groups that are not local.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from gmm_jax._src import layout
+from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_dims
+from gmm_jax._src.epilogue import apply_epilogue
+
+
+def default_tiling(m: int, k: int, n: int, num_groups: int) -> Tiling:
+  """Tile sizes for the XLA path (measured on a 2-core AVX-512 CPU, see BENCHMARKS.md)."""
+  del k, n, num_groups
+  return Tiling(tile_m=512 if m >= 8192 else 256, tile_k=512, tile_n=512)
+
+
+def _storage_dtype(dtype):
+  # XLA:CPU converts a 16-bit float buffer to f32 in full on every masked update inside a
+  # loop; carrying the bit pattern keeps the update in place.
+  dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+    return jnp.dtype(jnp.uint16)
+  return dtype
+
+
+def _to_storage(x, storage):
+  return x if x.dtype == storage else lax.bitcast_convert_type(x, storage)
+
+
+def _for_each_item(meta, classes, body, carry):
+  """Runs ``body(window, start, end, group, carry)`` for every active work item."""
+  order, class_start, class_count = layout.items_by_size_class(meta, classes)
+  for index, window in enumerate(classes):
+
+    def step(j, carry, index=index, window=window):
+      item = order[class_start[index] + j]
+      return body(window, meta.item_start[item], meta.item_end[item], meta.group_ids[item],
+                  carry)
+
+    carry = lax.fori_loop(0, class_count[index], step, carry)
+  return carry
+
+
+def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling | None = None):
+  """Fast XLA gmm on canonical operands (see `GmmConfig`)."""
+  m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
+  tiling = tiling or default_tiling(m, k, n, counts.shape[0])
+  acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
+  lhs_k_axis = 0 if cfg.transpose_lhs else 1
+  rhs_k_axis = 1 if cfg.transpose_rhs else 0  # of one group's [K, N] / [N, K] matrix
+
+  if cfg.group_type == "m":
+    storage = _storage_dtype(cfg.out_dtype)
+    meta = layout.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local)
+
+    def body(window, start, end, group, out):
+      first = jnp.minimum(start, m - window)
+      x = lax.dynamic_slice_in_dim(lhs, first, window, axis=1 - lhs_k_axis)
+      w = lax.dynamic_index_in_dim(rhs, group, 0, keepdims=False)
+      acc = lax.dot_general(x, w, (((lhs_k_axis,), (rhs_k_axis,)), ((), ())),
+                            precision=cfg.precision, preferred_element_type=acc_dtype)
+      group_bias = None if bias is None else lax.dynamic_index_in_dim(bias, group, 0)
+      y = _to_storage(apply_epilogue(acc, group_bias, cfg.activation, cfg.out_dtype), storage)
+      rows = first + lax.iota(jnp.int32, window)
+      keep = ((rows >= start) & (rows < end))[:, None]
+      old = lax.dynamic_slice_in_dim(out, first, window, axis=0)
+      return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), first, axis=0)
+
+    out = jnp.zeros((m, n), storage)
+    out = _for_each_item(meta, layout.size_classes(tiling.tile_m, m), body, out)
+    return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
+
+  meta = layout.make_tile_metadata(counts, k, tiling.tile_k, group_offset, cfg.num_local)
+  rhs_row_axis = 1 if cfg.transpose_rhs else 0
+
+  def body(window, start, end, group, acc):
+    first = jnp.minimum(start, k - window)
+    cols = first + lax.iota(jnp.int32, window)
+    keep = (cols >= start) & (cols < end)
+    x = lax.dynamic_slice_in_dim(lhs, first, window, axis=lhs_k_axis)
+    r = lax.dynamic_slice_in_dim(rhs, first, window, axis=rhs_row_axis)
+    # Columns outside the group are zeroed in both operands, so even inf/NaN there is inert.
+    x = jnp.where(jnp.expand_dims(keep, 1 - lhs_k_axis), x, jnp.zeros((), x.dtype))
+    r = jnp.where(jnp.expand_dims(keep, 1 - rhs_row_axis), r, jnp.zeros((), r.dtype))
+    part = lax.dot_general(x, r, (((lhs_k_axis,), (rhs_row_axis,)), ((), ())),
+                           precision=cfg.precision, preferred_element_type=acc_dtype)
+    old = lax.dynamic_index_in_dim(acc, group, 0, keepdims=False)
+    return lax.dynamic_update_index_in_dim(acc, old + part, group, 0)
+
+  acc = jnp.zeros((cfg.num_local, m, n), acc_dtype)
+  acc = _for_each_item(meta, layout.size_classes(tiling.tile_k, k), body, acc)
+  return apply_epilogue(acc, None if bias is None else bias[:, None, :], cfg.activation,
+                        cfg.out_dtype)
