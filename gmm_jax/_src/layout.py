@@ -233,13 +233,21 @@ class TileMetadata(NamedTuple):
   num_items: jax.Array
 
 
-def max_work_items(dim_size: int, tile: int, num_local: int) -> int:
+ALIGNMENTS = ("tile", "group")
+
+
+def max_work_items(dim_size: int, tile: int, num_local: int, align: str = "tile") -> int:
+  """Static bound on the number of work items (the length of the metadata arrays)."""
   num_tiles = max(1, math.ceil(dim_size / tile))
-  return num_tiles + max(1, min(num_local, dim_size)) - 1
+  groups = max(1, min(num_local, dim_size))
+  # Tile-aligned: consecutive groups share at most one tile. Group-aligned: each group adds
+  # at most one partial window.
+  return num_tiles + groups - 1 if align == "tile" else num_tiles + groups
 
 
 def make_tile_metadata(
-    counts: jax.Array, dim_size: int, tile: int, group_offset=0, num_local: int | None = None
+    counts: jax.Array, dim_size: int, tile: int, group_offset=0, num_local: int | None = None,
+    align: str = "tile",
 ) -> TileMetadata:
   """Builds the work items for tiles of `tile` rows over a grouped dimension of `dim_size`.
 
@@ -249,12 +257,19 @@ def make_tile_metadata(
     tile: rows per tile (> 0).
     group_offset: first global group held locally (int or traced int32 scalar).
     num_local: groups held locally (``rhs.shape[0]`` for m-grouping); default G.
+    align: "tile" (megablox-style: tiles start at multiples of `tile`, what a BlockSpec
+      index map addresses; at most ``num_tiles + num_local - 1`` items) or "group" (each
+      group is cut into windows of `tile` rows starting at its first row, so only its last
+      window is partial; at most ``num_tiles + num_local`` items; for kernels and loops that
+      can start a block at any row). ``tile_ids`` is the tile holding an item's first row.
 
   Returns:
     A `TileMetadata`.
   """
   if tile <= 0:
     raise ValueError(f"tile must be positive, got {tile}")
+  if align not in ALIGNMENTS:
+    raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
   num_total = counts.shape[0]
   num_local = num_total if num_local is None else num_local
   bounds = bounds_from_counts(counts, dim_size)
@@ -262,38 +277,49 @@ def make_tile_metadata(
   first, end = local_group_range(group_offset, num_local, num_total)
   group_index = jnp.arange(num_total, dtype=jnp.int32)
   active = (ends > starts) & (group_index >= first) & (group_index < end)
-  first_tile = starts // tile
-  last_tile = (ends - 1) // tile
-  tiles_per_group = jnp.where(active, last_tile - first_tile + 1, 0)
+  if align == "tile":
+    first_tile = starts // tile
+    tiles_per_group = jnp.where(active, (ends - 1) // tile - first_tile + 1, 0)
+  else:
+    tiles_per_group = jnp.where(active, (ends - starts + tile - 1) // tile, 0)
   items_end = jnp.cumsum(tiles_per_group)
   num_items = items_end[-1] if num_total else jnp.int32(0)
 
-  max_items = max_work_items(dim_size, tile, num_local)
+  max_items = max_work_items(dim_size, tile, num_local, align)
   item = jnp.arange(max_items, dtype=jnp.int32)
   group = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
   group = jnp.minimum(group, max(num_total - 1, 0))
-  items_before = items_end[group] - tiles_per_group[group]
-  tile_ids = first_tile[group] + (item - items_before)
+  index_in_group = item - (items_end[group] - tiles_per_group[group])
   valid = item < num_items
-  item_start = jnp.where(valid, jnp.maximum(tile_ids * tile, starts[group]), 0)
-  item_end = jnp.where(valid, jnp.minimum((tile_ids + 1) * tile, ends[group]), 0)
+  if align == "tile":
+    tile_ids = first_tile[group] + index_in_group
+    item_start = jnp.maximum(tile_ids * tile, starts[group])
+    item_end = jnp.minimum((tile_ids + 1) * tile, ends[group])
+  else:
+    item_start = starts[group] + index_in_group * tile
+    item_end = jnp.minimum(item_start + tile, ends[group])
+    tile_ids = item_start // tile
+  item_start = jnp.where(valid, item_start, 0)
+  item_end = jnp.where(valid, item_end, 0)
   tile_ids = jnp.where(valid, tile_ids, 0)
   group_ids = jnp.clip(group - first, 0, max(num_local - 1, 0))
   return TileMetadata(bounds, group_ids, tile_ids, item_start, item_end, num_items)
 
 
 def size_classes(tile: int, dim_size: int, smallest: int = 8) -> tuple[int, ...]:
-  """Window sizes (powers of two from `smallest` up to `tile`, none past `dim_size`).
+  """Window sizes for partial work items: 8, 16, 32, 64, then steps of ~1.5x up to `tile`.
 
-  A partial work item of L rows is computed in the smallest class >= L, so the wasted
-  work of a partial item is under 2x its own rows rather than a whole tile.
+  A partial item of L rows is computed in the smallest class >= L, so its wasted work is
+  under 2x its own rows for tiny items and under 1.5x from 64 rows on, rather than a whole
+  tile. No class exceeds `dim_size` (the window must fit in the array).
   """
-  classes = set()
+  classes = {min(tile, dim_size)}
   size = smallest
   while size < tile:
     classes.add(min(size, dim_size))
+    if size >= 64 and size * 3 // 2 < tile:
+      classes.add(min(size * 3 // 2, dim_size))
     size *= 2
-  classes.add(min(tile, dim_size))
   return tuple(sorted(c for c in classes if c > 0))
 
 

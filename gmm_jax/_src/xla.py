@@ -19,6 +19,9 @@ from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_di
 from gmm_jax._src.epilogue import apply_epilogue
 
 
+ALIGN = "group"
+
+
 def default_tiling(m: int, k: int, n: int, num_groups: int) -> Tiling:
   """Tile sizes for the XLA path (measured on a 2-core AVX-512 CPU, see BENCHMARKS.md)."""
   del k, n, num_groups
@@ -62,7 +65,8 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
 
   if cfg.group_type == "m":
     storage = _storage_dtype(cfg.out_dtype)
-    meta = layout.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local)
+    meta = layout.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
+                                      ALIGN)
 
     def body(window, start, end, group, out):
       first = jnp.minimum(start, m - window)
@@ -81,7 +85,7 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
     out = _for_each_item(meta, layout.size_classes(tiling.tile_m, m), body, out)
     return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
 
-  meta = layout.make_tile_metadata(counts, k, tiling.tile_k, group_offset, cfg.num_local)
+  meta = layout.make_tile_metadata(counts, k, tiling.tile_k, group_offset, cfg.num_local, ALIGN)
   rhs_row_axis = 1 if cfg.transpose_rhs else 0
 
   def body(window, start, end, group, acc):

@@ -1,0 +1,196 @@
+"""Side-by-side benchmark of gmm against jax.lax.ragged_dot, a dense matmul and a batched matmul.
+
+    python -m gmm_jax.bench                      # the full table of BENCHMARKS.md
+    python -m gmm_jax.bench --m 2048 --kn 1024 --groups 8 64 --dtypes float32
+
+Every row times, in one process and interleaved, for the same M, K, N, G and dtype:
+  gmm      gmm(implementation=...) (default "xla")
+  ragged   jax.lax.ragged_dot (skipped where it would take minutes: it does G times the work)
+  dense    one [M, K] x [K, N] matmul: the same FLOPs
+  batched  einsum("gmk,gkn->gmn") on [G, M/G, K] x [G, K, N]: the same FLOPs and the same
+           weight bytes, the real floor once the G weight matrices dominate memory traffic
+Ratios are to dense and to batched; "fwd+bwd" times the gradient w.r.t. lhs and rhs of
+sum(out * cotangent). Memory is the compiled executable's temporary bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gmm_jax._src.api import gmm
+
+
+def group_sizes(m: int, num_groups: int, distribution: str, seed: int = 0) -> np.ndarray:
+  """Group sizes summing to m: "balanced" (equal) or "skewed" (Zipf-like, ~1/4 empty)."""
+  if distribution == "balanced":
+    sizes = np.full(num_groups, m // num_groups, np.int64)
+    sizes[: m - sizes.sum()] += 1
+    return sizes.astype(np.int32)
+  if distribution != "skewed":
+    raise ValueError(f"distribution must be 'balanced' or 'skewed', got {distribution!r}")
+  rng = np.random.default_rng(seed)
+  weights = 1.0 / np.arange(1, num_groups + 1) ** 1.1
+  if num_groups >= 4:
+    weights[-(num_groups // 4):] = 0.0  # the least popular quarter gets no tokens
+  weights = rng.permutation(weights)
+  sizes = np.floor(weights / weights.sum() * m).astype(np.int64)
+  sizes[np.argmax(weights)] += m - sizes.sum()
+  return sizes.astype(np.int32)
+
+
+def time_fn(fn: Callable, args, repeats: int = 5) -> float:
+  """Minimum wall time in seconds of a compiled call (after one warm-up)."""
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def temp_bytes(fn: Callable, args) -> int | None:
+  try:
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return int(analysis.temp_size_in_bytes)
+  except Exception:  # memory analysis is best-effort on some backends
+    return None
+
+
+@dataclasses.dataclass
+class Row:
+  dtype: str
+  m: int
+  kn: int
+  groups: int
+  distribution: str
+  mode: str
+  seconds: dict[str, float | None]
+  temp: dict[str, int | None]
+
+  def ratio(self, name: str, base: str) -> float | None:
+    a, b = self.seconds.get(name), self.seconds.get(base)
+    return None if a is None or b is None else a / b
+
+
+def _candidates(lhs, rhs, sizes, dtype, implementation, with_ragged):
+  m, k = lhs.shape
+  num_groups, _, n = rhs.shape
+  acc = jnp.float32 if dtype != jnp.float32 else None
+
+  def ours(x, w, gs):
+    return gmm(x, w, gs, implementation=implementation)
+
+  def ragged(x, w, gs):
+    return jax.lax.ragged_dot(x, w, gs, preferred_element_type=acc).astype(x.dtype)
+
+  def dense(x, w, gs):
+    del gs
+    return jnp.matmul(x, w[0], preferred_element_type=acc).astype(x.dtype)
+
+  rows = m // num_groups
+
+  def batched(x, w, gs):
+    del gs
+    xb = x[: rows * num_groups].reshape(num_groups, rows, k)
+    out = jnp.einsum("gmk,gkn->gmn", xb, w, preferred_element_type=acc).astype(x.dtype)
+    return out.reshape(rows * num_groups, n)
+
+  out = {"gmm": ours, "dense": dense, "batched": batched}
+  if with_ragged:
+    out["ragged"] = ragged
+  return out
+
+
+def _fwd_bwd(fn):
+  def loss(x, w, gs, cot):
+    out = fn(x, w, gs)
+    return jnp.sum(out.astype(jnp.float32) * cot[: out.shape[0]])
+
+  return jax.grad(loss, argnums=(0, 1))
+
+
+def run_case(dtype, m, kn, num_groups, distribution, modes=("fwd", "fwd+bwd"),
+             implementation="xla", repeats=5, ragged_limit=6e11, seed=0):
+  """Times one shape; returns a Row per mode."""
+  rng = np.random.default_rng(seed)
+  k = n = kn
+  lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  rhs = jnp.asarray(rng.standard_normal((num_groups, k, n)) / np.sqrt(k), dtype)
+  sizes = jnp.asarray(group_sizes(m, num_groups, distribution, seed))
+  cot = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  # ragged_dot does num_groups dense products: skip it where that takes minutes.
+  with_ragged = 2.0 * m * k * n * num_groups <= ragged_limit
+  fns = _candidates(lhs, rhs, sizes, dtype, implementation, with_ragged)
+  out = []
+  for mode in modes:
+    seconds, temps = {}, {}
+    for name, fn in fns.items():
+      if mode == "fwd":
+        compiled, args = jax.jit(fn), (lhs, rhs, sizes)
+      else:
+        compiled, args = jax.jit(_fwd_bwd(fn)), (lhs, rhs, sizes, cot)
+      seconds[name] = time_fn(compiled, args, repeats)
+      temps[name] = temp_bytes(compiled, args)
+    for name in ("gmm", "ragged", "dense", "batched"):
+      seconds.setdefault(name, None)
+      temps.setdefault(name, None)
+    out.append(Row(jnp.dtype(dtype).name, m, kn, num_groups, distribution, mode, seconds, temps))
+  return out
+
+
+def _fmt(value, spec):
+  return "-" if value is None else format(value, spec)
+
+
+def header() -> str:
+  return ("| dtype | M | K=N | G | sizes | mode | gmm ms | gmm/dense | gmm/batched | "
+          "ragged/dense | batched/dense | gmm temp MB | ragged temp MB |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_row(row: Row) -> str:
+  mb = lambda b: None if b is None else b / 2**20
+  return (f"| {row.dtype} | {row.m} | {row.kn} | {row.groups} | {row.distribution} | "
+          f"{row.mode} | {_fmt(row.seconds['gmm'] * 1e3, '.1f')} | "
+          f"{_fmt(row.ratio('gmm', 'dense'), '.2f')} | {_fmt(row.ratio('gmm', 'batched'), '.2f')} | "
+          f"{_fmt(row.ratio('ragged', 'dense'), '.1f')} | "
+          f"{_fmt(row.ratio('batched', 'dense'), '.2f')} | {_fmt(mb(row.temp['gmm']), '.1f')} | "
+          f"{_fmt(mb(row.temp['ragged']), '.1f')} |")
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+  parser.add_argument("--m", nargs="+", type=int, default=[2048, 8192])
+  parser.add_argument("--kn", nargs="+", type=int, default=[1024, 2048])
+  parser.add_argument("--groups", nargs="+", type=int, default=[1, 8, 64, 256])
+  parser.add_argument("--sizes", nargs="+", default=["balanced", "skewed"])
+  parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"])
+  parser.add_argument("--implementation", default="xla")
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args(argv)
+  print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
+        f"{jax.devices()[0].device_kind}; times are the minimum of {args.repeats} runs")
+  print(header(), flush=True)
+  for dtype in args.dtypes:
+    for m in args.m:
+      for kn in args.kn:
+        for num_groups in args.groups:
+          for distribution in args.sizes:
+            if num_groups == 1 and distribution == "skewed":
+              continue
+            for row in run_case(jnp.dtype(dtype), m, kn, num_groups, distribution, args.modes,
+                                args.implementation, args.repeats):
+              print(format_row(row), flush=True)
+
+
+if __name__ == "__main__":
+  main()
