@@ -41,6 +41,20 @@ def _to_storage(x, storage):
   return x if x.dtype == storage else lax.bitcast_convert_type(x, storage)
 
 
+def _as_bits(x):
+  """A 16-bit float operand as its bit pattern, and a function that views a slice back.
+
+  XLA:CPU otherwise converts a bf16/f16 array that a while loop slices to f32 in full
+  before the loop (a copy twice its size) and back on every slice, which also takes the
+  dots off their fast bf16 path.
+  """
+  storage = _storage_dtype(x.dtype)
+  if storage == x.dtype:
+    return x, lambda piece: piece
+  dtype = x.dtype
+  return lax.bitcast_convert_type(x, storage), lambda piece: lax.bitcast_convert_type(piece, dtype)
+
+
 def _for_each_item(meta, classes, body, carry):
   """Runs ``body(window, start, end, group, carry)`` for every active work item."""
   order, class_start, class_count = layout.items_by_size_class(meta, classes)
@@ -60,6 +74,8 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
   tiling = tiling or default_tiling(m, k, n, counts.shape[0])
   acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
+  lhs, lhs_view = _as_bits(lhs)
+  rhs, rhs_view = _as_bits(rhs)
   lhs_k_axis = 0 if cfg.transpose_lhs else 1
   rhs_k_axis = 1 if cfg.transpose_rhs else 0  # of one group's [K, N] / [N, K] matrix
 
@@ -70,8 +86,8 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
 
     def body(window, start, end, group, out):
       first = jnp.minimum(start, m - window)
-      x = lax.dynamic_slice_in_dim(lhs, first, window, axis=1 - lhs_k_axis)
-      w = lax.dynamic_index_in_dim(rhs, group, 0, keepdims=False)
+      x = lhs_view(lax.dynamic_slice_in_dim(lhs, first, window, axis=1 - lhs_k_axis))
+      w = rhs_view(lax.dynamic_index_in_dim(rhs, group, 0, keepdims=False))
       acc = lax.dot_general(x, w, (((lhs_k_axis,), (rhs_k_axis,)), ((), ())),
                             precision=cfg.precision, preferred_element_type=acc_dtype)
       group_bias = None if bias is None else lax.dynamic_index_in_dim(bias, group, 0)
@@ -92,8 +108,8 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
     first = jnp.minimum(start, k - window)
     cols = first + lax.iota(jnp.int32, window)
     keep = (cols >= start) & (cols < end)
-    x = lax.dynamic_slice_in_dim(lhs, first, window, axis=lhs_k_axis)
-    r = lax.dynamic_slice_in_dim(rhs, first, window, axis=rhs_row_axis)
+    x = lhs_view(lax.dynamic_slice_in_dim(lhs, first, window, axis=lhs_k_axis))
+    r = rhs_view(lax.dynamic_slice_in_dim(rhs, first, window, axis=rhs_row_axis))
     # Columns outside the group are zeroed in both operands, so even inf/NaN there is inert.
     x = jnp.where(jnp.expand_dims(keep, 1 - lhs_k_axis), x, jnp.zeros((), x.dtype))
     r = jnp.where(jnp.expand_dims(keep, 1 - rhs_row_axis), r, jnp.zeros((), r.dtype))
