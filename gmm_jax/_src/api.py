@@ -124,6 +124,7 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
         f"contraction sizes differ: lhs {lhs.shape} (transpose_lhs={transpose_lhs}) has "
         f"K={k}, rhs {rhs.shape} (transpose_rhs={transpose_rhs}) has K={rhs_k}")
 
+  group_list = layout.as_group_list(group_list)
   layout.check_group_list_shape(group_list, group_list_type)
   list_len = np.shape(group_list)[0]
   if group_list_type == "sparse":

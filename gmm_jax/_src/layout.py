@@ -36,7 +36,15 @@ def _is_concrete(x) -> bool:
   return True
 
 
+def as_group_list(group_list):
+  """Python lists and tuples become numpy arrays; arrays and tracers pass through."""
+  if isinstance(group_list, (list, tuple)):
+    return np.asarray(group_list)
+  return group_list
+
+
 def check_group_list_shape(group_list, group_list_type: str) -> None:
+  group_list = as_group_list(group_list)
   if group_list_type not in GROUP_LIST_TYPES:
     raise ValueError(
         f"group_list_type must be one of {GROUP_LIST_TYPES}, got {group_list_type!r}"
@@ -63,7 +71,7 @@ def validate_concrete_group_list(
   """
   if not _is_concrete(group_list):
     return
-  values = np.asarray(group_list).astype(np.int64)
+  values = np.asarray(as_group_list(group_list)).astype(np.int64)
   if group_list_type == "counts":
     if (values < 0).any():
       raise ValueError(f"group sizes must be non-negative, got counts {values.tolist()}")
@@ -108,6 +116,7 @@ def to_counts(group_list, group_list_type: str, num_groups: int | None = None) -
   Returns:
     int32 ``[G]`` group sizes; traced if `group_list` is.
   """
+  group_list = as_group_list(group_list)
   check_group_list_shape(group_list, group_list_type)
   group_list = jnp.asarray(group_list).astype(jnp.int32)
   if group_list_type == "counts":
@@ -138,6 +147,7 @@ def check_group_list(
     dim_size: the size of the grouped dimension (M or K); the sizes must not sum past it.
     num_groups: G, for a sparse list.
   """
+  group_list = as_group_list(group_list)
   check_group_list_shape(group_list, group_list_type)
   group_list = jnp.asarray(group_list).astype(jnp.int32)
   if group_list_type == "counts":
@@ -155,7 +165,7 @@ def check_group_list(
     if num_groups is not None:
       checkify.check(
           jnp.all((index >= 0) & (index < num_groups)),
-          "sparse group indices must lie in [0, {G})", G=num_groups,
+          "sparse group indices must lie in [0, {G})", G=jnp.int32(num_groups),
       )
     # Non-empty entries must have strictly increasing indices.
     last_used = jax.lax.cummax(jnp.where(size > 0, index, -1))
@@ -273,6 +283,10 @@ def make_tile_metadata(
   num_total = counts.shape[0]
   num_local = num_total if num_local is None else num_local
   bounds = bounds_from_counts(counts, dim_size)
+  max_items = max_work_items(dim_size, tile, num_local, align)
+  if num_total == 0 or num_local == 0:  # no group, no work
+    empty = jnp.zeros((max_items,), jnp.int32)
+    return TileMetadata(bounds, empty, empty, empty, empty, jnp.int32(0))
   starts, ends = bounds[:-1], bounds[1:]
   first, end = local_group_range(group_offset, num_local, num_total)
   group_index = jnp.arange(num_total, dtype=jnp.int32)
@@ -283,12 +297,11 @@ def make_tile_metadata(
   else:
     tiles_per_group = jnp.where(active, (ends - starts + tile - 1) // tile, 0)
   items_end = jnp.cumsum(tiles_per_group)
-  num_items = items_end[-1] if num_total else jnp.int32(0)
+  num_items = items_end[-1]
 
-  max_items = max_work_items(dim_size, tile, num_local, align)
   item = jnp.arange(max_items, dtype=jnp.int32)
   group = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
-  group = jnp.minimum(group, max(num_total - 1, 0))
+  group = jnp.minimum(group, num_total - 1)
   index_in_group = item - (items_end[group] - tiles_per_group[group])
   valid = item < num_items
   if align == "tile":
@@ -302,7 +315,7 @@ def make_tile_metadata(
   item_start = jnp.where(valid, item_start, 0)
   item_end = jnp.where(valid, item_end, 0)
   tile_ids = jnp.where(valid, tile_ids, 0)
-  group_ids = jnp.clip(group - first, 0, max(num_local - 1, 0))
+  group_ids = jnp.clip(group - first, 0, num_local - 1)
   return TileMetadata(bounds, group_ids, tile_ids, item_start, item_end, num_items)
 
 

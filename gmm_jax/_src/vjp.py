@@ -26,10 +26,15 @@ from gmm_jax._src.config import GmmConfig, accumulator_dtype
 from gmm_jax._src.epilogue import resolve_activation
 
 
+# Jitted so that eager calls reuse one compilation per (shapes, config) instead of tracing
+# and compiling the work-item loops on every call; under an outer jit it is inlined.
+_forward = jax.jit(dispatch.run, static_argnums=(5,))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def gmm_core(cfg: GmmConfig, lhs, rhs, counts, group_offset, bias):
   """Differentiable gmm on canonical operands (see `GmmConfig`)."""
-  return dispatch.run(lhs, rhs, counts, group_offset, bias, cfg)
+  return _forward(lhs, rhs, counts, group_offset, bias, cfg)
 
 
 def _preactivation_dtype(lhs, rhs):
@@ -43,11 +48,11 @@ def _valid_rows(cfg, counts, group_offset, m):
 
 def _fwd(cfg, lhs, rhs, counts, group_offset, bias):
   if cfg.activation is None:
-    out = dispatch.run(lhs, rhs, counts, group_offset, bias, cfg)
+    out = _forward(lhs, rhs, counts, group_offset, bias, cfg)
     return out, (lhs, rhs, counts, group_offset, bias, None)
   # Keep the pre-activation (in f32) for the activation's derivative.
-  z = dispatch.run(lhs, rhs, counts, group_offset, bias,
-                   cfg.replace(activation=None, out_dtype=_preactivation_dtype(lhs, rhs)))
+  z = _forward(lhs, rhs, counts, group_offset, bias,
+               cfg.replace(activation=None, out_dtype=_preactivation_dtype(lhs, rhs)))
   out = resolve_activation(cfg.activation)(z)
   if cfg.group_type == "m":  # rows outside the local groups stay exactly 0
     out = jnp.where(_valid_rows(cfg, counts, group_offset, z.shape[0])[:, None], out, 0)

@@ -79,6 +79,9 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
   lhs_k_axis = 0 if cfg.transpose_lhs else 1
   rhs_k_axis = 1 if cfg.transpose_rhs else 0  # of one group's [K, N] / [N, K] matrix
 
+  if cfg.num_local == 0 or counts.shape[0] == 0:  # no group: nothing is written
+    shape = (m, n) if cfg.group_type == "m" else (cfg.num_local, m, n)
+    return jnp.zeros(shape, cfg.out_dtype)
   if cfg.group_type == "m":
     storage = _storage_dtype(cfg.out_dtype)
     meta = layout.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,

@@ -1,0 +1,146 @@
+"""An independent numpy float64 oracle for gmm, and the tolerances the tests compare with.
+
+Nothing here imports gmm_jax: the oracle walks the groups with plain Python loops over
+group *counts* (the tests encode cumsum/sparse lists themselves), so a shared bug in the
+library's layout code cannot hide in both sides of a comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "relu": lambda x: np.maximum(x, 0.0),
+    "gelu_tanh": lambda x: 0.5 * x * (
+        1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))),
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    "fast_gelu": lambda x: x * _sigmoid(1.702 * x),
+    "silu": lambda x: x * _sigmoid(x),
+}
+
+
+def resolve(activation):
+  """None, a name of ACTIVATIONS, or a numpy callable -> a numpy callable (or None)."""
+  if activation is None or callable(activation):
+    return activation
+  return ACTIVATIONS[activation]
+
+
+def f64(x) -> np.ndarray:
+  """Any array (jax, numpy, bf16/f16/int) -> numpy float64, exactly."""
+  return np.asarray(x).astype(np.float64)
+
+
+def gmm_oracle(lhs, rhs, sizes, group_type, bias=None, activation=None, transpose_lhs=False,
+               transpose_rhs=False, group_offset=0, num_local=None) -> np.ndarray:
+  """float64 gmm, one group at a time.
+
+  Args:
+    lhs: ``[M, K]`` (``[K, M]`` if transpose_lhs).
+    rhs: ``[G_local, K, N]`` for "m", ``[K, N]`` for "k" (last two dims swapped if
+      transpose_rhs).
+    sizes: plain group counts ``[G]`` (global groups).
+    group_type: "m" or "k".
+    bias: ``[G_local, N]`` or None.
+    activation: None, a name of `ACTIVATIONS`, or a numpy callable.
+    group_offset: first global group held locally.
+    num_local: G_local; default ``rhs.shape[0]`` for "m", ``len(sizes)`` for "k".
+
+  Returns:
+    float64 ``[M, N]`` ("m"; rows of non-local groups and rows past the total are exactly 0,
+    with no bias or activation) or ``[G_local, M, N]`` ("k"; a group with no columns, or
+    past the end of the list, gives ``activation(bias)``).
+  """
+  lhs, rhs = f64(lhs), f64(rhs)
+  lhs = lhs.T if transpose_lhs else lhs
+  rhs = np.swapaxes(rhs, -1, -2) if transpose_rhs else rhs
+  sizes = [int(s) for s in np.asarray(sizes).reshape(-1)]
+  act = resolve(activation)
+  bias = None if bias is None else f64(bias)
+  m, k = lhs.shape
+  n = rhs.shape[-1]
+
+  def epilogue(acc, local):
+    if bias is not None:
+      acc = acc + bias[local]
+    return acc if act is None else act(acc)
+
+  if group_type == "m":
+    num_local = rhs.shape[0] if num_local is None else num_local
+    assert sum(sizes) <= m, (sizes, m)
+    out = np.zeros((m, n))
+    start = 0
+    for g, size in enumerate(sizes):
+      local = g - group_offset
+      if 0 <= local < num_local:
+        rows = slice(start, start + size)
+        out[rows] = epilogue(lhs[rows] @ rhs[local], local)
+      start += size
+    return out
+  assert group_type == "k", group_type
+  num_local = len(sizes) if num_local is None else num_local
+  assert sum(sizes) <= k, (sizes, k)
+  starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+  out = np.zeros((num_local, m, n))
+  for local in range(num_local):
+    g = group_offset + local
+    acc = np.zeros((m, n))
+    if g < len(sizes):
+      cols = slice(starts[g], starts[g + 1])
+      acc = lhs[:, cols] @ rhs[cols]
+    out[local] = epilogue(acc, local)
+  return out
+
+
+def local_rows(sizes, dim: int, group_offset: int = 0, num_local: int | None = None):
+  """Boolean ``[dim]``: True on the rows (m) or columns (k) of groups held locally."""
+  sizes = [int(s) for s in np.asarray(sizes).reshape(-1)]
+  num_local = len(sizes) if num_local is None else num_local
+  mask = np.zeros(dim, bool)
+  start = 0
+  for g, size in enumerate(sizes):
+    if 0 <= g - group_offset < num_local:
+      mask[start:start + size] = True
+    start += size
+  return mask
+
+
+_BASE_TOLERANCE = {  # (rtol, atol per sqrt(K)) by the least precise dtype involved
+    "float64": (1e-9, 1e-9),
+    "float32": (1e-5, 1e-5),
+    "float16": (5e-3, 2e-3),
+    "bfloat16": (2e-2, 1e-2),
+}
+
+
+def tolerances(*dtypes, k: int = 1) -> dict[str, float]:
+  """``assert_allclose`` tolerances for a result computed from/into `dtypes`.
+
+  The oracle must see the operands *after* their cast to the low-precision dtype (then
+  upcast to float64), so the budget only covers f32 accumulation, the epilogue and the final
+  rounding of the output: a relative term for the output's own rounding plus an absolute
+  term growing like sqrt(K) for the rounding of K accumulated products. Integer-only results
+  must be exact.
+
+  Args:
+    *dtypes: every dtype involved (operands and output).
+    k: the contraction length.
+  """
+  names = [np.dtype(d).name for d in dtypes]
+  floats = [name for name in names if name in _BASE_TOLERANCE]
+  if not floats:
+    if all(np.issubdtype(np.dtype(d), np.integer) for d in dtypes):
+      return dict(rtol=0.0, atol=0.0)
+    raise ValueError(f"no tolerance for dtypes {names}")
+  rtol, atol = max(_BASE_TOLERANCE[name] for name in floats)
+  return dict(rtol=rtol, atol=atol * math.sqrt(max(k, 1)))
