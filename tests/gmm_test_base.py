@@ -344,6 +344,35 @@ class GmmTestBase:
 
   # ------------------------------------------------------------------------------ dtypes
 
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("transpose_lhs,transpose_rhs", [(False, False), (True, True)])
+  def test_16bit_small_and_large_groups(self, dtype, transpose_lhs, transpose_rhs):
+    # Mean group of 12 rows, groups from 0 to 40 rows: in 16-bit the XLA path computes the
+    # first rows of every group in one batched dot and the rest in its work-item loops.
+    sizes = [0, 40, 3, 16, 17, 1, 0, 10]
+    m, num_local = 96, len(sizes)
+    lhs, rhs, bias = make_operands("m", m=m, num_local=num_local, lhs_dtype=dtype,
+                                   transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs,
+                                   with_bias=True, seed=7)
+    flags = dict(transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs)
+    out = self.gmm(lhs, rhs, np.asarray(sizes, np.int32), bias=bias, activation="gelu_tanh",
+                   **flags)
+    self.check(out, lhs, rhs, sizes, "m", bias=bias, activation="gelu_tanh", **flags)
+
+    def loss(implementation, lhs, rhs, bias):
+      out = gmm_jax.gmm(lhs, rhs, np.asarray(sizes, np.int32), bias=bias, activation="silu",
+                        implementation=implementation, interpret=self.INTERPRET, **flags)
+      return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape)))
+
+    got = jax.grad(functools.partial(loss, self.IMPLEMENTATION), argnums=(0, 1, 2))(
+        lhs, rhs, bias)
+    want = jax.grad(functools.partial(loss, "reference"), argnums=(0, 1, 2))(lhs, rhs, bias)
+    for name, a, b in zip(("lhs", "rhs", "bias"), got, want):
+      a, b = f64(a), f64(b)
+      scale = max(1.0, float(np.abs(b).max()))
+      np.testing.assert_allclose(a, b, rtol=0, atol=0.05 * scale, err_msg=name)
+
+
   @pytest.mark.parametrize("lhs_dtype, rhs_dtype, preferred, out_dtype", [
       pytest.param(jnp.float32, jnp.float32, None, jnp.float32, id="f32"),
       pytest.param(jnp.bfloat16, jnp.bfloat16, None, jnp.bfloat16, id="bf16"),

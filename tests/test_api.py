@@ -514,3 +514,24 @@ def test_python_list_group_list_is_accepted():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   with pytest.raises(ValueError, match="past M=6"):
     gmm_jax.gmm(lhs, rhs, [4, 3])
+
+
+@pytest.mark.parametrize("skip", [1, 8])
+def test_tile_metadata_skip_leaves_the_first_rows_of_each_group(skip):
+  sizes, dim, tile = [0, 3, 20, 8, 9, 0, 1], 48, 4
+  meta = gmm_jax.make_tile_metadata(jnp.asarray(sizes, jnp.int32), dim, tile, align="group",
+                                    skip=skip)
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  want = np.zeros(dim, int)
+  for g in range(len(sizes)):
+    want[min(bounds[g] + skip, bounds[g + 1]):bounds[g + 1]] = 1
+  got = np.zeros(dim, int)
+  for item in range(int(meta.num_items)):
+    start, end = int(meta.item_start[item]), int(meta.item_end[item])
+    group = int(meta.group_ids[item])
+    assert bounds[group] + skip <= start < end <= bounds[group + 1]
+    assert (start - bounds[group] - skip) % tile == 0
+    got[start:end] += 1
+  np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="skip"):
+    gmm_jax.make_tile_metadata(jnp.asarray(sizes, jnp.int32), dim, tile, skip=2)

@@ -257,7 +257,7 @@ def max_work_items(dim_size: int, tile: int, num_local: int, align: str = "tile"
 
 def make_tile_metadata(
     counts: jax.Array, dim_size: int, tile: int, group_offset=0, num_local: int | None = None,
-    align: str = "tile",
+    align: str = "tile", skip: int = 0,
 ) -> TileMetadata:
   """Builds the work items for tiles of `tile` rows over a grouped dimension of `dim_size`.
 
@@ -272,6 +272,8 @@ def make_tile_metadata(
       group is cut into windows of `tile` rows starting at its first row, so only its last
       window is partial; at most ``num_tiles + num_local`` items; for kernels and loops that
       can start a block at any row). ``tile_ids`` is the tile holding an item's first row.
+    skip: with align="group", the first `skip` rows of every group get no item (another
+      pass computed them); groups of at most `skip` rows get none.
 
   Returns:
     A `TileMetadata`.
@@ -280,6 +282,8 @@ def make_tile_metadata(
     raise ValueError(f"tile must be positive, got {tile}")
   if align not in ALIGNMENTS:
     raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+  if skip < 0 or (skip and align != "group"):
+    raise ValueError(f"skip must be >= 0 and needs align='group', got {skip} with {align!r}")
   num_total = counts.shape[0]
   num_local = num_total if num_local is None else num_local
   bounds = bounds_from_counts(counts, dim_size)
@@ -288,6 +292,7 @@ def make_tile_metadata(
     empty = jnp.zeros((max_items,), jnp.int32)
     return TileMetadata(bounds, empty, empty, empty, empty, jnp.int32(0))
   starts, ends = bounds[:-1], bounds[1:]
+  starts = jnp.minimum(starts + skip, ends)
   first, end = local_group_range(group_offset, num_local, num_total)
   group_index = jnp.arange(num_total, dtype=jnp.int32)
   active = (ends > starts) & (group_index >= first) & (group_index < end)

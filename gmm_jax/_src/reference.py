@@ -15,6 +15,10 @@ from gmm_jax._src.epilogue import apply_epilogue
 
 
 def _dot(a, b, cfg, acc_dtype):
+  if jnp.issubdtype(acc_dtype, jnp.floating):
+    # Exact upcast: the same products and f32 sums, and it keeps XLA:CPU off a bf16 dot thunk
+    # that rejects bf16 x bf16 -> f32 for some operand layouts (transposed operands).
+    a, b = a.astype(acc_dtype), b.astype(acc_dtype)
   return jnp.matmul(a, b, precision=cfg.precision, preferred_element_type=acc_dtype)
 
 

@@ -69,11 +69,61 @@ def _for_each_item(meta, classes, body, carry):
   return carry
 
 
+def head_capacity(m: int, num_local: int, tile_m: int, dtype) -> int:
+  """Rows per group that one batched dot computes before the work-item loops (0: none).
+
+  On XLA:CPU a 16-bit float dot inside a while loop costs ~1 ms per weight matrix whatever
+  its rows (the weights are repacked on every call), ~2.5x what one batched dot over all
+  groups pays per group. So for bf16/f16 with small groups (mean rows per group under half a
+  tile), the first `capacity` rows of every local group (capacity = the window class of the
+  mean group size) go through one ``einsum("gck,gkn->gcn")``, and only the rows past it of
+  larger groups go through the loops.
+  """
+  if jnp.dtype(dtype).itemsize != 2 or not jnp.issubdtype(dtype, jnp.floating):
+    return 0
+  if num_local == 0 or m == 0:
+    return 0
+  mean = -(-m // num_local)
+  classes = layout.size_classes(tile_m, m)
+  capacity = next((c for c in classes if c >= mean), classes[-1])
+  return capacity if capacity * 2 <= tile_m else 0
+
+
+def _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, capacity, acc_dtype):
+  """The first `capacity` rows of every local group, by one batched dot; other rows 0."""
+  m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
+  num_total, num_local = counts.shape[0], cfg.num_local
+  bounds = layout.bounds_from_counts(counts, m)
+  first, _ = layout.local_group_range(group_offset, num_local, num_total)
+  group = first + jnp.arange(num_local, dtype=jnp.int32)
+  exists = group < num_total
+  group = jnp.minimum(group, num_total - 1)
+  starts = bounds[group]
+  sizes = jnp.where(exists, bounds[group + 1] - starts, 0)
+  position = jnp.arange(capacity, dtype=jnp.int32)
+  rows = jnp.minimum(starts[:, None] + position[None, :], max(m - 1, 0))  # [L, C]
+  taken = position[None, :] < sizes[:, None]
+  # Gathering rows of an [M, K] array keeps the batched dot on XLA:CPU's bf16 path (a gather
+  # along axis 1 of [K, M] gave an operand layout its bf16 dot thunk rejects).
+  x = jnp.take(lhs.T if cfg.transpose_lhs else lhs, rows, axis=0)  # [L, C, K]
+  x = jnp.where(taken[..., None], x, jnp.zeros((), x.dtype))
+  spec = "lck,lnk->lcn" if cfg.transpose_rhs else "lck,lkn->lcn"
+  acc = jnp.einsum(spec, x, rhs, precision=cfg.precision, preferred_element_type=acc_dtype)
+  y = apply_epilogue(acc, None if bias is None else bias[:, None, :], cfg.activation,
+                     cfg.out_dtype).reshape(num_local * capacity, n)
+  local = layout.row_group_ids(counts, m, group_offset, num_local)
+  offset = jnp.arange(m, dtype=jnp.int32) - starts[jnp.maximum(local, 0)]
+  in_head = (local >= 0) & (offset < capacity)
+  source = jnp.where(in_head, local * capacity + offset, 0)
+  return jnp.where(in_head[:, None], y[source], jnp.zeros((), y.dtype))
+
+
 def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling | None = None):
   """Fast XLA gmm on canonical operands (see `GmmConfig`)."""
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
   tiling = tiling or default_tiling(m, k, n, counts.shape[0])
   acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
+  lhs_in, rhs_in = lhs, rhs
   lhs, lhs_view = _as_bits(lhs)
   rhs, rhs_view = _as_bits(rhs)
   lhs_k_axis = 0 if cfg.transpose_lhs else 1
@@ -84,8 +134,9 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
     return jnp.zeros(shape, cfg.out_dtype)
   if cfg.group_type == "m":
     storage = _storage_dtype(cfg.out_dtype)
+    head = head_capacity(m, cfg.num_local, tiling.tile_m, lhs.dtype)
     meta = layout.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
-                                      ALIGN)
+                                      ALIGN, skip=head)
 
     def body(window, start, end, group, out):
       first = jnp.minimum(start, m - window)
@@ -100,7 +151,11 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
       old = lax.dynamic_slice_in_dim(out, first, window, axis=0)
       return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), first, axis=0)
 
-    out = jnp.zeros((m, n), storage)
+    if head:
+      out = _to_storage(_gmm_m_heads(lhs_in, rhs_in, counts, group_offset, bias, cfg, head,
+                                     acc_dtype), storage)
+    else:
+      out = jnp.zeros((m, n), storage)
     out = _for_each_item(meta, layout.size_classes(tiling.tile_m, m), body, out)
     return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
 
