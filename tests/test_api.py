@@ -535,3 +535,12 @@ def test_tile_metadata_skip_leaves_the_first_rows_of_each_group(skip):
   np.testing.assert_array_equal(got, want)
   with pytest.raises(ValueError, match="skip"):
     gmm_jax.make_tile_metadata(jnp.asarray(sizes, jnp.int32), dim, tile, skip=2)
+
+
+def test_xla_head_capacity_engages_for_small_16bit_groups():
+  # The 16-bit small-group tests of the shared base rely on this pass being active.
+  from gmm_jax._src.xla import head_capacity
+  assert head_capacity(96, 8, 256, jnp.bfloat16) == 16
+  assert head_capacity(2048, 64, 256, jnp.float16) == 32
+  assert head_capacity(2048, 64, 256, jnp.float32) == 0  # f32 loops are not slowed down
+  assert head_capacity(2048, 8, 256, jnp.bfloat16) == 0  # groups of a tile: loops only

@@ -123,9 +123,6 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
   tiling = tiling or default_tiling(m, k, n, counts.shape[0])
   acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
-  lhs_in, rhs_in = lhs, rhs
-  lhs, lhs_view = _as_bits(lhs)
-  rhs, rhs_view = _as_bits(rhs)
   lhs_k_axis = 0 if cfg.transpose_lhs else 1
   rhs_k_axis = 1 if cfg.transpose_rhs else 0  # of one group's [K, N] / [N, K] matrix
 
@@ -138,27 +135,37 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
     meta = layout.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
                                       ALIGN, skip=head)
 
-    def body(window, start, end, group, out):
-      first = jnp.minimum(start, m - window)
-      x = lhs_view(lax.dynamic_slice_in_dim(lhs, first, window, axis=1 - lhs_k_axis))
-      w = rhs_view(lax.dynamic_index_in_dim(rhs, group, 0, keepdims=False))
-      acc = lax.dot_general(x, w, (((lhs_k_axis,), (rhs_k_axis,)), ((), ())),
-                            precision=cfg.precision, preferred_element_type=acc_dtype)
-      group_bias = None if bias is None else lax.dynamic_index_in_dim(bias, group, 0)
-      y = _to_storage(apply_epilogue(acc, group_bias, cfg.activation, cfg.out_dtype), storage)
-      rows = first + lax.iota(jnp.int32, window)
-      keep = ((rows >= start) & (rows < end))[:, None]
-      old = lax.dynamic_slice_in_dim(out, first, window, axis=0)
-      return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), first, axis=0)
+    def run_items(out):
+      lhs_bits, lhs_view = _as_bits(lhs)
+      rhs_bits, rhs_view = _as_bits(rhs)
+
+      def body(window, start, end, group, out):
+        first = jnp.minimum(start, m - window)
+        x = lhs_view(lax.dynamic_slice_in_dim(lhs_bits, first, window, axis=1 - lhs_k_axis))
+        w = rhs_view(lax.dynamic_index_in_dim(rhs_bits, group, 0, keepdims=False))
+        acc = lax.dot_general(x, w, (((lhs_k_axis,), (rhs_k_axis,)), ((), ())),
+                              precision=cfg.precision, preferred_element_type=acc_dtype)
+        group_bias = None if bias is None else lax.dynamic_index_in_dim(bias, group, 0)
+        y = _to_storage(apply_epilogue(acc, group_bias, cfg.activation, cfg.out_dtype), storage)
+        rows = first + lax.iota(jnp.int32, window)
+        keep = ((rows >= start) & (rows < end))[:, None]
+        old = lax.dynamic_slice_in_dim(out, first, window, axis=0)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), first, axis=0)
+
+      return _for_each_item(meta, layout.size_classes(tiling.tile_m, m), body, out)
 
     if head:
-      out = _to_storage(_gmm_m_heads(lhs_in, rhs_in, counts, group_offset, bias, cfg, head,
-                                     acc_dtype), storage)
+      out = _to_storage(
+          _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, head, acc_dtype), storage)
+      # Only when some group is longer than the head do the loops (and the bit-pattern
+      # copies of the operands they need) run; one cond outside the loops copies [M, N] once.
+      out = lax.cond(meta.num_items > 0, run_items, lambda out: out, out)
     else:
-      out = jnp.zeros((m, n), storage)
-    out = _for_each_item(meta, layout.size_classes(tiling.tile_m, m), body, out)
+      out = run_items(jnp.zeros((m, n), storage))
     return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
 
+  lhs, lhs_view = _as_bits(lhs)
+  rhs, rhs_view = _as_bits(rhs)
   meta = layout.make_tile_metadata(counts, k, tiling.tile_k, group_offset, cfg.num_local, ALIGN)
   rhs_row_axis = 1 if cfg.transpose_rhs else 0
 

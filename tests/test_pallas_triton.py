@@ -1,0 +1,179 @@
+"""The Pallas GPU (Triton backend) kernels: the shared suite in interpret mode on CPU, and
+cross-lowering for CUDA of the compiled kernels (Triton's own checks: power-of-2 blocks,
+lowerable primitives), which needs no GPU."""
+
+from __future__ import annotations
+
+import contextlib
+
+import gmm_jax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gmm_jax._src import dispatch
+from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.reference import gmm_reference
+from gmm_jax.pallas.gpu import gmm as triton_gmm
+from jax.experimental.pallas import triton as plgpu
+from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, make_operands
+from oracle import f64, tolerances
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+class TestPallasTriton(GmmTestBase):
+  IMPLEMENTATION = "pallas_triton"
+  INTERPRET = True
+
+
+# ---------------------------------------------------------------- kernels with small tiles
+
+# Default tiles cover the suite's small shapes in one K step and one N tile; 16x16x16
+# tiles make every group span several items, K several steps and N several tiles, with
+# ragged edges everywhere (45, 50 and 40 are not multiples of 16).
+SMALL_TILES = Tiling(tile_m=16, tile_k=16, tile_n=16)
+
+
+@pytest.mark.parametrize("transpose_lhs, transpose_rhs", [(False, False), (True, True)])
+@pytest.mark.parametrize("group_type, sizes, offset", [
+    pytest.param("m", [17, 0, 3, 20], 0, id="m"),
+    pytest.param("m", [17, 0, 3, 20], 1, id="m-offset1"),
+    pytest.param("k", [17, 0, 3, 29], 0, id="k"),
+    pytest.param("k", [17, 0, 3, 29], 2, id="k-offset2"),
+])
+def test_several_tiles_per_group(group_type, sizes, offset, transpose_lhs, transpose_rhs):
+  m, k, n, num_local = 45, 50, 40, 3
+  lhs, rhs, bias = make_operands(group_type, m=m, k=k, n=n, num_local=num_local,
+                                 transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs,
+                                 with_bias=True, seed=31)
+  cfg = GmmConfig(group_type=group_type, num_local=num_local, transpose_lhs=transpose_lhs,
+                  transpose_rhs=transpose_rhs, activation="gelu", out_dtype=np.dtype("float32"),
+                  interpret=True)
+  counts, group_offset = jnp.asarray(sizes, jnp.int32), jnp.int32(offset)
+  got = jax.jit(lambda *a: triton_gmm.gmm_triton(*a, cfg, SMALL_TILES))(
+      lhs, rhs, counts, group_offset, bias)
+  want = jax.jit(lambda *a: gmm_reference(*a, cfg))(lhs, rhs, counts, group_offset, bias)
+  np.testing.assert_allclose(f64(got), f64(want), **tolerances(jnp.float32, k=k))
+
+
+def test_erf_approximation():
+  x = jnp.linspace(-6.0, 6.0, 4001, dtype=jnp.float32)
+  np.testing.assert_allclose(triton_gmm.erf_f32(x), jax.scipy.special.erf(x), rtol=2e-6,
+                             atol=1e-7)
+
+
+def test_non_power_of_2_tiles_are_refused():
+  cfg = GmmConfig(group_type="m", num_local=1, interpret=True)
+  lhs, rhs, _ = make_operands("m", m=8, k=8, n=8, num_local=1)
+  with pytest.raises(NotImplementedError, match="power-of-2"):
+    triton_gmm.gmm_triton(lhs, rhs, jnp.array([8], jnp.int32), jnp.int32(0), None, cfg,
+                          Tiling(tile_m=24, tile_k=16, tile_n=16))
+
+
+# ----------------------------------------------------------------------- lowering for CUDA
+
+
+@pytest.fixture
+def as_if_on_gpu(monkeypatch):
+  """The dispatcher picks by `jax.default_backend()` at trace time: tell it it is a GPU."""
+  monkeypatch.setattr(dispatch, "current_platform", lambda: "gpu")
+
+
+def _gpu_model():
+  """An abstract H100 for jax >= 0.11's Triton lowering, which reads the GPU model
+  (compute capability) from the device, or from the abstract mesh's device when there is no
+  GPU, and otherwise raises. jax 0.10 falls back to compute capability 9.0 by itself."""
+  if not hasattr(plgpu, "get_gpu_info"):
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
+                                       platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                   abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def _lower_for_cuda(fn, *args) -> str:
+  with _gpu_model():  # around the trace too: lowering sees the trace-time context
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _triton_calls(text: str) -> int:
+  """Triton kernel launches in a lowered module (the custom-call target by jaxlib version)."""
+  return text.count("xla.gpu.triton") + text.count("triton_kernel_call_ffi")
+
+
+LOWERING_SHAPES = [  # (M, K, N): powers of 2, and ragged / below-one-tile / prime sizes
+    (64, 32, 64),
+    (45, 50, 40),
+    (7, 5, 3),
+    (300, 129, 257),
+]
+LOWERING_CASES = [  # (lhs dtype, rhs dtype, preferred, transpose_lhs, transpose_rhs, act)
+    (jnp.float32, jnp.float32, None, False, False, "silu"),
+    (jnp.bfloat16, jnp.bfloat16, None, True, False, "gelu"),
+    (jnp.float16, jnp.float16, jnp.float32, False, True, "gelu_tanh"),
+    (jnp.bfloat16, jnp.float32, None, True, True, "relu"),
+    (jnp.int8, jnp.int8, jnp.int32, False, False, None),
+    (jnp.bfloat16, jnp.bfloat16, None, False, False, jax.nn.sigmoid),
+]
+
+
+@pytest.mark.parametrize("case", range(len(LOWERING_CASES)))
+@pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("group_type", ["m", "k"])
+def test_lowers_for_cuda(as_if_on_gpu, group_type, shape, case):
+  lhs_dtype, rhs_dtype, preferred, transpose_lhs, transpose_rhs, activation = (
+      LOWERING_CASES[case])
+  m, k, n = shape
+  num_local = 4
+  lhs, rhs, bias = make_operands(group_type, m=m, k=k, n=n, num_local=num_local,
+                                 lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
+                                 transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs,
+                                 with_bias=True)
+  if jnp.issubdtype(lhs_dtype, jnp.integer):
+    bias = jnp.asarray(bias, jnp.int32)
+
+  def f(lhs, rhs, bias, sizes, offset):
+    return gmm_jax.gmm(lhs, rhs, sizes, group_type=group_type, bias=bias,
+                       activation=activation, transpose_lhs=transpose_lhs,
+                       transpose_rhs=transpose_rhs, preferred_element_type=preferred,
+                       group_offset=offset, implementation="pallas_triton",
+                       num_groups=num_local if group_type == "k" else None)
+
+  sizes = jnp.zeros((num_local + 1,), jnp.int32)  # traced: any routing, one lowering
+  text = _lower_for_cuda(f, lhs, rhs, bias, sizes, jnp.int32(1))
+  assert _triton_calls(text) == 1, "one Triton kernel"
+
+
+@pytest.mark.parametrize("group_type", ["m", "k"])
+def test_gradients_lower_for_cuda(as_if_on_gpu, group_type):
+  # The backward pass is forward gmms in the other grouping modes (and transposed layouts).
+  lhs, rhs, bias = make_operands(group_type, m=45, k=50, n=40, lhs_dtype=jnp.bfloat16,
+                                 with_bias=True)
+
+  def loss(lhs, rhs, bias, sizes):
+    out = gmm_jax.gmm(lhs, rhs, sizes, group_type=group_type, bias=bias, activation="silu",
+                      implementation="pallas_triton")
+    return jnp.sum(out.astype(jnp.float32))
+
+  text = _lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), lhs, rhs, bias,
+                         jnp.asarray(SIZES_WITH_EMPTY, jnp.int32))
+  assert _triton_calls(text) >= 3, (
+      "forward, dlhs and drhs kernels")
+
+
+def test_activation_without_triton_lowering_falls_back(as_if_on_gpu, monkeypatch):
+  # erf has no Triton lowering: a callable that needs it is refused at trace time (so the
+  # platform chain moves on to "xla"), not left to fail when lowering. The GPU chain is
+  # "xla" alone until the kernels have run on a GPU; put them first to test the fallback.
+  from gmm_jax._src import dispatch
+  monkeypatch.setitem(dispatch._CHAINS, "gpu", ("pallas_triton", "xla"))
+  lhs, rhs, _ = make_operands("m")
+  sizes = np.asarray(SIZES_WITH_EMPTY, np.int32)
+  erf_gelu = lambda x: jax.nn.gelu(x, approximate=False)  # noqa: E731
+  with pytest.raises(NotImplementedError, match="erf"):
+    jax.jit(lambda l, r: gmm_jax.gmm(l, r, sizes, activation=erf_gelu,
+                                     implementation="pallas_triton")).trace(lhs, rhs)
+  text = _lower_for_cuda(lambda l, r: gmm_jax.gmm(l, r, sizes, activation=erf_gelu), lhs, rhs)
+  assert _triton_calls(text) == 0  # the platform chain served it with "xla"
