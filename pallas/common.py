@@ -46,3 +46,30 @@ def local_group_bounds(counts: jax.Array, dim_size: int, group_offset,
   starts = jnp.where(held, bounds[index], 0)
   ends = jnp.where(held, bounds[index + 1], 0)
   return starts.astype(jnp.int32), ends.astype(jnp.int32)
+
+
+def unsupported_primitives(fn, rules) -> set[str]:
+  """Primitives of `fn` (traced on an f32 tile) that have no rule in `rules`.
+
+  `rules` is a Pallas backend's lowering table (primitive -> rule). Best effort: a kernel
+  calls this before building a pallas_call so that an activation it cannot lower raises
+  NotImplementedError at trace time (the dispatcher then falls back), instead of failing
+  when lowering.
+  """
+  if fn is None:
+    return set()
+  jaxpr = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct((16, 128), jnp.float32))
+  missing = set()
+
+  def walk(inner):
+    for eqn in inner.eqns:
+      if eqn.primitive not in rules:
+        missing.add(eqn.primitive.name)
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jaxpr.jaxpr)
+  return missing

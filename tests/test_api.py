@@ -4,6 +4,7 @@ oracle (and jax.lax.ragged_dot for the drop-in)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import gmm_jax
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gmm_jax._src import dispatch
 from gmm_test_base import group_sizes
 from jax.experimental import checkify
 from oracle import f64, gmm_oracle, local_rows, tolerances
@@ -86,6 +88,27 @@ def test_ragged_dot_zero_groups_matches_lax():
   sizes = jnp.zeros((0,), jnp.int32)
   want = jax.lax.ragged_dot(lhs, rhs, sizes)
   np.testing.assert_array_equal(gmm_jax.ragged_dot(lhs, rhs, sizes), want)
+
+
+def test_platform_chains():
+  cfg = gmm_jax.GmmConfig(group_type="m", num_local=1)
+  assert dispatch.candidates(cfg, "cpu") == ("xla", "reference")
+  assert dispatch.candidates(cfg, "gpu") == ("pallas_triton", "xla")
+  assert dispatch.candidates(cfg, "tpu") == ("pallas_tpu", "xla")
+  assert dispatch.candidates(cfg.replace(implementation="reference"), "tpu") == ("reference",)
+
+
+def test_tiling_is_passed_to_the_backend(monkeypatch):
+  seen = []
+  original = dispatch._REGISTRY["xla"]
+  monkeypatch.setitem(dispatch._REGISTRY, "xla", dataclasses.replace(
+      original, fn=lambda *args: seen.append(args[-1].tiling) or original.fn(*args)))
+  lhs, rhs = _operands(seed=5)
+  tiling = gmm_jax.Tiling(tile_m=8, tile_k=8, tile_n=8)
+  out = gmm_jax.gmm(lhs, rhs, np.asarray(SIZES, np.int32), implementation="xla", tiling=tiling)
+  np.testing.assert_allclose(out, gmm_oracle(lhs, rhs, SIZES, "m"),
+                             **tolerances(jnp.float32, k=K))
+  assert seen == [tiling]
 
 
 def test_default_implementation_and_registry():
@@ -252,7 +275,7 @@ def tile_problems(draw):
   )
 
 
-def check_tile_metadata(meta, dim, tile, sizes, offset, num_local, align="tile"):
+def check_tile_metadata(meta, dim, tile, sizes, offset, num_local, align="tile", cover=False):
   """The documented properties of the work items of `make_tile_metadata`."""
   bounds = np.asarray(meta.bounds)
   np.testing.assert_array_equal(bounds, np.concatenate([[0], np.cumsum(sizes)]))
@@ -264,8 +287,21 @@ def check_tile_metadata(meta, dim, tile, sizes, offset, num_local, align="tile")
   group_ids, tile_ids = np.asarray(meta.group_ids), np.asarray(meta.tile_ids)
   assert len(starts) >= num_items
   coverage = np.zeros(dim, int)
+  # Items run in local-group order (kernels detect a group's first and last item).
+  assert np.all(np.diff(group_ids[:num_items]) >= 0), group_ids[:num_items]
+  if cover:  # every local group has an item; an empty one exactly one, of zero rows
+    held_sizes = [sizes[offset + g] if offset + g < len(sizes) else 0
+                  for g in range(num_local)]
+    for g in range(num_local):
+      mine = np.flatnonzero(group_ids[:num_items] == g)
+      assert len(mine) >= 1, (g, group_ids[:num_items])
+      if held_sizes[g] == 0:
+        assert len(mine) == 1 and starts[mine[0]] == ends[mine[0]], (g, mine)
+        assert 0 <= tile_ids[mine[0]] < max(1, num_tiles)
   for item in range(num_items):
     start, end = int(starts[item]), int(ends[item])
+    if cover and start == end:
+      continue
     assert 0 <= start < end <= dim, (item, start, end)
     assert tile_ids[item] == start // tile, (item, start, tile_ids[item])
     # Within one local group.
@@ -287,17 +323,29 @@ def check_tile_metadata(meta, dim, tile, sizes, offset, num_local, align="tile")
 
 # Compiled (a few times faster than eager for one-off shapes); the offset is traced.
 _jit_tile_metadata = jax.jit(gmm_jax.make_tile_metadata,
-                             static_argnames=("dim_size", "tile", "num_local", "align"))
+                             static_argnames=("dim_size", "tile", "num_local", "align", "cover"))
 
 
-@pytest.mark.parametrize("align", ["tile", "group"])
+@pytest.mark.parametrize("align, cover", [("tile", False), ("group", False), ("tile", True)])
 @hypothesis.given(problem=tile_problems())
-def test_tile_metadata_properties(align, problem):
+def test_tile_metadata_properties(align, cover, problem):
   meta = _jit_tile_metadata(
       jnp.asarray(problem["sizes"], jnp.int32), dim_size=problem["dim"], tile=problem["tile"],
-      group_offset=jnp.int32(problem["offset"]), num_local=problem["num_local"], align=align)
+      group_offset=jnp.int32(problem["offset"]), num_local=problem["num_local"], align=align,
+      cover=cover)
   check_tile_metadata(meta, problem["dim"], problem["tile"], problem["sizes"],
-                      problem["offset"], problem["num_local"], align)
+                      problem["offset"], problem["num_local"], align, cover)
+
+
+def test_tile_metadata_cover_gives_empty_groups_one_item():
+  # Local groups 1..3 of [4, 0, 6, 0] plus one past the list (offset 1, 4 local groups).
+  meta = gmm_jax.make_tile_metadata(jnp.asarray([4, 0, 6, 0], jnp.int32), 12, 4,
+                                    group_offset=1, num_local=4, cover=True)
+  n = int(meta.num_items)
+  np.testing.assert_array_equal(np.asarray(meta.group_ids)[:n], [0, 1, 1, 2, 3])
+  np.testing.assert_array_equal(np.asarray(meta.item_start)[:n], [4, 4, 8, 10, 12])
+  np.testing.assert_array_equal(np.asarray(meta.item_end)[:n], [4, 8, 10, 10, 12])
+  np.testing.assert_array_equal(np.asarray(meta.tile_ids)[:n], [1, 1, 2, 2, 2])
 
 
 def test_tile_metadata_default_is_tile_aligned():
@@ -409,6 +457,7 @@ _ERRORS = [
      "integer array, got dtype float32"),
     ("no_group_list", _gmm(group_list=None), "needs a group_list"),
     ("implementation", _gmm(implementation="triton"), r"unknown implementation 'triton'.*xla"),
+    ("tiling_type", _gmm(tiling=(128, 128, 128)), r"tiling must be a gmm_jax.Tiling .*\(128, 128"),
     ("group_offset_past_g", _gmm(rhs=_RHS[:2], group_offset=4), r"\[0, 3\], got 4"),
     ("group_offset_negative", _gmm(rhs=_RHS[:2], group_offset=-1), r"\[0, 3\], got -1"),
     ("group_offset_float", _gmm(rhs=_RHS[:2], group_offset=1.5), "integer scalar, got 1.5"),

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmm_jax._src import dispatch, layout
-from gmm_jax._src.config import GmmConfig
+from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.epilogue import resolve_activation
 from gmm_jax._src.layout import GroupedArray
 from gmm_jax._src.vjp import gmm_core
@@ -39,7 +39,7 @@ def _group_offset(group_offset, num_total: int):
 def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
         num_groups=None, bias=None, activation=None, transpose_lhs=False, transpose_rhs=False,
         preferred_element_type=None, precision=None, group_offset=None, implementation=None,
-        interpret=False):
+        interpret=False, tiling=None):
   """Grouped matrix multiplication with a fused bias + activation epilogue.
 
   m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
@@ -75,6 +75,9 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
     implementation: None/"auto" (platform default chain), "xla" or "reference" (and the
       kernels registered by later releases).
     interpret: run Pallas kernels in interpret mode.
+    tiling: a `Tiling` overriding the chosen implementation's tile heuristic for the
+      forward call (the backward's gmms keep the heuristic). A backend that cannot use it
+      (e.g. Triton needs powers of 2) raises NotImplementedError and the chain moves on.
 
   Returns:
     ``[M, N]`` for "m" (a `GroupedArray` with lhs's offsets if lhs was one), ``[G_local, M,
@@ -171,10 +174,13 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
     except TypeError as err:
       raise ValueError(f"bad preferred_element_type {preferred_element_type!r}") from err
 
+  if tiling is not None and not isinstance(tiling, Tiling):
+    raise ValueError(f"tiling must be a gmm_jax.Tiling or None, got {tiling!r}")
   cfg = GmmConfig(
       group_type=group_type, num_local=num_local, transpose_lhs=bool(transpose_lhs),
       transpose_rhs=bool(transpose_rhs), activation=activation, out_dtype=np.dtype(out_dtype),
-      precision=precision, implementation=implementation, interpret=bool(interpret))
+      precision=precision, implementation=implementation, interpret=bool(interpret),
+      tiling=tiling)
   dispatch.candidates(cfg)  # unknown implementation names fail here, with the list
   counts = layout.to_counts(group_list, group_list_type, num_total)
   out = gmm_core(cfg, lhs, rhs, counts, offset, bias)

@@ -27,6 +27,7 @@ class GmmConfig:
     precision: passed to the dots.
     implementation: a registered name, or None for the platform's chain.
     interpret: run Pallas kernels in interpret mode.
+    tiling: a `Tiling` that overrides the backend's heuristic, or None.
   """
 
   group_type: str
@@ -38,6 +39,7 @@ class GmmConfig:
   precision: Any = None
   implementation: str | None = None
   interpret: bool = False
+  tiling: Any = None
 
   def replace(self, **changes) -> "GmmConfig":
     return dataclasses.replace(self, **changes)

@@ -246,10 +246,12 @@ class TileMetadata(NamedTuple):
 ALIGNMENTS = ("tile", "group")
 
 
-def max_work_items(dim_size: int, tile: int, num_local: int, align: str = "tile") -> int:
+def max_work_items(dim_size: int, tile: int, num_local: int, align: str = "tile",
+                   cover: bool = False) -> int:
   """Static bound on the number of work items (the length of the metadata arrays)."""
   num_tiles = max(1, math.ceil(dim_size / tile))
-  groups = max(1, min(num_local, dim_size))
+  # With `cover`, every local group has an item, even an empty one.
+  groups = max(1, num_local if cover else min(num_local, dim_size))
   # Tile-aligned: consecutive groups share at most one tile. Group-aligned: each group adds
   # at most one partial window.
   return num_tiles + groups - 1 if align == "tile" else num_tiles + groups
@@ -257,7 +259,7 @@ def max_work_items(dim_size: int, tile: int, num_local: int, align: str = "tile"
 
 def make_tile_metadata(
     counts: jax.Array, dim_size: int, tile: int, group_offset=0, num_local: int | None = None,
-    align: str = "tile", skip: int = 0,
+    align: str = "tile", skip: int = 0, cover: bool = False,
 ) -> TileMetadata:
   """Builds the work items for tiles of `tile` rows over a grouped dimension of `dim_size`.
 
@@ -274,6 +276,11 @@ def make_tile_metadata(
       can start a block at any row). ``tile_ids`` is the tile holding an item's first row.
     skip: with align="group", the first `skip` rows of every group get no item (another
       pass computed them); groups of at most `skip` rows get none.
+    cover: every local group gets at least one item: an empty one (or one not in the list,
+      past G) gets a single zero-row item at its start (``item_start == item_end``, tile
+      clamped into range). For kernels that must write every group's output once (the
+      k-grouped ``activation(bias)`` of an empty group). Items stay in group order and
+      within the same bound.
 
   Returns:
     A `TileMetadata`.
@@ -287,40 +294,50 @@ def make_tile_metadata(
   num_total = counts.shape[0]
   num_local = num_total if num_local is None else num_local
   bounds = bounds_from_counts(counts, dim_size)
-  max_items = max_work_items(dim_size, tile, num_local, align)
-  if num_total == 0 or num_local == 0:  # no group, no work
+  max_items = max_work_items(dim_size, tile, num_local, align, cover)
+  if num_local == 0 or (num_total == 0 and not cover):  # no group, no work
     empty = jnp.zeros((max_items,), jnp.int32)
     return TileMetadata(bounds, empty, empty, empty, empty, jnp.int32(0))
-  starts, ends = bounds[:-1], bounds[1:]
-  starts = jnp.minimum(starts + skip, ends)
+  # Everything below is per local group g (global group first + g).
   first, end = local_group_range(group_offset, num_local, num_total)
-  group_index = jnp.arange(num_total, dtype=jnp.int32)
-  active = (ends > starts) & (group_index >= first) & (group_index < end)
-  if align == "tile":
-    first_tile = starts // tile
-    tiles_per_group = jnp.where(active, (ends - 1) // tile - first_tile + 1, 0)
+  global_ids = first + jnp.arange(num_local, dtype=jnp.int32)
+  held = global_ids < end
+  index = jnp.minimum(global_ids, max(num_total - 1, 0))
+  if num_total:
+    starts = jnp.where(held, bounds[index], dim_size)
+    ends = jnp.where(held, bounds[index + 1], dim_size)
   else:
-    tiles_per_group = jnp.where(active, (ends - starts + tile - 1) // tile, 0)
+    starts = ends = jnp.full((num_local,), dim_size, jnp.int32)
+  starts = jnp.minimum(starts + skip, ends)
+  active = ends > starts
+  num_tiles = max(1, math.ceil(dim_size / tile))
+  if align == "tile":
+    first_tile = jnp.minimum(starts // tile, num_tiles - 1)
+    spans = (ends - 1) // tile - first_tile + 1
+  else:
+    spans = (ends - starts + tile - 1) // tile
+  tiles_per_group = jnp.where(active, spans, 1 if cover else 0)
   items_end = jnp.cumsum(tiles_per_group)
   num_items = items_end[-1]
 
   item = jnp.arange(max_items, dtype=jnp.int32)
   group = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
-  group = jnp.minimum(group, num_total - 1)
+  group = jnp.minimum(group, num_local - 1)
   index_in_group = item - (items_end[group] - tiles_per_group[group])
   valid = item < num_items
   if align == "tile":
     tile_ids = first_tile[group] + index_in_group
     item_start = jnp.maximum(tile_ids * tile, starts[group])
     item_end = jnp.minimum((tile_ids + 1) * tile, ends[group])
+    item_end = jnp.maximum(item_end, item_start)  # a covering item of an empty group
   else:
     item_start = starts[group] + index_in_group * tile
     item_end = jnp.minimum(item_start + tile, ends[group])
-    tile_ids = item_start // tile
+    tile_ids = jnp.minimum(item_start // tile, num_tiles - 1)
   item_start = jnp.where(valid, item_start, 0)
   item_end = jnp.where(valid, item_end, 0)
   tile_ids = jnp.where(valid, tile_ids, 0)
-  group_ids = jnp.clip(group - first, 0, num_local - 1)
+  group_ids = group
   return TileMetadata(bounds, group_ids, tile_ids, item_start, item_end, num_items)
 
 

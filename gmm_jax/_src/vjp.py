@@ -77,7 +77,9 @@ def _bwd(cfg, residuals, dy):
     dz = activation_vjp(dy.astype(z.dtype))[0]
   else:
     dz = dy
-  plain = cfg.replace(activation=None)
+  # A user's tiling was chosen for the forward's shapes; the backward's gmms (other
+  # grouping types, swapped K and N) use each backend's heuristic.
+  plain = cfg.replace(activation=None, tiling=None)
 
   def forward(group_type, a, b, out_dtype, transpose_a, transpose_b):
     call_cfg = plain.replace(group_type=group_type, transpose_lhs=transpose_a,

@@ -121,7 +121,7 @@ def _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, capacity, acc_dtype)
 def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling | None = None):
   """Fast XLA gmm on canonical operands (see `GmmConfig`)."""
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
-  tiling = tiling or default_tiling(m, k, n, counts.shape[0])
+  tiling = tiling or cfg.tiling or default_tiling(m, k, n, counts.shape[0])
   acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
   lhs_k_axis = 0 if cfg.transpose_lhs else 1
   rhs_k_axis = 1 if cfg.transpose_rhs else 0  # of one group's [K, N] / [N, K] matrix

@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 from gmm_jax._src import layout
 from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_dims
 from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
+from gmm_jax.pallas import common
 from gmm_jax.pallas.common import edge_mask, local_group_bounds, power_of_2_tile
 
 ALIGN = "group"  # work items may start at any row: loads are masked, not Blocked
@@ -103,29 +104,13 @@ def unsupported_primitives(activation) -> set[str]:
 
   Best effort: empty when the lowering table (a private jax module) cannot be read.
   """
-  activation = resolve_activation(kernel_activation(activation))
-  if activation is None:
-    return set()
   try:
     from jax._src.pallas.triton import lowering as triton_lowering
     rules = triton_lowering.triton_lowering_rules
   except (ImportError, AttributeError):
     return set()
-  jaxpr = jax.make_jaxpr(activation)(jax.ShapeDtypeStruct((16, 16), jnp.float32))
-  missing = set()
-
-  def walk(inner):
-    for eqn in inner.eqns:
-      if eqn.primitive not in rules:
-        missing.add(eqn.primitive.name)
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
-          if hasattr(sub, "eqns"):
-            walk(sub)
-
-  walk(jaxpr.jaxpr)
-  return missing
+  return common.unsupported_primitives(
+      resolve_activation(kernel_activation(activation)), rules)
 
 
 # ----------------------------------------------------------------------------- tiles
@@ -241,7 +226,7 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     group_offset: int32 scalar, the first global group held locally.
     bias: None or ``[num_local, N]``.
     cfg: the static options.
-    tiling: power-of-2 tiles (each >= 16); default `default_tiling`.
+    tiling: power-of-2 tiles (each >= 16); default ``cfg.tiling``, else `default_tiling`.
 
   Returns:
     ``[M, N]`` (m-grouping) or ``[num_local, M, N]`` (k-grouping) of ``cfg.out_dtype``.
@@ -253,7 +238,7 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
   dot_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
   acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
-  tiling = tiling or default_tiling(m, k, n, cfg, jnp.dtype(dot_dtype).itemsize)
+  tiling = tiling or cfg.tiling or default_tiling(m, k, n, cfg, jnp.dtype(dot_dtype).itemsize)
   for name in ("tile_m", "tile_k", "tile_n"):
     value = getattr(tiling, name)
     if value < SMALLEST_TILE or value & (value - 1):
