@@ -27,6 +27,12 @@ class TestPallasTriton(GmmTestBase):
   INTERPRET = True
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="compiled Triton kernels need a GPU")
+class TestPallasTritonCompiled(GmmTestBase):
+  IMPLEMENTATION = "pallas_triton"
+  INTERPRET = False
+
+
 # ---------------------------------------------------------------- kernels with small tiles
 
 # Default tiles cover the suite's small shapes in one K step and one N tile; 16x16x16
@@ -165,10 +171,9 @@ def test_gradients_lower_for_cuda(as_if_on_gpu, group_type):
 
 def test_activation_without_triton_lowering_falls_back(as_if_on_gpu, monkeypatch):
   # erf has no Triton lowering: a callable that needs it is refused at trace time (so the
-  # platform chain moves on to "xla"), not left to fail when lowering. The GPU chain is
-  # "xla" alone until the kernels have run on a GPU; put them first to test the fallback.
-  from gmm_jax._src import dispatch
-  monkeypatch.setitem(dispatch._CHAINS, "gpu", ("pallas_triton", "xla"))
+  # platform chain moves on to "xla"), not left to fail when lowering.
+  assert dispatch.candidates(GmmConfig(group_type="m", num_local=1), "gpu") == (
+      "pallas_triton", "xla")
   lhs, rhs, _ = make_operands("m")
   sizes = np.asarray(SIZES_WITH_EMPTY, np.int32)
   erf_gelu = lambda x: jax.nn.gelu(x, approximate=False)  # noqa: E731

@@ -36,10 +36,7 @@ _REGISTRY: dict[str, Backend] = {}
 # Preference order per platform; names that are not registered are skipped.
 _CHAINS: dict[str, tuple[str, ...]] = {
     "cpu": ("xla", "reference"),
-    # The Triton kernels pass every test in interpret mode and lower for CUDA, but have not
-    # yet run compiled on a GPU: until they have, "auto" keeps to xla there and
-    # implementation="pallas_triton" opts in.
-    "gpu": ("xla",),
+    "gpu": ("pallas_triton", "xla"),
     "tpu": ("pallas_tpu", "xla"),
 }
 
@@ -109,6 +106,12 @@ def _register_builtin() -> None:
 
   register(Backend("reference", gmm_reference, platforms=("cpu", "gpu", "tpu")))
   register(Backend("xla", lambda *args: gmm_xla(*args), platforms=("cpu", "gpu", "tpu")))
+  try:
+    from gmm_jax.pallas.tpu import gmm_tpu
+  except ImportError:  # a jax without Pallas TPU: the TPU chain falls through to xla
+    pass
+  else:
+    register(Backend("pallas_tpu", lambda *args: gmm_tpu(*args), platforms=("tpu",)))
   try:
     from gmm_jax.pallas.gpu import gmm_triton
   except ImportError:  # a jax without Pallas Triton: the GPU chain falls through to xla
