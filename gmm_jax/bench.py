@@ -1,7 +1,13 @@
 """Side-by-side benchmark of gmm against jax.lax.ragged_dot, a dense matmul and a batched matmul.
 
-    python -m gmm_jax.bench                      # the full table of BENCHMARKS.md
+    python -m gmm_jax.bench                      # the full CPU table of BENCHMARKS.md
     python -m gmm_jax.bench --m 2048 --kn 1024 --groups 8 64 --dtypes float32
+    python -m gmm_jax.bench --platform gpu       # the GPU table: MoE shapes, TFLOP/s
+
+GPU mode (``--platform gpu``) times, for bf16 MoE shapes, gmm with the Pallas Triton
+kernels, jax.lax.ragged_dot, a dense matmul of the same FLOPs (the roofline proxy) and
+tokamax's ragged_dot when tokamax is importable, and prints TFLOP/s and ratios. With
+``--interpret`` it runs the kernels in interpret mode (a CPU check of the script itself).
 
 Every row times, in one process and interleaved, for the same M, K, N, G and dtype:
   gmm      gmm(implementation=...) (default "xla")
@@ -74,6 +80,7 @@ class Row:
   mode: str
   seconds: dict[str, float | None]
   temp: dict[str, int | None]
+  error: float | None = None  # gpu table: max |gmm - ragged_dot| / max |ragged_dot|
 
   def ratio(self, name: str, base: str) -> float | None:
     a, b = self.seconds.get(name), self.seconds.get(base)
@@ -146,6 +153,93 @@ def run_case(dtype, m, kn, num_groups, distribution, modes=("fwd", "fwd+bwd"),
   return out
 
 
+# ------------------------------------------------------------------------------- GPU table
+
+
+def _tokamax_ragged_dot():
+  try:
+    import tokamax
+  except ImportError:
+    return None
+  return getattr(tokamax, "ragged_dot", None)
+
+
+def _gpu_candidates(dtype, implementation, interpret):
+  acc = jnp.float32
+
+  def ours(x, w, gs):
+    return gmm(x, w, gs, implementation=implementation, interpret=interpret)
+
+  def ragged(x, w, gs):
+    return jax.lax.ragged_dot(x, w, gs, preferred_element_type=acc).astype(dtype)
+
+  def dense(x, w, gs):
+    del gs
+    return jnp.matmul(x, w[0], preferred_element_type=acc).astype(dtype)
+
+  fns = {"gmm": ours, "ragged": ragged, "dense": dense}
+  tokamax_ragged_dot = _tokamax_ragged_dot()
+  if tokamax_ragged_dot is not None:
+    fns["tokamax"] = lambda x, w, gs: tokamax_ragged_dot(
+        x, w, gs, preferred_element_type=acc).astype(dtype)
+  return fns
+
+
+def run_gpu_case(dtype, m, kn, num_groups, distribution, modes=("fwd", "fwd+bwd"),
+                 implementation="pallas_triton", repeats=10, interpret=False, seed=0):
+  """Times one MoE shape on the default device; returns a Row per mode (ragged/tokamax
+  included; a candidate that fails to compile or run is recorded as None)."""
+  rng = np.random.default_rng(seed)
+  k = n = kn
+  lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
+  rhs = jnp.asarray(rng.standard_normal((num_groups, k, n), np.float32) / np.sqrt(k), dtype)
+  sizes = jnp.asarray(group_sizes(m, num_groups, distribution, seed))
+  cot = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.float32)
+  fns = _gpu_candidates(dtype, implementation, interpret)
+  # Correctness on the same operands: gmm against ragged_dot (both f32-accumulated), relative
+  # to the largest |ragged_dot| entry.
+  want = jax.jit(fns["ragged"])(lhs, rhs, sizes).astype(jnp.float32)
+  got = jax.jit(fns["gmm"])(lhs, rhs, sizes).astype(jnp.float32)
+  error = float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
+  out = []
+  for mode in modes:
+    seconds = {}
+    for name, fn in fns.items():
+      if mode == "fwd":
+        compiled, args = jax.jit(fn), (lhs, rhs, sizes)
+      else:
+        compiled, args = jax.jit(_fwd_bwd(fn)), (lhs, rhs, sizes, cot)
+      try:
+        seconds[name] = time_fn(compiled, args, repeats)
+      except Exception as err:  # noqa: BLE001 - report and go on with the others
+        print(f"# {name} {mode} M={m} K=N={kn} G={num_groups} {distribution} failed: "
+              f"{type(err).__name__}: {str(err)[:300]}", flush=True)
+        seconds[name] = None
+    out.append(Row(jnp.dtype(dtype).name, m, kn, num_groups, distribution, mode, seconds, {},
+                   error))
+  return out
+
+
+def gpu_header() -> str:
+  return ("| dtype | tokens | K=N | G | sizes | mode | gmm ms | gmm TFLOP/s | dense TFLOP/s | "
+          "gmm % of dense | ragged TFLOP/s | gmm speed-up vs ragged | tokamax TFLOP/s | "
+          "rel. error vs ragged |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def format_gpu_row(row: Row) -> str:
+  flops = 2.0 * row.m * row.kn * row.kn * (3 if row.mode == "fwd+bwd" else 1)
+  tflops = lambda name: (None if row.seconds.get(name) is None
+                         else flops / row.seconds[name] / 1e12)
+  dense_ratio = row.ratio("dense", "gmm")  # gmm TFLOP/s / dense TFLOP/s
+  return (f"| {row.dtype} | {row.m} | {row.kn} | {row.groups} | {row.distribution} | "
+          f"{row.mode} | {_fmt(row.seconds['gmm'] and row.seconds['gmm'] * 1e3, '.2f')} | "
+          f"{_fmt(tflops('gmm'), '.0f')} | {_fmt(tflops('dense'), '.0f')} | "
+          f"{_fmt(dense_ratio and dense_ratio * 100, '.0f')} | {_fmt(tflops('ragged'), '.0f')} | "
+          f"{_fmt(row.ratio('ragged', 'gmm'), '.2f')} | {_fmt(tflops('tokamax'), '.0f')} | "
+          f"{_fmt(row.error, '.1e')} |")
+
+
 def _fmt(value, spec):
   return "-" if value is None else format(value, spec)
 
@@ -166,20 +260,37 @@ def format_row(row: Row) -> str:
           f"{_fmt(mb(row.temp['ragged']), '.1f')} |")
 
 
+PLATFORM_DEFAULTS = {
+    "cpu": dict(dtypes=["float32", "bfloat16"], m=[2048, 8192], kn=[1024, 2048],
+                groups=[1, 8, 64, 256], implementation="xla", repeats=5),
+    "gpu": dict(dtypes=["bfloat16"], m=[8192, 32768, 65536], kn=[2048, 4096, 7168],
+                groups=[8, 32, 128], implementation="pallas_triton", repeats=10),
+}
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-  parser.add_argument("--m", nargs="+", type=int, default=[2048, 8192])
-  parser.add_argument("--kn", nargs="+", type=int, default=[1024, 2048])
-  parser.add_argument("--groups", nargs="+", type=int, default=[1, 8, 64, 256])
+  parser.add_argument("--platform", choices=sorted(PLATFORM_DEFAULTS), default="cpu",
+                      help="which table: cpu (vs batched/dense/ragged, temp memory) or gpu "
+                      "(MoE shapes, TFLOP/s vs dense/ragged/tokamax); sets the defaults below")
+  parser.add_argument("--dtypes", nargs="+")
+  parser.add_argument("--m", nargs="+", type=int, help="rows (tokens)")
+  parser.add_argument("--kn", nargs="+", type=int)
+  parser.add_argument("--groups", nargs="+", type=int)
   parser.add_argument("--sizes", nargs="+", default=["balanced", "skewed"])
   parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"])
-  parser.add_argument("--implementation", default="xla")
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--implementation")
+  parser.add_argument("--repeats", type=int)
+  parser.add_argument("--interpret", action="store_true",
+                      help="run Pallas kernels in interpret mode (gpu table on a CPU)")
   args = parser.parse_args(argv)
+  for name, value in PLATFORM_DEFAULTS[args.platform].items():
+    if getattr(args, name) is None:
+      setattr(args, name, value)
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
         f"{jax.devices()[0].device_kind}; times are the minimum of {args.repeats} runs")
-  print(header(), flush=True)
+  gpu = args.platform == "gpu"
+  print(gpu_header() if gpu else header(), flush=True)
   for dtype in args.dtypes:
     for m in args.m:
       for kn in args.kn:
@@ -187,9 +298,15 @@ def main(argv=None):
           for distribution in args.sizes:
             if num_groups == 1 and distribution == "skewed":
               continue
-            for row in run_case(jnp.dtype(dtype), m, kn, num_groups, distribution, args.modes,
-                                args.implementation, args.repeats):
-              print(format_row(row), flush=True)
+            if gpu:
+              rows = run_gpu_case(jnp.dtype(dtype), m, kn, num_groups, distribution,
+                                  args.modes, args.implementation, args.repeats,
+                                  args.interpret)
+            else:
+              rows = run_case(jnp.dtype(dtype), m, kn, num_groups, distribution, args.modes,
+                              args.implementation, args.repeats)
+            for row in rows:
+              print(format_gpu_row(row) if gpu else format_row(row), flush=True)
 
 
 if __name__ == "__main__":
