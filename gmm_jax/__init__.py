@@ -15,5 +15,9 @@ from gmm_jax._src.layout import TileMetadata as TileMetadata
 from gmm_jax._src.layout import check_group_list as check_group_list
 from gmm_jax._src.layout import grouped_desc as grouped_desc
 from gmm_jax._src.layout import make_tile_metadata as make_tile_metadata
+from gmm_jax._src.quant import QArray as QArray
+from gmm_jax._src.quant import QuantSpec as QuantSpec
+from gmm_jax._src.quant import dequantize as dequantize
+from gmm_jax._src.quant import quantize as quantize
 
 __version__ = "0.1.0"

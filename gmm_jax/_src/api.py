@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import dispatch, layout
+from gmm_jax._src import dispatch, layout, quant
 from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.epilogue import resolve_activation
 from gmm_jax._src.layout import GroupedArray
@@ -36,10 +36,31 @@ def _group_offset(group_offset, num_total: int):
   return group_offset.reshape(()).astype(jnp.int32)
 
 
+def _describe(x) -> str:
+  return repr(x) if isinstance(x, quant.QArray) else str(jax.typeof(x))
+
+
+def _per_group_vector(value, name: str, num_local: int, n: int):
+  """None, or `value` (scalar, [N], [G_local, 1] or [G_local, N]) as f32 [G_local, N]."""
+  if value is None:
+    return None
+  value = jnp.asarray(value)
+  if not jnp.issubdtype(value.dtype, jnp.floating):
+    raise ValueError(f"{name} must be floating, got {value.dtype}")
+  allowed = {(), (1,), (n,), (1, n), (num_local, 1), (num_local, n), (1, 1)}
+  if value.shape not in allowed:
+    raise ValueError(
+        f"{name} must be a scalar, [N]={[n]}, [G_local, 1]={[num_local, 1]} or [G_local, N]="
+        f"{[num_local, n]}, got {list(value.shape)}")
+  value = value.reshape((1, -1)) if value.ndim < 2 else value
+  return jnp.broadcast_to(value.astype(jnp.float32), (num_local, n))
+
+
 def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
         num_groups=None, bias=None, activation=None, transpose_lhs=False, transpose_rhs=False,
         preferred_element_type=None, precision=None, group_offset=None, implementation=None,
-        interpret=False, tiling=None):
+        interpret=False, tiling=None, output_scale=None, output_offset=None,
+        quantize_lhs=None, quantize_rhs=None, straight_through=True):
   """Grouped matrix multiplication with a fused bias + activation epilogue.
 
   m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
@@ -78,6 +99,21 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
     tiling: a `Tiling` overriding the chosen implementation's tile heuristic for the
       forward call (the backward's gmms keep the heuristic). A backend that cannot use it
       (e.g. Triton needs powers of 2) raises NotImplementedError and the chain moves on.
+    output_scale, output_offset: quantized operands only: ``y * output_scale +
+      output_offset`` after the activation, before the cast (requantization when the output
+      dtype is an integer: rounded to nearest even and saturated). Scalar, ``[N]``,
+      ``[G_local, 1]`` or ``[G_local, N]``.
+    quantize_lhs, quantize_rhs: `QuantSpec`s: gmm quantizes the float operand itself
+      (dynamic quantization, e.g. per-token int8 activations) and runs the quantized mode.
+    straight_through: with quantize_lhs/quantize_rhs, gradients w.r.t. the float operands
+      are the float gmm's gradients at the dequantized operands (the straight-through
+      estimator); False gives them no gradient.
+
+  Quantized operands (a `QArray`, or a qwix QArray) select a mode: float lhs x QArray rhs is
+  weight-only (``x @ dequantize(W)``); QArray x QArray multiplies the quantized values
+  exactly (int32 accumulation for integers) and applies both scales, per K block when a
+  scale varies along K (MX, G-B, per-group). An int32 bias is added in the accumulator
+  (before the scales); a float bias after them. See `gmm_jax.quantize`.
 
   Returns:
     ``[M, N]`` for "m" (a `GroupedArray` with lhs's offsets if lhs was one), ``[G_local, M,
@@ -108,18 +144,34 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
   if group_list is None:
     raise ValueError("gmm needs a group_list (or a GroupedArray lhs)")
 
-  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
-  _check_operand_dtype(lhs, "lhs")
-  _check_operand_dtype(rhs, "rhs")
-  if jnp.issubdtype(lhs.dtype, jnp.integer) != jnp.issubdtype(rhs.dtype, jnp.integer):
-    raise NotImplementedError(
-        f"mixed integer and floating operands ({lhs.dtype} x {rhs.dtype}) are quantized "
-        "modes; supported here: both floating or both integer")
+  lhs_q, rhs_q = quant.as_qarray(lhs), quant.as_qarray(rhs)
+  lhs = lhs_q if lhs_q is not None else jnp.asarray(lhs)
+  rhs = rhs_q if rhs_q is not None else jnp.asarray(rhs)
+  for spec, operand, name in ((quantize_lhs, lhs, "lhs"), (quantize_rhs, rhs, "rhs")):
+    if spec is None:
+      continue
+    if not isinstance(spec, quant.QuantSpec):
+      raise ValueError(f"quantize_{name} must be a gmm_jax.QuantSpec or None, got {spec!r}")
+    if isinstance(operand, quant.QArray) or not jnp.issubdtype(operand.dtype, jnp.floating):
+      raise ValueError(f"quantize_{name} needs a float {name}, got {_describe(operand)}")
+  quantized = (lhs_q is not None or rhs_q is not None or quantize_lhs is not None
+               or quantize_rhs is not None)
+  if not quantized:
+    _check_operand_dtype(lhs, "lhs")
+    _check_operand_dtype(rhs, "rhs")
+    if jnp.issubdtype(lhs.dtype, jnp.integer) != jnp.issubdtype(rhs.dtype, jnp.integer):
+      raise NotImplementedError(
+          f"mixed integer and floating operands ({lhs.dtype} x {rhs.dtype}): pass the "
+          "integer side as a gmm_jax.QArray (its scale says what the integers mean); "
+          "plain arrays must be both floating or both integer")
+  elif lhs_q is None and not jnp.issubdtype(lhs.dtype, jnp.floating):
+    raise ValueError(f"with a quantized rhs, lhs must be a float array or a QArray, got "
+                     f"{_describe(lhs)}")
   rhs_rank = 3 if group_type == "m" else 2
   if lhs.ndim != 2 or rhs.ndim != rhs_rank:
     raise ValueError(
         f"group_type={group_type!r} needs a 2-D lhs and a {rhs_rank}-D rhs, got lhs "
-        f"{jax.typeof(lhs)} and rhs {jax.typeof(rhs)}")
+        f"{_describe(lhs)} and rhs {_describe(rhs)}")
   m, k = (lhs.shape[1], lhs.shape[0]) if transpose_lhs else lhs.shape
   rhs_k, n = (rhs.shape[-1], rhs.shape[-2]) if transpose_rhs else rhs.shape[-2:]
   if rhs_k != k:
@@ -165,9 +217,18 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
     _check_operand_dtype(bias, "bias")
     if bias.shape != (num_local, n):
       raise ValueError(f"bias must have shape [G_local, N] = {(num_local, n)}, got {bias.shape}")
+  output_scale = _per_group_vector(output_scale, "output_scale", num_local, n)
+  output_offset = _per_group_vector(output_offset, "output_offset", num_local, n)
+  if not quantized and (output_scale is not None or output_offset is not None):
+    raise NotImplementedError(
+        "output_scale/output_offset (requantization) apply to quantized operands (QArray or "
+        "quantize_lhs/quantize_rhs); for float operands scale the result")
   resolve_activation(activation)
   if preferred_element_type is None:
-    out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    if quantized:  # weight-only keeps the activations' dtype; others give f32
+      out_dtype = lhs.dtype if (lhs_q is None and quantize_lhs is None) else jnp.float32
+    else:
+      out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
   else:
     try:
       out_dtype = jnp.dtype(preferred_element_type)
@@ -183,7 +244,14 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
       tiling=tiling)
   dispatch.candidates(cfg)  # unknown implementation names fail here, with the list
   counts = layout.to_counts(group_list, group_list_type, num_total)
-  out = gmm_core(cfg, lhs, rhs, counts, offset, bias)
+  if quantize_lhs is not None or quantize_rhs is not None:
+    out = quant.dynamic_gmm(lhs, rhs, counts, offset, bias, cfg, quantize_lhs, quantize_rhs,
+                            bool(straight_through), output_scale, output_offset)
+  elif quantized:
+    out = quant.gmm_quantized(lhs, rhs, counts, offset, bias, cfg, output_scale,
+                              output_offset)
+  else:
+    out = gmm_core(cfg, lhs, rhs, counts, offset, bias)
   return out if out_offsets is None else GroupedArray(out, out_offsets, 0)
 
 
