@@ -83,9 +83,26 @@ def candidates(cfg: GmmConfig, platform: str | None = None) -> tuple[str, ...]:
   return tuple(name for name in chain if name in _REGISTRY)
 
 
-def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, quant_mode: str = "none"):
-  """Runs the first implementation that serves this call."""
-  platform = current_platform()
+def serves(cfg: GmmConfig, quant_mode: str, platform: str | None = None) -> bool:
+  """Whether some implementation the call would try declares support for `quant_mode`."""
+  platform = platform or current_platform()
+  for name in candidates(cfg, platform):
+    try:
+      _check_support(_REGISTRY[name], cfg, quant_mode, platform)
+      return True
+    except NotImplementedError:
+      pass
+  return False
+
+
+def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, quant_mode: str | None = None,
+        platform: str | None = None):
+  """Runs the first implementation that serves this call (lhs/rhs may be QArrays; the
+  quantization mode then follows from them)."""
+  if quant_mode is None:
+    from gmm_jax._src import quant
+    quant_mode = quant.quant_mode(lhs, rhs, cfg)
+  platform = platform or current_platform()
   reasons = []
   for name in candidates(cfg, platform):
     backend = _REGISTRY[name]
@@ -111,13 +128,15 @@ def _register_builtin() -> None:
   except ImportError:  # a jax without Pallas TPU: the TPU chain falls through to xla
     pass
   else:
-    register(Backend("pallas_tpu", lambda *args: gmm_tpu(*args), platforms=("tpu",)))
+    register(Backend("pallas_tpu", lambda *args: gmm_tpu(*args), platforms=("tpu",),
+                     quant_modes=("none", "weight_only", "scaled")))
   try:
     from gmm_jax.pallas.gpu import gmm_triton
   except ImportError:  # a jax without Pallas Triton: the GPU chain falls through to xla
     pass
   else:
-    register(Backend("pallas_triton", lambda *args: gmm_triton(*args), platforms=("gpu",)))
+    register(Backend("pallas_triton", lambda *args: gmm_triton(*args), platforms=("gpu",),
+                     quant_modes=("none", "weight_only", "scaled")))
 
 
 _register_builtin()

@@ -383,6 +383,7 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg, output_scale=None,
   Args:
     output_scale, output_offset: None or f32 ``[L, N]`` (already broadcast).
   """
+  from gmm_jax._src import dispatch
   from gmm_jax._src.vjp import gmm_core
   mode = quant_mode(lhs, rhs, cfg)
   m = lhs.shape[1] if cfg.transpose_lhs else lhs.shape[0]
@@ -390,6 +391,19 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg, output_scale=None,
   f32 = np.dtype(jnp.float32)
   int_bias = bias is not None and _is_int(bias.dtype)
   requant = output_scale is not None or output_offset is not None
+
+  if not int_bias and dispatch.serves(cfg, mode):
+    # A kernel that dequantizes in-kernel (the Pallas backends) serves this mode: hand it
+    # the QArrays. It may still refuse a layout (NotImplementedError): then compose below.
+    direct = not requant and not _is_int(cfg.out_dtype)
+    kernel_cfg = cfg if direct else cfg.replace(activation=None, out_dtype=f32)
+    try:
+      out = gmm_core(kernel_cfg, lhs, rhs, counts, group_offset, bias)
+    except NotImplementedError:
+      pass
+    else:
+      return out if direct else finish(out, counts, group_offset, cfg, output_scale,
+                                        output_offset)
 
   if mode == "weight_only":
     float_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32

@@ -21,14 +21,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import dispatch, layout
+from gmm_jax._src import dispatch, layout, quant
 from gmm_jax._src.config import GmmConfig, accumulator_dtype
 from gmm_jax._src.epilogue import resolve_activation
 
 
 # Jitted so that eager calls reuse one compilation per (shapes, config) instead of tracing
-# and compiling the work-item loops on every call; under an outer jit it is inlined.
-_forward = jax.jit(dispatch.run, static_argnums=(5,))
+# and compiling the work-item loops on every call; under an outer jit it is inlined. The
+# platform is part of the cache key: the same config picks another kernel elsewhere.
+_run_on = jax.jit(
+    lambda lhs, rhs, counts, group_offset, bias, cfg, platform: dispatch.run(
+        lhs, rhs, counts, group_offset, bias, cfg, platform=platform),
+    static_argnums=(5, 6))
+
+
+def _forward(lhs, rhs, counts, group_offset, bias, cfg):
+  return _run_on(lhs, rhs, counts, group_offset, bias, cfg, dispatch.current_platform())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -60,11 +68,20 @@ def _fwd(cfg, lhs, rhs, counts, group_offset, bias):
 
 
 def _zero_cotangent(x):
+  if isinstance(x, quant.QArray):  # quantized operands get no gradient here
+    return jax.tree.map(_zero_cotangent, x)
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros(np.shape(x), x.dtype) if not isinstance(x, np.ndarray) else np.zeros_like(x)
   return np.zeros(np.shape(x), jax.dtypes.float0)
 
 
 def _differentiable(x) -> bool:
-  return jnp.issubdtype(x.dtype, jnp.inexact)
+  return not isinstance(x, quant.QArray) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _as_float(x, dtype):
+  """A QArray operand as the float values the backward multiplies by."""
+  return quant.dequantize(x, dtype) if isinstance(x, quant.QArray) else x
 
 
 def _bwd(cfg, residuals, dy):
@@ -80,6 +97,11 @@ def _bwd(cfg, residuals, dy):
   # A user's tiling was chosen for the forward's shapes; the backward's gmms (other
   # grouping types, swapped K and N) use each backend's heuristic.
   plain = cfg.replace(activation=None, tiling=None)
+  # Quantized operands (kernels that dequantize in-kernel) enter the backward as the float
+  # values they stand for; they get no gradient themselves.
+  float_dtype = dz.dtype if jnp.issubdtype(dz.dtype, jnp.floating) else jnp.float32
+  lhs_values = _as_float(lhs, float_dtype)
+  rhs_values = _as_float(rhs, float_dtype)
 
   def forward(group_type, a, b, out_dtype, transpose_a, transpose_b):
     call_cfg = plain.replace(group_type=group_type, transpose_lhs=transpose_a,
@@ -90,13 +112,13 @@ def _bwd(cfg, residuals, dy):
   dlhs = drhs = dbias = None
   if cfg.group_type == "m":
     if _differentiable(lhs):
-      dlhs = forward("m", dz, rhs, lhs.dtype, False, not tr)  # [M, K]
+      dlhs = forward("m", dz, rhs_values, lhs.dtype, False, not tr)  # [M, K]
       dlhs = dlhs.T if tl else dlhs
     if _differentiable(rhs):
       if tr:  # [L, N, K] = dz_g^T lhs_g
-        drhs = forward("k", dz, lhs, rhs.dtype, True, tl)
+        drhs = forward("k", dz, lhs_values, rhs.dtype, True, tl)
       else:  # [L, K, N] = lhs_g^T dz_g
-        drhs = forward("k", lhs, dz, rhs.dtype, not tl, False)
+        drhs = forward("k", lhs_values, dz, rhs.dtype, not tl, False)
     if bias is not None:
       ids = layout.row_group_ids(counts, dz.shape[0], group_offset, cfg.num_local)
       ids = jnp.where(ids >= 0, ids, cfg.num_local)  # out-of-range segments are dropped
@@ -104,10 +126,10 @@ def _bwd(cfg, residuals, dy):
       dbias = dbias[:cfg.num_local].astype(bias.dtype)
   else:
     if _differentiable(lhs):
-      dlhs_t = forward("m", rhs, dz, lhs.dtype, tr, True)  # [K, M] = dlhs^T
+      dlhs_t = forward("m", rhs_values, dz, lhs.dtype, tr, True)  # [K, M] = dlhs^T
       dlhs = dlhs_t if tl else dlhs_t.T
     if _differentiable(rhs):
-      drhs = forward("m", lhs, dz, rhs.dtype, not tl, False)  # [K, N]
+      drhs = forward("m", lhs_values, dz, rhs.dtype, not tl, False)  # [K, N]
       drhs = drhs.T if tr else drhs
     if bias is not None:
       dbias = jnp.sum(dz.astype(jnp.float32), axis=1).astype(bias.dtype)

@@ -165,8 +165,14 @@ def _epilogue_and_store(acc, bias_ref, group, out_ref, out_index: tuple, rows: S
 
 
 def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *refs,
-              dims, tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype):
-  bias_ref, out_ref = (refs[0], refs[2]) if len(refs) == 3 else (None, refs[1])
+              dims, tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype, has_bias: bool,
+              quant: common.QuantStatic | None):
+  refs = list(refs)
+  bias_ref = refs.pop(0) if has_bias else None
+  scale_ref = refs.pop(0) if quant is not None else None
+  zero_ref = refs.pop(0) if quant is not None and quant.has_zero else None
+  lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode == "scaled" else None
+  out_ref = refs[-1]  # refs[-2] is the aliased zero input
   _, k, n = dims
   item = pl.program_id(0)
   n_first = pl.program_id(1) * tiling.tile_n  # (program ids outside pl.when: interpret mode)
@@ -179,14 +185,31 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
     rows = _span(start, tiling.tile_m, end)  # an item never exceeds tile_m rows
     cols = _span(n_first, tiling.tile_n, n)
 
+    def scale_row(ref, step_index):
+      # The scale row of this K step's block, as [1, N] (or [N, 1] for a transposed tile).
+      block = (step_index * tiling.tile_k) // quant.k_block
+      row = plgpu.load(ref.at[group, block, pl.ds(cols.first, cols.size)], mask=cols.ok,
+                       other=jnp.zeros((), ref.dtype))
+      return row[:, None] if cfg.transpose_rhs else row[None, :]
+
     def step(step_index, acc):
       ks = _span(step_index * tiling.tile_k, tiling.tile_k, k)
       x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
       w = _load(rhs_ref, (group,), ks, cols, cfg.transpose_rhs)
+      if quant is not None and quant.mode == "weight_only":
+        w = common.dequantize_tile(w, scale_row(scale_ref, step_index),
+                                   None if zero_ref is None else scale_row(zero_ref, step_index),
+                                   cfg.transpose_rhs, dot_dtype)
       return acc + _dot(x, w, cfg, dot_dtype, acc_dtype)
 
     acc = lax.fori_loop(0, pl.cdiv(k, tiling.tile_k), step,
                         jnp.zeros((tiling.tile_m, tiling.tile_n), acc_dtype))
+    if lhs_scale_ref is not None:  # int8 x int8: exact int32 sums, then both scales
+      per_token = plgpu.load(lhs_scale_ref.at[pl.ds(rows.first, rows.size)], mask=rows.ok,
+                             other=0.0)
+      per_channel = plgpu.load(scale_ref.at[group, pl.ds(cols.first, cols.size)],
+                               mask=cols.ok, other=0.0)
+      acc = acc.astype(jnp.float32) * per_token[:, None] * per_channel[None, :]
     _epilogue_and_store(acc, bias_ref, group, out_ref, (), rows, cols, cfg)
 
 
@@ -236,9 +259,18 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       only), or a tile that is not a power of 2 >= 16.
   """
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
-  dot_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-  acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
+  lhs, rhs, quant = common.prepare_quant(lhs, rhs, cfg, m, k, n)
+  if quant is not None and quant.mode == "weight_only":
+    # The weights are dequantized in-kernel to the activations' float type.
+    dot_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
+    acc_dtype = jnp.dtype(jnp.float32)
+  else:
+    dot_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
   tiling = tiling or cfg.tiling or default_tiling(m, k, n, cfg, jnp.dtype(dot_dtype).itemsize)
+  if quant is not None and quant.k_block < max(k, 1):
+    # Per-group scales: one K step per scale row.
+    tiling = Tiling(tile_m=tiling.tile_m, tile_k=quant.k_block, tile_n=tiling.tile_n)
   for name in ("tile_m", "tile_k", "tile_n"):
     value = getattr(tiling, name)
     if value < SMALLEST_TILE or value & (value - 1):
@@ -267,6 +299,11 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   kernel_options = dict(dims=(m, k, n), tiling=tiling, cfg=cfg, dot_dtype=dot_dtype,
                         acc_dtype=acc_dtype)
   biases = [] if bias is None else [bias]
+  quant_operands = []
+  if quant is not None and quant.mode == "scaled":  # [L, N] and [M] scales
+    quant_operands = [quant.rhs_scale[:, 0, :], quant.lhs_scale[:, 0]]
+  elif quant is not None:
+    quant_operands = [quant.rhs_scale] + ([] if quant.rhs_zero is None else [quant.rhs_zero])
   call_options = dict(
       out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
       interpret=cfg.interpret,
@@ -276,9 +313,10 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     meta = layout.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
                                       ALIGN)
     operands = [meta.group_ids, meta.item_start, meta.item_end, lhs, rhs, *biases,
-                jnp.zeros(out_shape, cfg.out_dtype)]
+                *quant_operands, jnp.zeros(out_shape, cfg.out_dtype)]
     return pl.pallas_call(
-        functools.partial(_m_kernel, **kernel_options),
+        functools.partial(_m_kernel, has_bias=bias is not None, quant=common.quant_static(quant),
+                          **kernel_options),
         grid=(meta.item_start.shape[0], pl.cdiv(n, tiling.tile_n)),
         input_output_aliases={len(operands) - 1: 0},  # rows no item owns stay 0
         name="gmm_m_triton",

@@ -138,9 +138,14 @@ def _mask_k(block, first, limit_lo, limit_hi, k_axis: int):
 
 def _m_kernel(group_ids_ref, tile_ids_ref, item_start_ref, item_end_ref, num_items_ref,
               lhs_ref, rhs_ref, *refs, dims, tiling: Tiling, cfg: GmmConfig, dot_dtype,
-              acc_dtype, has_bias: bool):
-  bias_ref = refs[0] if has_bias else None
+              acc_dtype, has_bias: bool, quant: common.QuantStatic | None = None):
+  refs = list(refs)
+  bias_ref = refs.pop(0) if has_bias else None
+  scale_ref = refs.pop(0) if quant is not None else None
+  zero_ref = refs.pop(0) if quant is not None and quant.has_zero else None
+  lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode == "scaled" else None
   out_ref, acc_ref = refs[-2], refs[-1]
+  weight_only = quant is not None and quant.mode == "weight_only"
   _, k, _ = dims
   tile_m, tile_k = tiling.tile_m, tiling.tile_k
   item, k_step = pl.program_id(1), pl.program_id(2)
@@ -154,6 +159,9 @@ def _m_kernel(group_ids_ref, tile_ids_ref, item_start_ref, item_end_ref, num_ite
   @pl.when(active)
   def _():
     x, w = lhs_ref[...], rhs_ref[...]
+    if weight_only:  # scale/zero blocks are [1, tile_n] ([tile_n, 1] for a transposed rhs)
+      w = common.dequantize_tile(w, scale_ref[...], None if zero_ref is None else zero_ref[...],
+                                 cfg.transpose_rhs, dot_dtype)
     if k % tile_k:  # the padded K edge of the last step reads garbage: zero it in both
       first = k_step * tile_k
       x = _mask_k(x, first, 0, k, 0 if cfg.transpose_lhs else 1)
@@ -163,8 +171,10 @@ def _m_kernel(group_ids_ref, tile_ids_ref, item_start_ref, item_end_ref, num_ite
   @pl.when(active & (k_step == last_k))
   def _():
     bias = None if bias_ref is None else bias_ref[...]  # [1, tile_n]
-    y = apply_epilogue(acc_ref[...], bias, kernel_activation(cfg.activation),
-                       cfg.out_dtype)
+    acc = acc_ref[...]
+    if lhs_scale_ref is not None:  # int8 x int8: exact int32 sums, then both scales
+      acc = acc.astype(jnp.float32) * lhs_scale_ref[...] * scale_ref[...]
+    y = apply_epilogue(acc, bias, kernel_activation(cfg.activation), cfg.out_dtype)
     rows = tile_ids_ref[item] * tile_m + lax.broadcasted_iota(jnp.int32, y.shape, 0)
     mine = (rows >= item_start_ref[item]) & (rows < item_end_ref[item])
     out_ref[...] = jnp.where(mine, y, out_ref[...])
@@ -226,10 +236,19 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       with a primitive Mosaic cannot lower (compiled mode only).
   """
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
-  dot_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-  acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
+  lhs, rhs, quant = common.prepare_quant(lhs, rhs, cfg, m, k, n)
+  if quant is not None and quant.mode == "weight_only":
+    # The weights are dequantized in-kernel to the activations' float type.
+    dot_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
+    acc_dtype = jnp.dtype(jnp.float32)
+  else:
+    dot_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
   itemsize = jnp.dtype(dot_dtype).itemsize
   tiling = tiling or cfg.tiling or default_tiling(m, k, n, cfg, itemsize)
+  if quant is not None and quant.k_block < max(k, 1):
+    # Per-group scales: one K step per scale row.
+    tiling = Tiling(tile_m=tiling.tile_m, tile_k=quant.k_block, tile_n=tiling.tile_n)
   check_tiling(tiling, m, k, n, cfg)
   if not cfg.interpret:
     missing = unsupported_primitives(cfg.activation)
@@ -272,6 +291,28 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     if has_bias:
       in_specs.append(pl.BlockSpec((None, 1, tile_n),
                                    lambda n_i, i, k_i, groups, *_: (groups[i], 0, n_i)))
+    quant_operands = []
+    if quant is not None and quant.mode == "weight_only":
+      per_group = quant.k_block < max(k, 1)
+      # [L, Kb, 1, N] (or [L, Kb, N, 1] for a transposed rhs): a [1, tile_n] ([tile_n, 1])
+      # block of the K step's scale row.
+      axis = 3 if cfg.transpose_rhs else 2
+
+      def scale_map(n_i, i, k_i, groups, *_):
+        kb = k_i if per_group else 0
+        return (groups[i], kb, n_i, 0) if cfg.transpose_rhs else (groups[i], kb, 0, n_i)
+
+      block = (None, None, tile_n, 1) if cfg.transpose_rhs else (None, None, 1, tile_n)
+      for array in (quant.rhs_scale, quant.rhs_zero):
+        if array is not None:
+          quant_operands.append(jnp.expand_dims(array, axis))
+          in_specs.append(pl.BlockSpec(block, scale_map))
+    elif quant is not None:  # scaled: [L, 1, N] column scales, [M, 1] row scales
+      quant_operands = [quant.rhs_scale[:, :1, :], quant.lhs_scale]
+      in_specs.append(pl.BlockSpec((None, 1, tile_n),
+                                   lambda n_i, i, k_i, groups, *_: (groups[i], 0, n_i)))
+      in_specs.append(pl.BlockSpec((tile_m, 1),
+                                   lambda n_i, i, k_i, groups, tiles, *_: (tiles[i], 0)))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(num_n_tiles, scalars[0].shape[0], pl.cdiv(k_blocks, tile_k)),
@@ -281,14 +322,14 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
         scratch_shapes=scratch,
     )
     out = pl.pallas_call(
-        functools.partial(_m_kernel, **kernel_options),
+        functools.partial(_m_kernel, quant=common.quant_static(quant), **kernel_options),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=cfg.interpret,
         name="gmm_m_tpu",
-    )(*scalars, lhs, rhs, *biases)
+    )(*scalars, lhs, rhs, *biases, *quant_operands)
     # Rows that no item owns were never written (or hold another tile's leftovers).
     owned = layout.row_group_ids(counts, m, group_offset, cfg.num_local) >= 0
     return jnp.where(owned[:, None], out, jnp.zeros((), out.dtype))
