@@ -1,0 +1,37 @@
+"""The README's Python examples run as written (with small operands predefined for the blocks
+that use `x`, `w` and `sizes`)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_python_blocks_run():
+  text = README.read_text()
+  blocks = [textwrap_dedent(b) for b in re.findall(r"```python\n(.*?)```", text, re.S)]
+  assert len(blocks) >= 3, "usage, checkify and quantization examples"
+  rng = np.random.default_rng(0)
+  import gmm_jax
+  namespace = {  # later blocks assume the usage block's imports
+      "jax": jax, "jnp": jnp, "gmm_jax": gmm_jax,
+      "x": jnp.asarray(rng.standard_normal((64, 128)), jnp.float32),
+      "w": jnp.asarray(rng.standard_normal((4, 128, 32)) / 11, jnp.float32),
+      "sizes": jnp.asarray([20, 0, 30, 10], jnp.int32),
+  }
+  namespace["x_bf16"] = namespace["x"].astype(jnp.bfloat16)
+  for block in blocks:  # each block on its own copy of the operands
+    scope = dict(namespace)
+    exec(compile(block, str(README), "exec"), scope)  # noqa: S102
+    assert "y" not in scope or isinstance(scope["y"], jax.Array)
+
+
+def textwrap_dedent(block: str) -> str:
+  import textwrap
+  return textwrap.dedent(block)
