@@ -153,6 +153,71 @@ def run_case(dtype, m, kn, num_groups, distribution, modes=("fwd", "fwd+bwd"),
   return out
 
 
+# ------------------------------------------------------------------------ quantized table
+
+QUANT_COLUMNS = ("f32", "bf16", "int8 w", "int4 w/128", "fp8 w", "w8a8")
+
+
+def run_quant_case(m, kn, num_groups, distribution, modes=("fwd",), implementation=None,
+                   repeats=5, interpret=False, seed=0):
+  """Weight-only int8 / int4 (per-group 128) / fp8 and int8 x int8 (per-token x
+  per-channel) gmm against bf16 and f32 gmm on the same shape; returns a Row per mode with
+  the seconds of each column of `QUANT_COLUMNS`."""
+  from gmm_jax._src import quant
+
+  rng = np.random.default_rng(seed)
+  k = n = kn
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((num_groups, k, n)) / np.sqrt(k), jnp.float32)
+  sizes = jnp.asarray(group_sizes(m, num_groups, distribution, seed))
+  cot = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  weights = {
+      "int8 w": quant.quantize(w, jnp.int8, channelwise_axes=(0, 2)),
+      "int4 w/128": quant.quantize(w, jnp.int4, channelwise_axes=(0, 2), tiled_axes={1: 128}),
+      "fp8 w": quant.quantize(w, jnp.float8_e4m3fn, channelwise_axes=(0, 2)),
+  }
+  wq8 = weights["int8 w"]
+  options = dict(implementation=implementation, interpret=interpret)
+  cases = {
+      "f32": (lambda a, b, s: gmm(a, b, s, **options), x, w),
+      "bf16": (lambda a, b, s: gmm(a, b, s, **options), x16, w16),
+      **{name: (lambda a, b, s: gmm(a, b, s, **options), x16, q) for name, q in weights.items()},
+      # dynamic per-token int8 activations x per-channel int8 weights, bf16 out
+      "w8a8": (lambda a, b, s: gmm(a, b, s, preferred_element_type=jnp.bfloat16,
+                                   quantize_lhs=quant.QuantSpec(jnp.int8, channelwise_axes=(0,)),
+                                   **options), x16, wq8),
+  }
+  out = []
+  for mode in modes:
+    seconds = {}
+    for name, (fn, a, b) in cases.items():
+      if mode == "fwd":
+        compiled, args = jax.jit(fn), (a, b, sizes)
+      else:  # gradient w.r.t. the activations only (the weights are frozen/quantized)
+        compiled = jax.jit(jax.grad(
+            lambda a, b, s, c, fn=fn: jnp.sum(fn(a, b, s).astype(jnp.float32) * c)))
+        args = (a, b, sizes, cot)
+      seconds[name] = time_fn(compiled, args, repeats)
+    out.append(Row("mixed", m, kn, num_groups, distribution, mode, seconds, {}))
+  return out
+
+
+def quant_header() -> str:
+  cells = " | ".join(f"{name} ms" for name in QUANT_COLUMNS)
+  ratios = " | ".join(f"{name}/bf16" for name in QUANT_COLUMNS if name != "bf16")
+  return (f"| M | K=N | G | sizes | mode | {cells} | {ratios} |\n"
+          f"|{'---|' * (5 + 2 * len(QUANT_COLUMNS) - 1)}")
+
+
+def format_quant_row(row: Row) -> str:
+  cells = " | ".join(_fmt(row.seconds[name] * 1e3, ".1f") for name in QUANT_COLUMNS)
+  ratios = " | ".join(_fmt(row.ratio(name, "bf16"), ".2f") for name in QUANT_COLUMNS
+                     if name != "bf16")
+  return (f"| {row.m} | {row.kn} | {row.groups} | {row.distribution} | {row.mode} | {cells} | "
+          f"{ratios} |")
+
+
 # ------------------------------------------------------------------------------- GPU table
 
 
@@ -283,6 +348,9 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int)
   parser.add_argument("--interpret", action="store_true",
                       help="run Pallas kernels in interpret mode (gpu table on a CPU)")
+  parser.add_argument("--quant", action="store_true",
+                      help="the quantized table instead: weight-only int8/int4/fp8 and w8a8 "
+                      "gmm against bf16 and f32 gmm")
   args = parser.parse_args(argv)
   for name, value in PLATFORM_DEFAULTS[args.platform].items():
     if getattr(args, name) is None:
@@ -290,6 +358,19 @@ def main(argv=None):
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
         f"{jax.devices()[0].device_kind}; times are the minimum of {args.repeats} runs")
   gpu = args.platform == "gpu"
+  if args.quant:
+    print(quant_header(), flush=True)
+    for m in args.m:
+      for kn in args.kn:
+        for num_groups in args.groups:
+          for distribution in args.sizes:
+            if num_groups == 1 and distribution == "skewed":
+              continue
+            implementation = None if args.implementation == "xla" else args.implementation
+            for row in run_quant_case(m, kn, num_groups, distribution, args.modes,
+                                      implementation, args.repeats, args.interpret):
+              print(format_quant_row(row), flush=True)
+    return
   print(gpu_header() if gpu else header(), flush=True)
   for dtype in args.dtypes:
     for m in args.m:

@@ -42,3 +42,13 @@ def test_gpu_table_in_interpret_mode(capsys):
     assert row[0] == "bfloat16" and float(row[6]) > 0
     assert float(row[-1]) < 1e-2  # the Triton kernel agrees with jax.lax.ragged_dot
   assert np.isfinite(float(rows[0][9]))  # gmm % of dense
+
+
+def test_quant_table(capsys):
+  bench.main(["--quant", "--m", "64", "--kn", "128", "--groups", "2", "--sizes", "skewed",
+              "--modes", "fwd", "fwd+bwd", "--repeats", "1"])
+  rows = _rows(capsys.readouterr().out)
+  assert [row[4] for row in rows] == ["fwd", "fwd+bwd"]
+  for row in rows:
+    assert len(row) == 5 + 2 * len(bench.QUANT_COLUMNS) - 1
+    assert all(float(cell) > 0 for cell in row[5:])

@@ -632,3 +632,40 @@ def test_quantized_errors(call, error, match):
   with pytest.raises(error, match=match):
     call(x, quantize(w, jnp.int8, channelwise_axes=(0, 2)),
          quantize(x, jnp.int8, channelwise_axes=(0,)))
+
+
+@pytest.mark.parametrize("group_type", ["m", "k"])
+@pytest.mark.parametrize("mode", ["weight_only", "scaled", "blocked", "dynamic"])
+def test_reference_and_xla_paths_agree(group_type, mode):
+  # Every mode runs on both jnp paths (the composition picks the inner implementation).
+  x, w, bias = operands(24, group_type)
+  sizes = SIZES if group_type == "m" else K_SIZES
+  k_axis = 1 if group_type == "m" else 0
+  w_channels = (0, 2) if group_type == "m" else (1,)
+  extra = {}
+  if mode == "weight_only":
+    lhs, rhs = x, quantize(w, jnp.int8, channelwise_axes=w_channels)
+  elif mode == "scaled":
+    lhs, rhs = (quantize(x, jnp.int8, channelwise_axes=(0,)),
+                quantize(w, jnp.int8, channelwise_axes=w_channels))
+  elif mode == "blocked":
+    lhs = quantize(x, jnp.float8_e5m2, channelwise_axes=(0,), tiled_axes={1: 32})
+    rhs = quantize(w, jnp.float8_e5m2, channelwise_axes=w_channels, tiled_axes={k_axis: 32})
+  else:
+    lhs, rhs = x, w
+    extra = dict(quantize_lhs=QuantSpec(jnp.int8, channelwise_axes=(0,)),
+                 quantize_rhs=QuantSpec(jnp.int8, channelwise_axes=w_channels))
+  outs = [gmm_jax.gmm(lhs, rhs, sizes, group_type=group_type, bias=bias, activation="relu",
+                      implementation=implementation, **extra)
+          for implementation in ("reference", "xla")]
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16"])
+def test_16bit_scales(scale_dtype):
+  x, w, _ = operands(25)
+  q = quantize(w, jnp.int8, channelwise_axes=(0, 2), scale_dtype=scale_dtype)
+  assert q.scale.dtype == np.dtype(scale_dtype)
+  got = gmm_jax.gmm(x, q, SIZES)
+  check(got, np_gmm(x, np_dequantize(q), SIZES) * row_mask(SIZES, M), rtol=1e-5)
+  assert rel_error(got, np_gmm(x, w, SIZES) * row_mask(SIZES, M)) <= 0.015
