@@ -3,6 +3,7 @@
 This file is the whole public API.
 """
 
+from gmm_jax._src.api import explain as explain
 from gmm_jax._src.api import gmm as gmm
 from gmm_jax._src.api import ragged_dot as ragged_dot
 from gmm_jax._src.config import GmmConfig as GmmConfig
@@ -16,6 +17,8 @@ from gmm_jax._src.layout import check_group_list as check_group_list
 from gmm_jax._src.layout import grouped_desc as grouped_desc
 from gmm_jax._src.layout import make_tile_metadata as make_tile_metadata
 from gmm_jax._src.quant import QArray as QArray
+from gmm_jax._src.sharding import GmmSharding as GmmSharding
+from gmm_jax._src.sharding import routed_gmm as routed_gmm
 from gmm_jax._src.quant import QuantSpec as QuantSpec
 from gmm_jax._src.quant import dequantize as dequantize
 from gmm_jax._src.quant import quantize as quantize

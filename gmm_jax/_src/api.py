@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmm_jax._src import dispatch, layout, quant
+from gmm_jax._src import sharding as sharding_lib
 from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.epilogue import resolve_activation
 from gmm_jax._src.layout import GroupedArray
@@ -36,6 +37,24 @@ def _group_offset(group_offset, num_total: int):
   return group_offset.reshape(()).astype(jnp.int32)
 
 
+def _run_one(lhs, rhs, counts, group_offset, bias, cfg):
+  """One (possibly quantized) gmm on canonical operands: what each shard runs."""
+  if isinstance(lhs, quant.QArray) or isinstance(rhs, quant.QArray):
+    return quant.gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg)
+  return gmm_core(cfg, lhs, rhs, counts, group_offset, bias)
+
+
+def _finish_after_reduction(z, counts, group_offset, bias, cfg):
+  """Bias, activation and cast of a K-reduced f32 pre-activation."""
+  if bias is not None:
+    if cfg.group_type == "m":
+      ids = layout.row_group_ids(counts, z.shape[0], group_offset, cfg.num_local)
+      z = z + bias.astype(jnp.float32)[jnp.maximum(ids, 0)]
+    else:
+      z = z + bias.astype(jnp.float32)[:, None, :]
+  return quant.finish(z, counts, group_offset, cfg)
+
+
 def _describe(x) -> str:
   return repr(x) if isinstance(x, quant.QArray) else str(jax.typeof(x))
 
@@ -60,7 +79,7 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
         num_groups=None, bias=None, activation=None, transpose_lhs=False, transpose_rhs=False,
         preferred_element_type=None, precision=None, group_offset=None, implementation=None,
         interpret=False, tiling=None, output_scale=None, output_offset=None,
-        quantize_lhs=None, quantize_rhs=None, straight_through=True):
+        quantize_lhs=None, quantize_rhs=None, straight_through=True, sharding=None):
   """Grouped matrix multiplication with a fused bias + activation epilogue.
 
   m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
@@ -108,6 +127,9 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
     straight_through: with quantize_lhs/quantize_rhs, gradients w.r.t. the float operands
       are the float gmm's gradients at the dequantized operands (the straight-through
       estimator); False gives them no gradient.
+    sharding: a `GmmSharding(mesh, lhs=PartitionSpec, rhs=PartitionSpec)`: how the operands
+      lie on a device mesh; gmm then runs per shard with the matching strategy (expert
+      parallel, rows, columns, contraction; see `gmm_jax.explain`) through `jax.shard_map`.
 
   Quantized operands (a `QArray`, or a qwix QArray) select a mode: float lhs x QArray rhs is
   weight-only (``x @ dequantize(W)``); QArray x QArray multiplies the quantized values
@@ -244,7 +266,18 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
       tiling=tiling)
   dispatch.candidates(cfg)  # unknown implementation names fail here, with the list
   counts = layout.to_counts(group_list, group_list_type, num_total)
-  if quantize_lhs is not None or quantize_rhs is not None:
+  if sharding is not None:
+    if not isinstance(sharding, sharding_lib.GmmSharding):
+      raise ValueError(f"sharding must be a gmm_jax.GmmSharding or None, got {sharding!r}")
+    if (quantize_lhs is not None or quantize_rhs is not None or output_scale is not None
+        or output_offset is not None):
+      raise NotImplementedError(
+          "sharded gmm supports float and QArray operands; dynamic quantization "
+          "(quantize_lhs/quantize_rhs) and output_scale/output_offset run per shard with "
+          "shard-local statistics, so quantize outside the sharded call")
+    out = sharding_lib.sharded_gmm(lhs, rhs, counts, offset, bias, cfg, sharding,
+                                   _run_one, _finish_after_reduction)
+  elif quantize_lhs is not None or quantize_rhs is not None:
     out = quant.dynamic_gmm(lhs, rhs, counts, offset, bias, cfg, quantize_lhs, quantize_rhs,
                             bool(straight_through), output_scale, output_offset)
   elif quantized:
@@ -273,3 +306,42 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
   return gmm(lhs, rhs, group_sizes, group_type="m", group_list_type="counts",
              precision=precision, preferred_element_type=preferred_element_type,
              group_offset=group_offset)
+
+
+def explain(lhs, rhs, group_list=None, **kwargs) -> str:
+  """What `gmm(lhs, rhs, group_list, **kwargs)` would do, and why: the quantization mode,
+  the sharding strategy and collectives (with ``sharding=``), and which implementation
+  serves each gmm it runs (the forward; each skipped implementation with its reason).
+
+  Traces the call abstractly (nothing is computed); arguments as for `gmm`.
+  """
+  lines = []
+  lq, rq = quant.as_qarray(lhs), quant.as_qarray(rhs)
+  if kwargs.get("quantize_lhs") is not None or kwargs.get("quantize_rhs") is not None:
+    lines.append("quantization: dynamic (gmm quantizes the float operands; gradients "
+                 f"{'straight-through' if kwargs.get('straight_through', True) else 'none'})")
+  elif lq is not None or rq is not None:
+    probe = GmmConfig(group_type=kwargs.get("group_type") or "m", num_local=1,
+                      transpose_lhs=kwargs.get("transpose_lhs", False),
+                      transpose_rhs=kwargs.get("transpose_rhs", False))
+    lines.append(f"quantization: {quant.quant_mode(lq or lhs, rq or rhs, probe)}")
+  else:
+    lines.append("quantization: none")
+  sharding = kwargs.get("sharding")
+  if sharding is not None:
+    group_type = kwargs.get("group_type") or "m"
+    probe = GmmConfig(group_type=group_type, num_local=1,
+                      transpose_lhs=kwargs.get("transpose_lhs", False),
+                      transpose_rhs=kwargs.get("transpose_rhs", False))
+    lines.append(sharding_lib.plan(sharding, probe, np.ndim(lq.qvalue if lq else lhs),
+                                   np.ndim(rq.qvalue if rq else rhs)).describe())
+  with dispatch.record() as decisions:
+    jax.eval_shape(lambda l, r, g: gmm(l, r, g, **kwargs), lhs, rhs, group_list)
+  lines.append("implementations (forward):")
+  seen = []
+  for decision in decisions:
+    text = decision.describe()
+    if text not in seen:
+      seen.append(text)
+      lines.append("  - " + text.replace("\n", "\n  "))
+  return "\n".join(lines)

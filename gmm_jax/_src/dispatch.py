@@ -8,10 +8,12 @@ tried; when all fail, one error lists every reason.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable
 
 import jax
+import numpy as np
 
 from gmm_jax._src.config import GmmConfig
 
@@ -39,6 +41,41 @@ _CHAINS: dict[str, tuple[str, ...]] = {
     "gpu": ("pallas_triton", "xla"),
     "tpu": ("pallas_tpu", "xla"),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+  """One dispatch: which implementation served a (sub-)gmm and why the earlier ones did not."""
+
+  cfg: GmmConfig
+  quant_mode: str
+  platform: str
+  implementation: str
+  refusals: tuple[str, ...]
+
+  def describe(self) -> str:
+    text = (f"{self.cfg.group_type}-grouped gmm, quantization {self.quant_mode!r}, "
+            f"{self.cfg.num_local} local groups, out {np.dtype(self.cfg.out_dtype).name} on "
+            f"{self.platform}: {self.implementation}")
+    return text + "".join(f"\n      (skipped {reason})" for reason in self.refusals)
+
+
+_RECORDERS: list[list[Decision]] = []
+
+
+@contextlib.contextmanager
+def record():
+  """Collects the `Decision`s of the gmms traced inside the block."""
+  decisions: list[Decision] = []
+  _RECORDERS.append(decisions)
+  try:
+    yield decisions
+  finally:
+    _RECORDERS.remove(decisions)
+
+
+def recording() -> bool:
+  return bool(_RECORDERS)
 
 
 def register(backend: Backend) -> None:
@@ -108,9 +145,13 @@ def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, quant_mode: str | 
     backend = _REGISTRY[name]
     try:
       _check_support(backend, cfg, quant_mode, platform)
-      return backend.fn(lhs, rhs, counts, group_offset, bias, cfg)
+      out = backend.fn(lhs, rhs, counts, group_offset, bias, cfg)
     except NotImplementedError as err:
       reasons.append(f"{name}: {err}")
+    else:
+      for recorder in _RECORDERS:
+        recorder.append(Decision(cfg, quant_mode, platform, name, tuple(reasons)))
+      return out
   raise NotImplementedError(
       f"no gmm implementation serves group_type={cfg.group_type!r}, quantization "
       f"{quant_mode!r} on {platform!r}: " + "; ".join(reasons or ["none registered"])

@@ -36,6 +36,8 @@ _run_on = jax.jit(
 
 
 def _forward(lhs, rhs, counts, group_offset, bias, cfg):
+  if dispatch.recording():  # explain(): trace afresh so that every dispatch is seen
+    return dispatch.run(lhs, rhs, counts, group_offset, bias, cfg)
   return _run_on(lhs, rhs, counts, group_offset, bias, cfg, dispatch.current_platform())
 
 
