@@ -6,6 +6,8 @@
   (e.g. "gmm-thorough" for a longer, still deterministic run).
 * 64-bit mode stays off: the library is tested with the dtypes users run (int32 group lists,
   f32/bf16/f16 operands); the float64 oracle is numpy's, not jax's.
+* 8 host CPU devices (`jax_num_cpu_devices`, set before jax starts its backend) for the
+  sharding tests; every other test runs on the first one as usual.
 * The tests directory and the repository root are importable (`oracle`, `gmm_test_base`,
   and `gmm_jax` from an uninstalled checkout).
 """
@@ -29,6 +31,7 @@ except ImportError:  # an uninstalled checkout: test the working tree
   sys.path.insert(0, _REPO_ROOT)
 
 jax.config.update("jax_enable_x64", False)
+jax.config.update("jax_num_cpu_devices", 8)
 
 hypothesis.settings.register_profile(
     "gmm",

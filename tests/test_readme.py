@@ -19,8 +19,11 @@ def test_readme_python_blocks_run():
   assert len(blocks) >= 3, "usage, checkify and quantization examples"
   rng = np.random.default_rng(0)
   import gmm_jax
+  from jax.sharding import Mesh
+  mesh1d = Mesh(np.array(jax.devices()[:4]), ("expert",))
   namespace = {  # later blocks assume the usage block's imports
-      "jax": jax, "jnp": jnp, "gmm_jax": gmm_jax,
+      "jax": jax, "jnp": jnp, "np": np, "gmm_jax": gmm_jax, "mesh1d": mesh1d,
+      "expert_ids": jnp.asarray(rng.integers(0, 4, 64), jnp.int32),
       "x": jnp.asarray(rng.standard_normal((64, 128)), jnp.float32),
       "w": jnp.asarray(rng.standard_normal((4, 128, 32)) / 11, jnp.float32),
       "sizes": jnp.asarray([20, 0, 30, 10], jnp.int32),

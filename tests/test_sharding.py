@@ -1,0 +1,231 @@
+"""Sharded gmm on 8 host CPU devices: every strategy against the single-device result,
+forward and gradient, with the compiled HLO checked for the promised communication (no
+all-gather of the weights or of the tokens; one all-reduce where a reduction is needed)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import gmm_jax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gmm_jax import GmmSharding, quantize
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+M, K, N, G = 64, 32, 16, 8
+SIZES = [5, 0, 9, 3, 12, 0, 7, 20]  # sum 56 < M: rows past the total, empty groups
+
+
+def mesh(shape, names):
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host CPU devices (tests/conftest.py sets jax_num_cpu_devices=8)")
+  return Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
+
+
+MESHES = {
+    "8": ((8,), ("e",)),
+    "2x4": ((2, 4), ("d", "e")),
+    "4x2": ((4, 2), ("d", "e")),
+}
+
+
+def operands(seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((G, N)), jnp.float32)
+  return x, w, b
+
+
+def collectives(compiled_text: str) -> dict[str, int]:
+  return {name: len(re.findall(rf"\b{name}(-start)?\(", compiled_text))
+          for name in ("all-gather", "all-reduce", "all-to-all", "reduce-scatter",
+                       "collective-permute")}
+
+
+def run_case(the_mesh, lhs_spec, rhs_spec, *, group_type="m", sizes=SIZES, x=None, w=None,
+             b=None, transpose_lhs=False, activation="silu"):
+  sharding = GmmSharding(the_mesh, lhs_spec, rhs_spec)
+  kwargs = dict(group_type=group_type, bias=b, activation=activation,
+                transpose_lhs=transpose_lhs)
+  sizes = jnp.asarray(sizes, jnp.int32)
+  place = lambda a, spec: jax.device_put(a, NamedSharding(the_mesh, spec))  # noqa: E731
+  xs = place(x, lhs_spec)
+  ws = jax.tree.map(lambda a: a, w)
+  if not isinstance(w, gmm_jax.QArray):
+    ws = place(w, rhs_spec)
+
+  fwd = jax.jit(lambda x, w, s: gmm_jax.gmm(x, w, s, sharding=sharding, **kwargs))
+  got = fwd(xs, ws, sizes)
+  want = gmm_jax.gmm(x, w, sizes, **kwargs)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  fwd_hlo = collectives(fwd.lower(xs, ws, sizes).compile().as_text())
+
+  grad_hlo = None
+  if not isinstance(w, gmm_jax.QArray):
+    cot = jnp.asarray(np.random.default_rng(1).standard_normal(want.shape), jnp.float32)
+    loss = lambda sharding: (lambda x, w: jnp.sum(  # noqa: E731
+        gmm_jax.gmm(x, w, sizes, sharding=sharding, **kwargs) * cot))
+    grad = jax.jit(jax.grad(loss(sharding), argnums=(0, 1)))
+    got_grads = grad(xs, ws)
+    want_grads = jax.grad(loss(None), argnums=(0, 1))(x, w)
+    for g, wg in zip(got_grads, want_grads):
+      np.testing.assert_allclose(g, wg, rtol=1e-4, atol=1e-4)
+    grad_hlo = collectives(grad.lower(xs, ws).compile().as_text())
+    # Gradients keep the operands' sharding.
+    assert got_grads[1].sharding.is_equivalent_to(ws.sharding, w.ndim)
+  return fwd_hlo, grad_hlo
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+def test_expert_parallel(mesh_name):
+  shape, names = MESHES[mesh_name]
+  the_mesh = mesh(shape, names)
+  x, w, b = operands()
+  # Experts over "e"; tokens replicated (8) or sharded over "d" (2x4, 4x2).
+  lhs_spec = P("d") if "d" in names else P()
+  fwd, grad = run_case(the_mesh, lhs_spec, P("e"), x=x, w=w, b=b)
+  assert fwd["all-gather"] == 0 and fwd["all-to-all"] == 0
+  assert fwd["all-reduce"] + fwd["reduce-scatter"] == 1  # the one combine of rows
+  assert grad["all-gather"] == 0  # dw stays expert-sharded; dx is reduced, not gathered
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "2x4"])
+def test_rows(mesh_name):
+  shape, names = MESHES[mesh_name]
+  the_mesh = mesh(shape, names)
+  x, w, b = operands(2)
+  rows = P(names) if len(names) > 1 else P("e")  # M over every device
+  fwd, grad = run_case(the_mesh, rows, P(), x=x, w=w, b=b)
+  assert sum(fwd.values()) == 0  # local group sizes from the global offsets: no communication
+  assert grad["all-gather"] == 0  # the weight gradient is reduced over rows, never gathered
+
+
+def test_columns_and_contraction():
+  the_mesh = mesh((2, 4), ("d", "t"))
+  x, w, b = operands(3)
+  fwd, _ = run_case(the_mesh, P("d"), P(None, None, "t"), x=x, w=w, b=b)
+  assert sum(fwd.values()) == 0  # N-sharded weights: nothing moves
+  fwd, grad = run_case(the_mesh, P(None, "t"), P(None, "t"), x=x, w=w, b=b)
+  assert fwd["all-gather"] == 0 and fwd["all-reduce"] == 1  # one psum of partial products
+  assert grad["all-gather"] == 0
+
+
+@pytest.mark.parametrize("mesh_name", ["8", "4x2"])
+def test_k_grouping_weight_gradient_form(mesh_name):
+  # dW = gmm_k(x^T, dz): tokens are the grouped contraction, sharded over the data axis in
+  # both operands: a local k-gmm per device, then one reduction.
+  shape, names = MESHES[mesh_name]
+  the_mesh = mesh(shape, names)
+  rng = np.random.default_rng(4)
+  tokens = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)  # stored [tokens, K]
+  dz = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+  data = P(names[0]) if len(names) == 1 else P(names)
+  b = jnp.asarray(rng.standard_normal((G, N)), jnp.float32)
+  fwd, grad = run_case(the_mesh, data, data, group_type="k", x=tokens, w=dz, b=b,
+                       transpose_lhs=True, activation="relu")
+  assert fwd["all-gather"] == 0 and fwd["all-reduce"] == 1
+  assert grad["all-gather"] == 0
+
+
+def test_quantized_weights_sharded_on_experts():
+  the_mesh = mesh((2, 4), ("d", "e"))
+  x, w, b = operands(5)
+  wq = quantize(w, jnp.int8, channelwise_axes=(0, 2))
+  placed = gmm_jax.QArray(
+      jax.device_put(wq.qvalue, NamedSharding(the_mesh, P("e"))),
+      jax.device_put(wq.scale, NamedSharding(the_mesh, P("e"))))
+  fwd, _ = run_case(the_mesh, P("d"), P("e"), x=x, w=placed, b=b)
+  assert fwd["all-gather"] == 0 and fwd["all-reduce"] + fwd["reduce-scatter"] == 1
+
+
+def test_explain_names_the_strategy_and_implementation():
+  the_mesh = mesh((2, 4), ("d", "e"))
+  x, w, _ = operands()
+  text = gmm_jax.explain(x, w, jnp.asarray(SIZES), sharding=GmmSharding(the_mesh, P("d"),
+                                                                       P("e")))
+  assert "expert + rows" in text and "psum over ('e',)" in text
+  assert "2 local groups" in text and ": xla" in text
+
+
+@pytest.mark.parametrize("lhs_spec, rhs_spec, error, match", [
+    (P("e"), P("e"), NotImplementedError, "routed_gmm"),
+    (P(None, "t"), P(), NotImplementedError, "shard K differently"),
+    (P(), P("x"), ValueError, "not in the mesh"),
+])
+def test_sharding_errors(lhs_spec, rhs_spec, error, match):
+  the_mesh = mesh((2, 4), ("e", "t"))
+  x, w, _ = operands()
+  with pytest.raises(error, match=match):
+    gmm_jax.gmm(x, w, jnp.asarray(SIZES), sharding=GmmSharding(the_mesh, lhs_spec, rhs_spec))
+
+
+@pytest.mark.parametrize("transport", ["all_to_all", "ragged"])
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_routed_gmm(capacity, transport):
+  # Tokens and experts both over the 8 devices: route, compute, route back.
+  the_mesh = mesh((8,), ("e",))
+  rng = np.random.default_rng(6)
+  tokens, experts = 64, 16
+  x = jnp.asarray(rng.standard_normal((tokens, K)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((experts, K, N)) / np.sqrt(K), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((experts, N)), jnp.float32)
+  # With a capacity, route to 4 popular experts (devices 0 and 1) so that some overflow.
+  ids = jnp.asarray(rng.integers(0, experts if capacity is None else 4, tokens), jnp.int32)
+  place = lambda a: jax.device_put(a, NamedSharding(the_mesh, P("e")))  # noqa: E731
+  f = jax.jit(lambda x, w, b: gmm_jax.routed_gmm(x, w, ids, mesh=the_mesh, axis="e", bias=b,
+                                                 activation="silu", capacity=capacity,
+                                                 transport=transport))
+  got = f(place(x), place(w), place(b))
+  want = jax.nn.silu(jnp.einsum("tk,tkn->tn", x, w[ids]) + b[ids])
+  if capacity is not None:  # tokens past a (source, destination) pair's capacity give 0
+    dest = np.asarray(ids) // 2
+    kept = np.zeros(tokens, bool)
+    for src in range(8):
+      mine = np.arange(src * 8, src * 8 + 8)
+      for d in range(8):
+        to_d = mine[np.argsort(np.asarray(ids)[mine], kind="stable")]
+        to_d = to_d[dest[to_d] == d]
+        kept[to_d[:capacity]] = True
+    assert not kept.all()
+    want = jnp.where(kept[:, None], want, 0.0)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  hlo = collectives(f.lower(place(x), place(w), place(b)).compile().as_text())
+  if transport == "all_to_all":
+    assert hlo["all-to-all"] >= 2 and hlo["all-gather"] == 0  # weights stay put
+  if capacity is None:
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(gmm_jax.routed_gmm(
+        x, w, ids, mesh=the_mesh, axis="e", activation="silu", transport=transport) ** 2),
+        argnums=(0, 1)))(
+            place(x), place(w))
+    want_grads = jax.grad(lambda x, w: jnp.sum(jax.nn.silu(
+        jnp.einsum("tk,tkn->tn", x, w[ids])) ** 2), argnums=(0, 1))(x, w)
+    for g, wg in zip(grads, want_grads):
+      np.testing.assert_allclose(g, wg, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_routed_gmm_ragged_lowers_for_accelerators(monkeypatch, platform):
+  # On GPU/TPU "auto" uses the real ragged_all_to_all (XLA:CPU cannot run it): the forward
+  # and the gradient lower for both platforms.
+  from gmm_jax._src import dispatch
+  from test_pallas_triton import _gpu_model
+  monkeypatch.setattr(dispatch, "current_platform",
+                      lambda: "tpu" if platform == "tpu" else "gpu")
+  the_mesh = mesh((8,), ("e",))
+  rng = np.random.default_rng(7)
+  x = jnp.asarray(rng.standard_normal((64, K)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((16, K, N)), jnp.bfloat16)
+  ids = jnp.asarray(rng.integers(0, 16, 64), jnp.int32)
+
+  def loss(x, w):
+    return jnp.sum(gmm_jax.routed_gmm(x, w, ids, mesh=the_mesh, axis="e").astype(jnp.float32))
+
+  context = _gpu_model() if platform == "cuda" else contextlib.nullcontext()
+  with context:
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(x, w).lower(
+        lowering_platforms=(platform,)).as_text()
+  assert "ragged_all_to_all" in text or "ragged-all-to-all" in text
