@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import time
 from typing import Callable
 
@@ -218,6 +219,75 @@ def format_quant_row(row: Row) -> str:
           f"{ratios} |")
 
 
+# ------------------------------------------------------------------------- sharding table
+
+_COLLECTIVES = ("all-to-all", "all-reduce", "all-gather", "reduce-scatter",
+                "collective-permute")
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1,
+                "pred": 1, "f64": 8, "s64": 8}
+
+
+def communicated_bytes(hlo_text: str) -> dict[str, int]:
+  """Bytes produced per device by each kind of collective in a compiled HLO module (the
+  result shapes of every collective instruction, tuple results summed)."""
+  out: dict[str, int] = {}
+  for line in hlo_text.splitlines():
+    for kind in _COLLECTIVES:
+      match = re.search(rf"= (.*?) {kind}(?:-start)?\(", line)
+      if match:
+        total = 0
+        for dtype, dims in re.findall(r"([a-z]+[0-9]*)\[([0-9,]*)\]", match.group(1)):
+          total += _DTYPE_BYTES.get(dtype, 4) * int(
+              np.prod([int(d) for d in dims.split(",") if d]))
+        out[kind] = out.get(kind, 0) + total
+        break
+  return out
+
+
+def run_sharding_case(devices: int, pattern: str, experts_per_device=4, tokens_per_device=1024,
+                      kn=512, repeats=3, seed=0):
+  """Weak scaling: `devices` devices on one mesh axis, each with `experts_per_device` experts
+  and `tokens_per_device` tokens. pattern "expert" (tokens replicated over the axis, rows
+  combined by a psum) or "routed" (tokens sharded, all_to_all to the experts' devices).
+  Returns (seconds of forward, seconds of forward+backward, bytes per device fwd, fwd+bwd)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  from gmm_jax._src.sharding import GmmSharding, routed_gmm
+
+  mesh = Mesh(np.array(jax.devices()[:devices]), ("e",))
+  rng = np.random.default_rng(seed)
+  num_experts = experts_per_device * devices
+  tokens = tokens_per_device * devices
+  x = jnp.asarray(rng.standard_normal((tokens, kn)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((num_experts, kn, kn)) / np.sqrt(kn), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, num_experts, tokens), jnp.int32)
+  w = jax.device_put(w, NamedSharding(mesh, P("e")))
+  if pattern == "expert":
+    sizes = jnp.bincount(ids, length=num_experts).astype(jnp.int32)
+    x = jax.device_put(x, NamedSharding(mesh, P()))
+    sharding = GmmSharding(mesh, P(), P("e"))
+    fn = lambda x, w: gmm(x, w, sizes, sharding=sharding)  # noqa: E731
+  else:
+    x = jax.device_put(x, NamedSharding(mesh, P("e")))
+    fn = lambda x, w: routed_gmm(x, w, ids, mesh=mesh, axis="e")  # noqa: E731
+  grad = jax.grad(lambda x, w: jnp.sum(fn(x, w) ** 2), argnums=(0, 1))
+  out = []
+  for f in (jax.jit(fn), jax.jit(grad)):
+    seconds = time_fn(f, (x, w), repeats)
+    comm = communicated_bytes(f.lower(x, w).compile().as_text())
+    out.append((seconds, comm))
+  return out
+
+
+def format_sharding_rows(devices, pattern, results) -> list[str]:
+  rows = []
+  for mode, (seconds, comm) in zip(("fwd", "fwd+bwd"), results):
+    detail = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(comm.items())) or "none"
+    rows.append(f"| {pattern} | {devices} | {mode} | {seconds * 1e3:.1f} | "
+                f"{sum(comm.values()) / 2**20:.2f} | {detail} |")
+  return rows
+
+
 # ------------------------------------------------------------------------------- GPU table
 
 
@@ -348,16 +418,34 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int)
   parser.add_argument("--interpret", action="store_true",
                       help="run Pallas kernels in interpret mode (gpu table on a CPU)")
+  parser.add_argument("--sharding", action="store_true",
+                      help="the sharding table instead: weak scaling over 1-8 host CPU devices "
+                      "(expert-parallel gmm and routed all_to_all), bytes communicated")
   parser.add_argument("--quant", action="store_true",
                       help="the quantized table instead: weight-only int8/int4/fp8 and w8a8 "
                       "gmm against bf16 and f32 gmm")
   args = parser.parse_args(argv)
+  if args.sharding:  # before jax starts its CPU backend (a running one keeps its devices)
+    try:
+      jax.config.update("jax_num_cpu_devices", 8)
+    except RuntimeError:
+      pass
   for name, value in PLATFORM_DEFAULTS[args.platform].items():
     if getattr(args, name) is None:
       setattr(args, name, value)
   print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
         f"{jax.devices()[0].device_kind}; times are the minimum of {args.repeats} runs")
   gpu = args.platform == "gpu"
+  if args.sharding:
+    print("| pattern | devices | mode | ms | MiB communicated per device | by collective (MiB) |\n"
+          "|---|---|---|---|---|---|", flush=True)
+    for pattern in ("expert", "routed"):
+      for devices in (1, 2, 4, 8):
+        if devices <= len(jax.devices()):
+          for row in format_sharding_rows(devices, pattern, run_sharding_case(
+              devices, pattern, repeats=args.repeats)):
+            print(row, flush=True)
+    return
   if args.quant:
     print(quant_header(), flush=True)
     for m in args.m:

@@ -52,3 +52,22 @@ def test_quant_table(capsys):
   for row in rows:
     assert len(row) == 5 + 2 * len(bench.QUANT_COLUMNS) - 1
     assert all(float(cell) > 0 for cell in row[5:])
+
+
+def test_communicated_bytes_parses_tuple_collectives():
+  hlo = ("  %all-to-all.1 = (f32[1,64,32]{2,1,0}, /*index=1*/f32[1,64,32]{2,1,0}) "
+         "all-to-all(%a, %b), channel_id=1\n"
+         "  %ar = bf16[128,16]{1,0} all-reduce-start(%c), to_apply=%sum\n"
+         "  %g = f32[1,64,16]{2,1,0} get-tuple-element(%all-to-all.1), index=0\n")
+  assert bench.communicated_bytes(hlo) == {"all-to-all": 2 * 64 * 32 * 4,
+                                           "all-reduce": 128 * 16 * 2}
+
+
+def test_sharding_case_counts_the_all_to_alls():
+  results = bench.run_sharding_case(2, "routed", experts_per_device=2, tokens_per_device=16,
+                                    kn=32, repeats=1)
+  (fwd_seconds, fwd_comm), (_, grad_comm) = results
+  assert fwd_seconds > 0
+  # all_to_alls of [2 devices, 16 tokens] x 32 f32 there and back, plus the int32 ids.
+  assert fwd_comm["all-to-all"] == 2 * (2 * 16 * 32 * 4) + 2 * 16 * 4
+  assert "all-gather" not in fwd_comm and grad_comm["all-to-all"] > fwd_comm["all-to-all"]
