@@ -18,6 +18,7 @@ from gmm_jax._src.layout import grouped_desc as grouped_desc
 from gmm_jax._src.layout import make_tile_metadata as make_tile_metadata
 from gmm_jax._src.quant import QArray as QArray
 from gmm_jax._src.sharding import GmmSharding as GmmSharding
+from gmm_jax._src.sharding import routed_apply as routed_apply
 from gmm_jax._src.sharding import routed_gmm as routed_gmm
 from gmm_jax._src.quant import QuantSpec as QuantSpec
 from gmm_jax._src.quant import dequantize as dequantize

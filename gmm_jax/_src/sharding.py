@@ -350,17 +350,16 @@ def _route_ragged(x, ids, *, axis, num_devices, local_experts, capacity, compute
 TRANSPORTS = ("auto", "all_to_all", "ragged")
 
 
-def routed_gmm(x, w, expert_ids, *, mesh: Mesh, axis: str, bias=None, activation=None,
-               capacity: int | None = None, transport: str = "auto", implementation=None,
-               interpret: bool = False):
-  """Expert parallelism for tokens that live on the devices of the expert axis.
+def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh, axis: str,
+                 capacity: int | None = None, transport: str = "auto"):
+  """Routes tokens to the devices of their experts, applies `fn` there, routes back.
 
-  ``y[t] = activation(x[t] @ w[expert_ids[t]] + bias[expert_ids[t]])`` with x ``[T, K]``
-  and expert_ids ``[T]`` sharded over `axis` (T/D tokens per device) and w ``[G, K, N]``
-  sharded over `axis` on the experts (G/D per device). Each device sorts its tokens by
-  expert, sends them to the devices that hold their experts, runs one local gmm over what
-  it received (group sizes counted on the spot) and sends the results back; the weights
-  never move. Differentiable (the collectives transpose to themselves).
+  x ``[T, K]`` and expert_ids ``[T]`` are sharded over `axis` (T/D tokens per device);
+  every leaf of `weights` (a pytree, e.g. ``(w_gate, w_up, w_down)``, QArrays allowed) has
+  the experts as its leading dimension, sharded over `axis` (G/D per device). On each
+  device, ``fn(rows, group_sizes, local_weights) -> [R, N]`` gets the rows it received
+  grouped by local expert (rows past ``sum(group_sizes)`` are padding and must come out
+  0, as gmm makes them). One dispatch and one return per call, whatever `fn` computes.
 
   Args:
     capacity: tokens one device may send to one other device. Default T/D (the worst case:
@@ -370,13 +369,11 @@ def routed_gmm(x, w, expert_ids, *, mesh: Mesh, axis: str, bias=None, activation
       (`jax.lax.ragged_all_to_all`: only the routed rows move; on CPU, which lacks the
       collective, an all_gather-based emulation of its semantics), or "auto": ragged on GPU
       and TPU, all_to_all on CPU.
-    implementation, interpret: as for `gmm`.
 
   Returns:
-    y ``[T, N]``, sharded like x.
+    ``[T, N]``, sharded like x.
   """
   from gmm_jax._src import dispatch
-  from gmm_jax._src.api import gmm
 
   if transport not in TRANSPORTS:
     raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -384,7 +381,10 @@ def routed_gmm(x, w, expert_ids, *, mesh: Mesh, axis: str, bias=None, activation
   if transport == "auto":
     transport = "ragged" if platform in ("gpu", "tpu") else "all_to_all"
   num_devices = mesh.shape[axis]
-  num_experts = w.shape[0]
+  leaves = jax.tree.leaves(weights)
+  if not leaves:
+    raise ValueError("routed_apply needs at least one expert weight")
+  num_experts = (leaves[0].shape[0])
   if num_experts % num_devices:
     raise ValueError(f"{num_experts} experts do not split over {num_devices} devices of "
                      f"{axis!r}")
@@ -398,16 +398,15 @@ def routed_gmm(x, w, expert_ids, *, mesh: Mesh, axis: str, bias=None, activation
   options = dict(axis=axis, num_devices=num_devices, local_experts=local_experts,
                  capacity=capacity)
 
-  def body(x, ids, w, bias):
+  def body(x, ids, weights):
     ids = jnp.clip(ids.astype(jnp.int32), 0, num_experts - 1)
 
     def compute(recv, recv_ids):
       # Group what arrived by local expert; empty slots (id = local_experts) sort last and
-      # lie past the group total, so gmm leaves them 0.
+      # lie past the group total.
       order = jnp.argsort(recv_ids, stable=True)
       sizes = jnp.bincount(recv_ids, length=local_experts + 1)[:local_experts]
-      y = gmm(recv[order], w, sizes, bias=bias, activation=activation,
-              implementation=implementation, interpret=interpret)
+      y = fn(recv[order], sizes.astype(jnp.int32), weights)
       return jnp.zeros_like(y).at[order].set(y)
 
     if transport == "all_to_all":
@@ -416,7 +415,33 @@ def routed_gmm(x, w, expert_ids, *, mesh: Mesh, axis: str, bias=None, activation
                   else _emulated_ragged_all_to_all)
     return _route_ragged(x, ids, compute=compute, collective=collective, **options)
 
-  specs = (P(axis), P(axis), _operand_spec(w, P(axis), mesh),
-           None if bias is None else P(axis))
-  fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(axis), check_vma=False)
-  return fn(x, expert_ids, w, bias)
+  weight_specs = jax.tree.map(lambda w: _operand_spec(w, P(axis), mesh), weights,
+                              is_leaf=lambda w: isinstance(w, quant.QArray))
+  fn_sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis), weight_specs),
+                             out_specs=P(axis), check_vma=False)
+  return fn_sharded(x, expert_ids, weights)
+
+
+def routed_gmm(x, w, expert_ids, *, mesh: Mesh, axis: str, bias=None, activation=None,
+               capacity: int | None = None, transport: str = "auto", implementation=None,
+               interpret: bool = False):
+  """Expert parallelism for tokens that live on the devices of the expert axis:
+  ``y[t] = activation(x[t] @ w[expert_ids[t]] + bias[expert_ids[t]])``.
+
+  x ``[T, K]`` and expert_ids ``[T]`` sharded over `axis`, w ``[G, K, N]`` (and bias
+  ``[G, N]``) sharded over `axis` on the experts. Tokens travel to their experts' devices
+  and back (see `routed_apply` for `capacity` and `transport`); the weights never move.
+  Differentiable (the collectives transpose to themselves).
+
+  Returns:
+    y ``[T, N]``, sharded like x.
+  """
+  from gmm_jax._src.api import gmm
+
+  def fn(rows, sizes, weights):
+    w, bias = weights
+    return gmm(rows, w, sizes, bias=bias, activation=activation,
+               implementation=implementation, interpret=interpret)
+
+  return routed_apply(fn, x, expert_ids, (w, bias), mesh=mesh, axis=axis, capacity=capacity,
+                      transport=transport)
