@@ -1,0 +1,215 @@
+"""Flax (nnx) layers on gmm: `GroupedLinear` and a dropless top-k `MoE` block.
+
+Needs the optional extra: ``pip install "gmm_jax[flax]"``. Linen versions come from
+``flax.nnx.bridge`` (`grouped_linear_linen`, `moe_linen`), not a second implementation.
+
+Parameters carry logical axis names ("expert", "embed", "mlp") as variable metadata, so
+users shard them with their own rules (``nnx.get_partition_spec`` + a logical-to-mesh map).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gmm_jax._src.api import gmm
+from gmm_jax._src.quant import QuantSpec
+from gmm_jax._src.sharding import routed_apply
+
+Array = jax.Array
+
+
+def _param(value, axes: tuple[str, ...]) -> nnx.Param:
+  """An nnx.Param with logical axis names, across flax versions' metadata names (0.12:
+  ``out_sharding`` with eager sharding off, so no mesh is needed at construction)."""
+  for metadata in (dict(out_sharding=axes, eager_sharding=False), dict(sharding_names=axes),
+                   dict(sharding=axes)):
+    try:
+      return nnx.Param(value, **metadata)
+    except (TypeError, ValueError):
+      continue
+  return nnx.Param(value)
+
+
+def grouped_kernel_init(key, shape, dtype=jnp.float32):
+  """nnx.Linear's default (LeCun normal, fan-in = K) for each group's ``[K, N]`` matrix."""
+  init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
+                                           out_axis=-1, batch_axis=(0,))
+  return init(key, shape, dtype)
+
+
+class GroupedLinear(nnx.Module):
+  """Per-group (per-expert) linear layers applied to group-contiguous rows with one gmm.
+
+  ``y[rows of g] = x[rows of g] @ kernel[g] + bias[g]``; kernel ``[G, K, N]`` with axes
+  ("expert", "embed", "mlp") by default, bias ``[G, N]`` with ("expert", "mlp").
+
+  Args:
+    num_groups, in_features, out_features: G, K, N.
+    use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as in nnx.Linear
+      (kernel_init receives the ``[G, K, N]`` shape).
+    kernel_axes, bias_axes: logical axis names of the parameters.
+    weight_quant: a `QuantSpec` to quantize the kernel on the fly (weight-only int8/int4/
+      fp8; straight-through gradients for training).
+    input_quant: a `QuantSpec` for the inputs (dynamic quantization, e.g. per-token int8).
+    implementation: gmm implementation (None: the platform's chain).
+    rngs: nnx.Rngs.
+  """
+
+  def __init__(self, num_groups: int, in_features: int, out_features: int, *,
+               use_bias: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
+               precision: Any = None, kernel_init=grouped_kernel_init,
+               bias_init=nnx.initializers.zeros_init(),
+               kernel_axes: tuple[str, ...] = ("expert", "embed", "mlp"),
+               bias_axes: tuple[str, ...] = ("expert", "mlp"),
+               weight_quant: QuantSpec | None = None, input_quant: QuantSpec | None = None,
+               implementation: str | None = None, rngs: nnx.Rngs):
+    self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
+    self.dtype, self.precision, self.implementation = dtype, precision, implementation
+    self.weight_quant, self.input_quant = weight_quant, input_quant
+    shape = (num_groups, in_features, out_features)
+    self.kernel = _param(kernel_init(rngs.params(), shape, param_dtype), tuple(kernel_axes))
+    self.bias = (_param(bias_init(rngs.params(), (num_groups, out_features), param_dtype),
+                        tuple(bias_axes)) if use_bias else None)
+
+  def __call__(self, x: Array, group_sizes: Array, *, activation=None,
+               group_offset=None) -> Array:
+    """x ``[M, K]`` rows sorted by group; group_sizes ``[G]`` -> ``[M, N]``."""
+    kernel = self.kernel[...]
+    bias = None if self.bias is None else self.bias[...]
+    dtype = self.dtype or jnp.result_type(x, kernel)
+    x = x.astype(dtype)
+    if self.weight_quant is None:
+      kernel = kernel.astype(dtype)
+    return gmm(x, kernel, group_sizes, bias=bias, activation=activation,
+               precision=self.precision, group_offset=group_offset,
+               quantize_lhs=self.input_quant, quantize_rhs=self.weight_quant,
+               preferred_element_type=dtype, implementation=self.implementation)
+
+
+class MoE(nnx.Module):
+  """A top-k routed, gated-FFN mixture of experts (dropless by default).
+
+  ``y = sum_{e in top_k(x)} p_e(x) * down_e(act(gate_e(x)) * up_e(x))`` with the router
+  ``p = softmax(x @ W_router)`` (top-k probabilities renormalized to sum to 1 unless
+  ``normalize_top_k=False``). Tokens are sorted to expert-contiguous order, the three expert
+  projections are gmm calls, and the results are unsorted and combined with the router
+  weights.
+
+  Args:
+    num_experts, embed, mlp: G, the model width, the expert FFN width.
+    top_k: experts per token.
+    activation: "silu" (SwiGLU) or "gelu"/"gelu_tanh" (GeGLU), or a callable.
+    capacity_factor: None (dropless) or c: each expert takes at most
+      ``ceil(c * tokens * top_k / G)`` tokens (later tokens in order are dropped for it:
+      output 0 from that expert).
+    expert_parallel: None, or ``(mesh, axis)``: experts sharded over the mesh axis, tokens
+      too; tokens travel to their experts' devices (`gmm_jax.routed_apply`) once per call.
+    weight_quant, input_quant: QuantSpecs for the expert projections (see GroupedLinear).
+    dtype, param_dtype, implementation: as in GroupedLinear.
+    rngs: nnx.Rngs.
+
+  Returns (from __call__): ``(y, aux)`` with ``aux = {"load_balancing_loss",
+  "router_z_loss"}``: the Switch-Transformer balance loss ``G * sum_e f_e * P_e`` (f_e:
+  fraction of top-k assignments to e, P_e: mean router probability of e) and the ST-MoE
+  z-loss ``mean(logsumexp(logits)^2)``. The caller weights and adds them.
+  """
+
+  def __init__(self, num_experts: int, embed: int, mlp: int, *, top_k: int = 2,
+               activation="silu", capacity_factor: float | None = None,
+               normalize_top_k: bool = True, expert_parallel=None, dtype: Any = None,
+               param_dtype: Any = jnp.float32, weight_quant: QuantSpec | None = None,
+               input_quant: QuantSpec | None = None, implementation: str | None = None,
+               rngs: nnx.Rngs):
+    if not 1 <= top_k <= num_experts:
+      raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if capacity_factor is not None and capacity_factor <= 0:
+      raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+    self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
+    self.capacity_factor, self.normalize_top_k = capacity_factor, normalize_top_k
+    self.expert_parallel = expert_parallel
+    self.router = nnx.Linear(embed, num_experts, use_bias=False, param_dtype=param_dtype,
+                             kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+    self.router.kernel = _param(self.router.kernel[...], ("embed", "expert"))
+    common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                  weight_quant=weight_quant, input_quant=input_quant,
+                  implementation=implementation, rngs=rngs)
+    self.gate = GroupedLinear(num_experts, embed, mlp, **common)
+    self.up = GroupedLinear(num_experts, embed, mlp, **common)
+    self.down = GroupedLinear(num_experts, mlp, embed, kernel_axes=("expert", "mlp", "embed"),
+                              **common)
+
+  def _experts(self, rows, sizes, kernels=None):
+    """The gated FFN on expert-contiguous rows (kernels: local slices, expert parallel)."""
+    from gmm_jax._src.epilogue import resolve_activation
+
+    act = resolve_activation(self.activation)
+    if kernels is None:
+      return self.down(act(self.gate(rows, sizes)) * self.up(rows, sizes), sizes)
+    w_gate, w_up, w_down = kernels
+    options = dict(quantize_lhs=self.gate.input_quant, quantize_rhs=self.gate.weight_quant,
+                   implementation=self.gate.implementation)
+    h = act(gmm(rows, w_gate, sizes, **options)) * gmm(rows, w_up, sizes, **options)
+    return gmm(h.astype(rows.dtype), w_down, sizes, **options)
+
+  def __call__(self, x: Array) -> tuple[Array, dict[str, Array]]:
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])
+    num_tokens, g, k = tokens.shape[0], self.num_experts, self.top_k
+    logits = self.router(tokens).astype(jnp.float32)  # [T, G]
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    if self.normalize_top_k:
+      top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+
+    flat_e = top_e.reshape(-1)  # [T*k] assignments, token-major
+    flat_t = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), k)
+    flat_p = top_p.reshape(-1)
+    if self.capacity_factor is not None:
+      capacity = math.ceil(self.capacity_factor * num_tokens * k / g)
+      order = jnp.argsort(flat_e, stable=True)
+      counts = jnp.bincount(flat_e, length=g)
+      rank_sorted = jnp.arange(num_tokens * k) - (jnp.cumsum(counts) - counts)[flat_e[order]]
+      rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+      kept = rank < capacity
+      flat_p = jnp.where(kept, flat_p, 0.0)
+      # Dropped assignments sort after every expert (past the group total: gmm gives 0).
+      key = jnp.where(kept, flat_e, g)
+    else:
+      key = flat_e
+      kept = jnp.ones_like(flat_e, bool)
+
+    if self.expert_parallel is not None:
+      mesh, axis = self.expert_parallel
+      ids = jnp.where(kept, flat_e, 0)
+      kernels = (self.gate.kernel[...], self.up.kernel[...], self.down.kernel[...])
+      out = routed_apply(lambda rows, sizes, ws: self._experts(rows, sizes, ws),
+                         tokens[flat_t], ids, kernels, mesh=mesh, axis=axis)
+    else:
+      order = jnp.argsort(key, stable=True)
+      sizes = jnp.bincount(key, length=g + 1)[:g].astype(jnp.int32)
+      y_sorted = self._experts(tokens[flat_t[order]], sizes)
+      out = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    weighted = out.astype(jnp.float32) * flat_p[:, None]
+    y = jnp.zeros((num_tokens, shape[-1]), jnp.float32).at[flat_t].add(weighted)
+
+    fraction = jnp.bincount(flat_e, length=g) / (num_tokens * k)
+    aux = {
+        "load_balancing_loss": g * jnp.sum(fraction * jnp.mean(probs, axis=0)),
+        "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+    }
+    return y.astype(x.dtype).reshape(shape), aux
+
+
+def grouped_linear_linen(*args, **kwargs):
+  """A Linen module wrapping `GroupedLinear` (``flax.nnx.bridge.ToLinen``)."""
+  return nnx.bridge.ToLinen(GroupedLinear, args=args, kwargs=kwargs)
+
+
+def moe_linen(*args, **kwargs):
+  """A Linen module wrapping `MoE` (``flax.nnx.bridge.ToLinen``)."""
+  return nnx.bridge.ToLinen(MoE, args=args, kwargs=kwargs)

@@ -1,0 +1,189 @@
+"""The Flax layers: GroupedLinear against per-expert nnx.Linear, the MoE block against a dense
+per-token loop (forward and gradient), capacity dropping, a tiny training run, sharding
+metadata on a fake 8-device mesh, expert parallelism, and the Linen bridge."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+
+import gmm_jax  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from flax import nnx  # noqa: E402
+from gmm_jax import nn  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+G, EMBED, MLP = 4, 16, 24
+
+
+def value(variable):
+  """A variable's value (a PartitionSpec cannot be read with [...])."""
+  return variable.get_value() if hasattr(variable, "get_value") else variable.value
+
+
+def test_grouped_linear_equals_per_expert_linear():
+  layer = nn.GroupedLinear(G, EMBED, MLP, rngs=nnx.Rngs(0))
+  layer.bias[...] = jax.random.normal(jax.random.key(1), (G, MLP))
+  sizes = np.array([3, 0, 5, 2], np.int32)
+  x = jax.random.normal(jax.random.key(2), (12, EMBED))  # 2 rows past the total
+  got = layer(x, jnp.asarray(sizes), activation="relu")
+  start = 0
+  for g, size in enumerate(sizes):
+    linear = nnx.Linear(EMBED, MLP, rngs=nnx.Rngs(0))
+    linear.kernel[...] = layer.kernel[g]
+    linear.bias[...] = layer.bias[g]
+    np.testing.assert_allclose(got[start:start + size],
+                               jax.nn.relu(linear(x[start:start + size])), rtol=1e-5,
+                               atol=1e-5)
+    start += size
+  np.testing.assert_array_equal(got[start:], 0.0)
+  # nnx.Linear's default init, per expert: fan-in scaling.
+  assert abs(float(jnp.std(layer.kernel[...])) - 1 / np.sqrt(EMBED)) < 0.05
+
+
+def test_grouped_linear_axis_names_and_quantized_weights():
+  layer = nn.GroupedLinear(G, EMBED, MLP, weight_quant=gmm_jax.QuantSpec(
+      jnp.int8, channelwise_axes=(0, 2)), rngs=nnx.Rngs(0))
+  specs = nnx.get_partition_spec(nnx.state(layer))
+  assert value(specs["kernel"]) == P("expert", "embed", "mlp")
+  assert value(specs["bias"]) == P("expert", "mlp")
+  x = jax.random.normal(jax.random.key(3), (10, EMBED))
+  sizes = jnp.asarray([4, 0, 6, 0], jnp.int32)
+  exact = gmm_jax.gmm(x, layer.kernel[...], sizes)
+  got = layer(x, sizes)
+  assert float(jnp.linalg.norm(got - exact) / jnp.linalg.norm(exact)) < 0.01
+  grads = nnx.grad(lambda m: jnp.sum(m(x, sizes) ** 2))(layer)  # straight-through
+  assert float(jnp.abs(grads["kernel"][...]).max()) > 0
+
+
+def dense_moe(model: nn.MoE, x, capacity=None):
+  """Every token through its top-k experts by explicit loops (independent of the sort)."""
+  tokens = x.reshape(-1, x.shape[-1])
+  logits = tokens @ model.router.kernel[...]
+  probs = jax.nn.softmax(logits, axis=-1)
+  top_p, top_e = jax.lax.top_k(probs, model.top_k)
+  top_p = top_p / top_p.sum(-1, keepdims=True)
+  wg, wu, wd = model.gate.kernel[...], model.up.kernel[...], model.down.kernel[...]
+  taken = np.zeros(model.num_experts, int)
+  rows = []
+  for t in range(tokens.shape[0]):
+    y = jnp.zeros(tokens.shape[1])
+    for j in range(model.top_k):
+      e = int(top_e[t, j])
+      taken[e] += 1
+      if capacity is not None and taken[e] > capacity:
+        continue
+      h = jax.nn.silu(tokens[t] @ wg[e]) * (tokens[t] @ wu[e])
+      y = y + top_p[t, j] * (h @ wd[e])
+    rows.append(y)
+  return jnp.stack(rows).reshape(x.shape)
+
+
+def test_moe_matches_dense_loops_forward_and_gradient():
+  model = nn.MoE(G, EMBED, MLP, top_k=2, rngs=nnx.Rngs(4))
+  model.router.kernel[...] = jax.random.normal(jax.random.key(5), (EMBED, G))
+  x = jax.random.normal(jax.random.key(6), (2, 5, EMBED))
+  y, aux = model(x)
+  np.testing.assert_allclose(y, dense_moe(model, x), rtol=1e-4, atol=1e-5)
+  assert y.shape == x.shape and float(aux["load_balancing_loss"]) > 0
+
+  def loss(model, reference):
+    out = dense_moe(model, x) if reference else model(x)[0]
+    return jnp.sum(out ** 2)
+
+  got = nnx.grad(lambda m: loss(m, False))(model)
+  want = nnx.grad(lambda m: loss(m, True))(model)
+  for path in (("gate", "kernel"), ("up", "kernel"), ("down", "kernel"), ("router", "kernel")):
+    a, b = got[path[0]][path[1]][...], want[path[0]][path[1]][...]
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_moe_capacity_drops_late_tokens():
+  model = nn.MoE(G, EMBED, MLP, top_k=1, capacity_factor=0.5, rngs=nnx.Rngs(7))
+  # A router that prefers expert 0 for everyone: only the first 2 tokens fit (8 x 1 x 0.5/4).
+  kernel = np.zeros((EMBED, G), np.float32)
+  kernel[:, 0] = 1.0
+  model.router.kernel[...] = jnp.asarray(kernel)
+  x = jnp.abs(jax.random.normal(jax.random.key(8), (8, EMBED)))
+  y, _ = model(x)
+  np.testing.assert_allclose(y, dense_moe(model, x, capacity=1), rtol=1e-4, atol=1e-5)
+  assert float(jnp.abs(y[1:]).max()) == 0.0 and float(jnp.abs(y[0]).max()) > 0
+
+
+def test_aux_losses():
+  model = nn.MoE(G, EMBED, MLP, top_k=1, rngs=nnx.Rngs(9))
+  model.router.kernel[...] = jnp.zeros((EMBED, G))  # uniform router
+  x = jax.random.normal(jax.random.key(10), (16, EMBED))
+  _, aux = model(x)
+  # Uniform probabilities: P_e = 1/G for all e, and sum_e f_e = 1, so G * sum f_e P_e = 1.
+  np.testing.assert_allclose(aux["load_balancing_loss"], 1.0, rtol=1e-6)
+  np.testing.assert_allclose(aux["router_z_loss"], np.log(G) ** 2, rtol=1e-5)
+
+
+def test_tiny_training_run_reduces_the_loss():
+  import optax
+
+  model = nn.MoE(G, EMBED, MLP, top_k=2, rngs=nnx.Rngs(11))
+  optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(12), (32, EMBED))
+  target = jnp.tanh(x @ jax.random.normal(jax.random.key(13), (EMBED, EMBED)))
+
+  @nnx.jit
+  def step(model, optimizer):
+    def loss_fn(model):
+      y, aux = model(x)
+      return jnp.mean((y - target) ** 2) + 0.01 * aux["load_balancing_loss"]
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(step(model, optimizer)) for _ in range(30)]
+  assert losses[-1] < 0.7 * losses[0], losses
+
+
+def test_parameters_shard_by_logical_axes_on_a_mesh():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host CPU devices")
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  rules = {"expert": "model", "embed": None, "mlp": None}
+  model = nn.MoE(8, EMBED, MLP, top_k=2, rngs=nnx.Rngs(14))
+  specs = nnx.get_partition_spec(nnx.state(model))
+  kernel_spec = value(specs["gate"]["kernel"])
+  assert kernel_spec == P("expert", "embed", "mlp")
+  mesh_spec = P(*[rules[name] for name in kernel_spec])
+  placed = jax.device_put(model.gate.kernel[...], NamedSharding(mesh, mesh_spec))
+  assert placed.sharding.spec == P("model", None, None)
+  assert placed.addressable_shards[0].data.shape == (2, EMBED, MLP)
+
+
+def test_expert_parallel_moe_equals_single_device():
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host CPU devices")
+  mesh = Mesh(np.array(jax.devices()[:8]), ("expert",))
+  local = nn.MoE(8, EMBED, MLP, top_k=2, rngs=nnx.Rngs(15))
+  parallel = nn.MoE(8, EMBED, MLP, top_k=2, expert_parallel=(mesh, "expert"),
+                    rngs=nnx.Rngs(15))
+  x = jax.random.normal(jax.random.key(16), (16, EMBED))  # 32 assignments over 8 devices
+  want, _ = local(x)
+  got, _ = nnx.jit(lambda m, x: m(x))(parallel, x)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  g_local = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(local)
+  g_par = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(parallel)
+  np.testing.assert_allclose(g_par["down"]["kernel"][...], g_local["down"]["kernel"][...],
+                             rtol=1e-3, atol=1e-5)
+
+
+def test_linen_bridge():
+  module = nn.moe_linen(G, EMBED, MLP, top_k=2)
+  x = jax.random.normal(jax.random.key(17), (6, EMBED))
+  variables = module.init(jax.random.key(18), x)
+  (y, aux) = module.apply(variables, x)
+  assert y.shape == x.shape and set(aux) == {"load_balancing_loss", "router_z_loss"}
+  layer = nn.grouped_linear_linen(G, EMBED, MLP)
+  sizes = jnp.asarray([2, 0, 3, 1], jnp.int32)
+  variables = layer.init(jax.random.key(19), x, sizes)
+  assert layer.apply(variables, x, sizes).shape == (6, MLP)
