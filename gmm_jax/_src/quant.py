@@ -261,7 +261,11 @@ def compute_dtype(q: QArray):
   """The dtype gmm multiplies `q`'s values in: int8 for integers (exact int32 accumulation),
   bf16 for 8- and 4-bit floats (every fp8/fp4 value is exact in bf16; XLA:CPU has no fast
   fp8 dot)."""
-  return np.dtype(jnp.int8) if _is_int(q.qtype) else np.dtype(jnp.bfloat16)
+  if _is_int(q.qtype):  # unsigned 8/4-bit values do not fit int8
+    signed = jnp.iinfo(q.qtype).min < 0
+    return np.dtype(jnp.int8) if signed and q.qtype.itemsize == 1 or q.qtype == np.dtype(
+        jnp.int4) else np.dtype(jnp.int32)
+  return np.dtype(jnp.bfloat16)
 
 
 def _pad_to(x, size, axis):
@@ -434,7 +438,7 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg, output_scale=None,
         "both integer (int8/int4) or both float (fp8/fp4)")
   if int_bias and not integer:
     raise NotImplementedError("an int32 bias needs integer quantized values")
-  value_dtype = compute_dtype(lhs)
+  value_dtype = np.promote_types(compute_dtype(lhs), compute_dtype(rhs))
   acc_dtype = np.dtype(jnp.int32) if integer else f32
   acc = gmm_core(cfg.replace(activation=None, out_dtype=acc_dtype),
                  _values(lhs, value_dtype), _values(rhs, value_dtype), counts, group_offset,
