@@ -1,0 +1,1 @@
+"""Facades with the seed APIs' names and semantics: `onednn` (grouped memory + matmul)."""
