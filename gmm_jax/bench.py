@@ -395,6 +395,16 @@ def format_row(row: Row) -> str:
           f"{_fmt(mb(row.temp['ragged']), '.1f')} |")
 
 
+def _shapes(args):
+  """(M, K=N, G, sizes) of the grid (one group is never skewed)."""
+  for m in args.m:
+    for kn in args.kn:
+      for num_groups in args.groups:
+        for distribution in args.sizes:
+          if not (num_groups == 1 and distribution == "skewed"):
+            yield m, kn, num_groups, distribution
+
+
 PLATFORM_DEFAULTS = {
     "cpu": dict(dtypes=["float32", "bfloat16"], m=[2048, 8192], kn=[1024, 2048],
                 groups=[1, 8, 64, 256], implementation="xla", repeats=5),
@@ -448,34 +458,23 @@ def main(argv=None):
     return
   if args.quant:
     print(quant_header(), flush=True)
-    for m in args.m:
-      for kn in args.kn:
-        for num_groups in args.groups:
-          for distribution in args.sizes:
-            if num_groups == 1 and distribution == "skewed":
-              continue
-            implementation = None if args.implementation == "xla" else args.implementation
-            for row in run_quant_case(m, kn, num_groups, distribution, args.modes,
-                                      implementation, args.repeats, args.interpret):
-              print(format_quant_row(row), flush=True)
+    implementation = None if args.implementation == "xla" else args.implementation
+    for m, kn, num_groups, distribution in _shapes(args):
+      for row in run_quant_case(m, kn, num_groups, distribution, args.modes, implementation,
+                                args.repeats, args.interpret):
+        print(format_quant_row(row), flush=True)
     return
   print(gpu_header() if gpu else header(), flush=True)
   for dtype in args.dtypes:
-    for m in args.m:
-      for kn in args.kn:
-        for num_groups in args.groups:
-          for distribution in args.sizes:
-            if num_groups == 1 and distribution == "skewed":
-              continue
-            if gpu:
-              rows = run_gpu_case(jnp.dtype(dtype), m, kn, num_groups, distribution,
-                                  args.modes, args.implementation, args.repeats,
-                                  args.interpret)
-            else:
-              rows = run_case(jnp.dtype(dtype), m, kn, num_groups, distribution, args.modes,
-                              args.implementation, args.repeats)
-            for row in rows:
-              print(format_gpu_row(row) if gpu else format_row(row), flush=True)
+    for m, kn, num_groups, distribution in _shapes(args):
+      if gpu:
+        rows = run_gpu_case(jnp.dtype(dtype), m, kn, num_groups, distribution, args.modes,
+                            args.implementation, args.repeats, args.interpret)
+      else:
+        rows = run_case(jnp.dtype(dtype), m, kn, num_groups, distribution, args.modes,
+                        args.implementation, args.repeats)
+      for row in rows:
+        print(format_gpu_row(row) if gpu else format_row(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -173,3 +173,25 @@ def dequantize_tile(w, scale_row, zero_row, transposed: bool, dtype):
   if zero_row is not None:
     w = w - zero_row
   return (w * scale_row).astype(dtype)
+
+
+def kernel_dtypes(lhs, rhs, quant: QuantOperands | None):
+  """(dot dtype, accumulator dtype) of a kernel on prepared operands: weight-only
+  dequantizes the weights to the activations' float type; otherwise the promoted type, with
+  an int32 accumulator for integers and f32 for floats."""
+  from gmm_jax._src.config import accumulator_dtype
+
+  if quant is not None and quant.mode == "weight_only":
+    dot_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
+    return np.dtype(dot_dtype), np.dtype(jnp.float32)
+  return np.dtype(jnp.promote_types(lhs.dtype, rhs.dtype)), accumulator_dtype(lhs.dtype,
+                                                                              rhs.dtype)
+
+
+def with_quant_k_step(tiling, quant: QuantOperands | None, k: int):
+  """Per-group weight scales take one K step per scale row: ``tile_k = k_block``."""
+  from gmm_jax._src.config import Tiling
+
+  if quant is None or quant.k_block >= max(k, 1):
+    return tiling
+  return Tiling(tile_m=tiling.tile_m, tile_k=quant.k_block, tile_n=tiling.tile_n)

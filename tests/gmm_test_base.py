@@ -635,3 +635,26 @@ class GmmTestBase:
 
     jax.test_util.check_grads(fn, (lhs, rhs, bias), order=1, modes=("rev",), eps=1e-3,
                               atol=1e-2, rtol=1e-2)
+
+
+def lowering_problem(group_type, shape, case, num_local=4):
+  """Operands and gmm options of one cross-lowering case.
+
+  `case` is ``(lhs dtype, rhs dtype, preferred_element_type, transpose_lhs, transpose_rhs,
+  activation)``; integer operands get an int32 bias.
+
+  Returns:
+    (lhs, rhs, bias, options for gmm_jax.gmm).
+  """
+  lhs_dtype, rhs_dtype, preferred, transpose_lhs, transpose_rhs, activation = case
+  m, k, n = shape
+  lhs, rhs, bias = make_operands(group_type, m=m, k=k, n=n, num_local=num_local,
+                                 lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
+                                 transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs,
+                                 with_bias=True)
+  if jnp.issubdtype(lhs_dtype, jnp.integer):
+    bias = jnp.asarray(bias, jnp.int32)
+  options = dict(group_type=group_type, activation=activation, transpose_lhs=transpose_lhs,
+                 transpose_rhs=transpose_rhs, preferred_element_type=preferred,
+                 num_groups=num_local if group_type == "k" else None)
+  return lhs, rhs, bias, options

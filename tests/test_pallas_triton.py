@@ -16,7 +16,7 @@ from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.reference import gmm_reference
 from gmm_jax.pallas.gpu import gmm as triton_gmm
 from jax.experimental.pallas import triton as plgpu
-from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, make_operands
+from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
 from oracle import f64, tolerances
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -129,23 +129,13 @@ LOWERING_CASES = [  # (lhs dtype, rhs dtype, preferred, transpose_lhs, transpose
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("group_type", ["m", "k"])
 def test_lowers_for_cuda(as_if_on_gpu, group_type, shape, case):
-  lhs_dtype, rhs_dtype, preferred, transpose_lhs, transpose_rhs, activation = (
-      LOWERING_CASES[case])
-  m, k, n = shape
   num_local = 4
-  lhs, rhs, bias = make_operands(group_type, m=m, k=k, n=n, num_local=num_local,
-                                 lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
-                                 transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs,
-                                 with_bias=True)
-  if jnp.issubdtype(lhs_dtype, jnp.integer):
-    bias = jnp.asarray(bias, jnp.int32)
+  lhs, rhs, bias, options = lowering_problem(group_type, shape, LOWERING_CASES[case],
+                                             num_local)
 
   def f(lhs, rhs, bias, sizes, offset):
-    return gmm_jax.gmm(lhs, rhs, sizes, group_type=group_type, bias=bias,
-                       activation=activation, transpose_lhs=transpose_lhs,
-                       transpose_rhs=transpose_rhs, preferred_element_type=preferred,
-                       group_offset=offset, implementation="pallas_triton",
-                       num_groups=num_local if group_type == "k" else None)
+    return gmm_jax.gmm(lhs, rhs, sizes, bias=bias, group_offset=offset,
+                       implementation="pallas_triton", **options)
 
   sizes = jnp.zeros((num_local + 1,), jnp.int32)  # traced: any routing, one lowering
   text = _lower_for_cuda(f, lhs, rhs, bias, sizes, jnp.int32(1))

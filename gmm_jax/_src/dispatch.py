@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 from typing import Callable
 
 import jax
@@ -164,20 +165,15 @@ def _register_builtin() -> None:
 
   register(Backend("reference", gmm_reference, platforms=("cpu", "gpu", "tpu")))
   register(Backend("xla", lambda *args: gmm_xla(*args), platforms=("cpu", "gpu", "tpu")))
-  try:
-    from gmm_jax.pallas.tpu import gmm_tpu
-  except ImportError:  # a jax without Pallas TPU: the TPU chain falls through to xla
-    pass
-  else:
-    register(Backend("pallas_tpu", lambda *args: gmm_tpu(*args), platforms=("tpu",),
+  # The Pallas kernels, where this jax has the backend (else the chains fall through).
+  kernels = (("pallas_tpu", "gmm_jax.pallas.tpu", "gmm_tpu", "tpu"),
+             ("pallas_triton", "gmm_jax.pallas.gpu", "gmm_triton", "gpu"))
+  for name, module_name, function, platform in kernels:
+    try:
+      fn = getattr(importlib.import_module(module_name), function)
+    except ImportError:
+      continue
+    register(Backend(name, lambda *args, fn=fn: fn(*args), platforms=(platform,),
                      quant_modes=("none", "weight_only", "scaled")))
-  try:
-    from gmm_jax.pallas.gpu import gmm_triton
-  except ImportError:  # a jax without Pallas Triton: the GPU chain falls through to xla
-    pass
-  else:
-    register(Backend("pallas_triton", lambda *args: gmm_triton(*args), platforms=("gpu",),
-                     quant_modes=("none", "weight_only", "scaled")))
-
 
 _register_builtin()

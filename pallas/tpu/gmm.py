@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gmm_jax._src import layout
-from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_dims
+from gmm_jax._src.config import GmmConfig, Tiling, problem_dims
 from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
 from gmm_jax.pallas import common
 
@@ -237,18 +237,9 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   """
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
   lhs, rhs, quant = common.prepare_quant(lhs, rhs, cfg, m, k, n)
-  if quant is not None and quant.mode == "weight_only":
-    # The weights are dequantized in-kernel to the activations' float type.
-    dot_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
-    acc_dtype = jnp.dtype(jnp.float32)
-  else:
-    dot_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-    acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
-  itemsize = jnp.dtype(dot_dtype).itemsize
-  tiling = tiling or cfg.tiling or default_tiling(m, k, n, cfg, itemsize)
-  if quant is not None and quant.k_block < max(k, 1):
-    # Per-group scales: one K step per scale row.
-    tiling = Tiling(tile_m=tiling.tile_m, tile_k=quant.k_block, tile_n=tiling.tile_n)
+  dot_dtype, acc_dtype = common.kernel_dtypes(lhs, rhs, quant)
+  tiling = common.with_quant_k_step(
+      tiling or cfg.tiling or default_tiling(m, k, n, cfg, dot_dtype.itemsize), quant, k)
   check_tiling(tiling, m, k, n, cfg)
   if not cfg.interpret:
     missing = unsupported_primitives(cfg.activation)
