@@ -1,1 +1,2 @@
-"""Facades with the seed APIs' names and semantics: `onednn` (grouped memory + matmul)."""
+"""Facades with the seed APIs' names and semantics: `onednn` (grouped memory + matmul)
+and `ascend` (aclnnGroupedMatmul)."""

@@ -1,0 +1,272 @@
+"""gmm_jax.compat.ascend against float64 numpy oracles written from Ascend GroupedMatmul's
+formulas (spec section 5) for the implemented scenarios, and its first-phase rejections."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gmm_jax.compat import ascend
+
+RNG = np.random.default_rng(0)
+
+
+def np_act(y, act_type):
+  if act_type == 1:
+    return np.maximum(y, 0)
+  if act_type == 2:
+    return 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+  if act_type == 4:
+    return y / (1 + np.exp(-1.702 * y))
+  if act_type == 5:
+    return y / (1 + np.exp(-y))
+  return y
+
+
+def np_split_m(x, w, sizes, experts=None, bias=None):
+  """Rows consumed in order: entry i takes the next sizes[i] rows with weight experts[i]."""
+  x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  out = np.zeros((x.shape[0], w.shape[-1]))
+  start = 0
+  for i, size in enumerate(sizes):
+    e = i if experts is None else experts[i]
+    out[start:start + size] = x[start:start + size] @ w[e] + (0 if bias is None else bias[e])
+    start += size
+  return out
+
+
+def f64(a):
+  return np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+
+
+# ------------------------------------------------------------------------------ non-quant
+
+
+def test_worked_example_three_list_types():
+  # M=789, E=9: experts 0, 2, 5 get 123, 333, 333 tokens (K, N reduced to keep it quick).
+  k, n = 64, 32
+  x = RNG.standard_normal((789, k)).astype(np.float32)
+  w = RNG.standard_normal((9, k, n)).astype(np.float32)
+  lists = {
+      0: np.array([123, 123, 456, 456, 456, 789, 789, 789, 789], np.int64),
+      1: np.array([123, 0, 333, 0, 0, 333, 0, 0, 0], np.int64),
+      2: np.array([[0, 123], [2, 333], [5, 333], [1, 0], [3, 0], [4, 0], [6, 0], [7, 0],
+                   [8, 0]], np.int64),
+  }
+  want = np_split_m(x, w, [123, 0, 333, 0, 0, 333, 0, 0, 0])
+  for list_type, group_list in lists.items():
+    (y,) = ascend.grouped_matmul(x, w, group_list=group_list, group_list_type=list_type,
+                                 split_item=3, group_type=0)
+    assert y.shape == (789, n)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_sparse_list_order_and_stop_at_first_empty_entry():
+  x = RNG.standard_normal((24, 8)).astype(np.float32)
+  w = RNG.standard_normal((4, 8, 5)).astype(np.float32)
+  b = RNG.standard_normal((4, 5)).astype(np.float32)
+  # Expert 2 first, then 0; the empty entry stops processing, so [3, 4] is never used.
+  group_list = np.array([[2, 10], [0, 5], [1, 0], [3, 4]], np.int64)
+  (y,) = ascend.grouped_matmul(x, w, bias=b, group_list=group_list, group_list_type=2,
+                               split_item=2, group_type=0)
+  want = np_split_m(x, w, [10, 5], experts=[2, 0], bias=b)
+  np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(y)[15:], 0.0)  # decided: rows past the total
+
+
+@pytest.mark.parametrize("act_type", [0, 1, 2, 4, 5])
+def test_single_tensors_m_grouping_with_activation(act_type):
+  x = RNG.standard_normal((20, 16)).astype(np.float32)
+  w = RNG.standard_normal((3, 16, 8)).astype(np.float32)
+  b = RNG.standard_normal((3, 8)).astype(np.float32)
+  (y,) = ascend.grouped_matmul([x], [w], bias=[b], group_list=np.array([6, 6, 17]),
+                               split_item=3, group_type=0, act_type=act_type)
+  want = np_act(np_split_m(x, w, [6, 0, 11], bias=b), act_type)
+  want[17:] = 0.0
+  np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_s_m_s_and_m_m_s():
+  w_list = [RNG.standard_normal((16, 8)).astype(np.float32) for _ in range(3)]
+  x = RNG.standard_normal((12, 16)).astype(np.float32)
+  (y,) = ascend.grouped_matmul(x, w_list, group_list=np.array([4, 0, 8]), group_list_type=1,
+                               split_item=2, group_type=0)
+  np.testing.assert_allclose(y, np_split_m(x, np.stack(w_list), [4, 0, 8]), rtol=1e-5,
+                             atol=1e-5)
+  x_list = [x[:4], x[4:4], x[4:]]
+  (y2,) = ascend.grouped_matmul(x_list, w_list, split_item=2, group_type=0)
+  np.testing.assert_allclose(y2, y, rtol=1e-6, atol=1e-6)
+
+
+def test_no_grouping_lists_of_matrices():
+  xs = [RNG.standard_normal((2, 3, 16)).astype(np.float32),
+        RNG.standard_normal((5, 12)).astype(np.float32)]
+  ws = [RNG.standard_normal((16, 8)).astype(np.float32),
+        RNG.standard_normal((12, 4)).astype(np.float32)]
+  bs = [RNG.standard_normal((8,)).astype(np.float32), RNG.standard_normal((4,)).astype(
+      np.float32)]
+  ys = ascend.grouped_matmul(xs, ws, bias=bs, group_type=-1, split_item=0)
+  assert [y.shape for y in ys] == [(2, 3, 8), (5, 4)]  # leading dims of x kept
+  for y, x, w, b in zip(ys, xs, ws, bs):
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w + b, rtol=1e-5, atol=1e-5)
+
+
+def test_k_grouping_single_and_multi_weights():
+  m, n = 6, 5
+  x = RNG.standard_normal((m, 30)).astype(np.float32)  # logical [M, K]
+  w = RNG.standard_normal((30, n)).astype(np.float32)
+  (y,) = ascend.grouped_matmul(x, w, group_list=np.array([10, 10, 25]), split_item=3,
+                               group_type=2)
+  assert y.shape == (3, m, n)
+  np.testing.assert_allclose(y[0], x[:, :10].astype(np.float64) @ w[:10], rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_array_equal(y[1], 0.0)  # an empty K group is zero-filled
+  np.testing.assert_allclose(y[2], x[:, 10:25].astype(np.float64) @ w[10:25], rtol=1e-5,
+                             atol=1e-5)
+  ys = ascend.grouped_matmul(x, [w[:10], w[10:25]], split_item=0, group_type=2)  # S-M-M
+  assert len(ys) == 2
+  np.testing.assert_allclose(ys[1], y[2], rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------- quantized
+
+
+@pytest.mark.parametrize("weight_type, per_group", [("int8", False), ("int4", False),
+                                                    ("int4", True)])
+def test_weight_only_antiquant(weight_type, per_group):
+  # y = x @ ((W + offset) * scale) + b, bf16 activations, bf16 scale/offset.
+  e, k, n = 3, 64, 8
+  x = jnp.asarray(RNG.standard_normal((20, k)), jnp.bfloat16)
+  low, high = (-128, 128) if weight_type == "int8" else (-8, 8)
+  w = jnp.asarray(RNG.integers(low, high, (e, k, n)), weight_type)
+  groups = 2 if per_group else None
+  shape = (e, groups, n) if per_group else (e, n)
+  scale = jnp.asarray(RNG.uniform(0.01, 0.05, shape), jnp.bfloat16)
+  offset = jnp.asarray(RNG.integers(-3, 4, shape), jnp.bfloat16)
+  b = jnp.asarray(RNG.standard_normal((e, n)), jnp.float32)
+  (y,) = ascend.grouped_matmul(x, w, bias=b, antiquant_scale=scale, antiquant_offset=offset,
+                               group_list=np.array([7, 7, 19]), split_item=3, group_type=0)
+  assert y.dtype == jnp.bfloat16
+  s, o = f64(scale), f64(offset)
+  if per_group:
+    s, o = np.repeat(s, k // groups, axis=1), np.repeat(o, k // groups, axis=1)
+  else:
+    s, o = s[:, None, :], o[:, None, :]
+  w_deq = (f64(w) + o) * s
+  w_bf16 = f64(jnp.asarray(w_deq, jnp.bfloat16))  # the weights are dequantized to bf16
+  want = np_split_m(f64(x), w_bf16, [7, 0, 12], bias=f64(b))
+  want[19:] = 0.0
+  np.testing.assert_allclose(f64(y), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("bias_kind", ["none", "int32", "float"])
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_a8w8(bias_kind, dynamic, per_tensor):
+  # static: y = (x W [+ b_int32]) * scale [+ b_float]; dynamic: also * per_token_scale.
+  e, k, n, m = 3, 32, 8, 20
+  x = jnp.asarray(RNG.integers(-128, 128, (m, k)), jnp.int8)
+  w = jnp.asarray(RNG.integers(-128, 128, (e, k, n)), jnp.int8)
+  scale = RNG.uniform(1e-4, 1e-3, (e,) if per_tensor else (e, n)).astype(np.float32)
+  pts = RNG.uniform(0.5, 2.0, (m,)).astype(np.float32) if dynamic else None
+  bias = {"none": None,
+          "int32": RNG.integers(-1000, 1000, (e, n)).astype(np.int32),
+          "float": RNG.standard_normal((e, n)).astype(np.float32)}[bias_kind]
+  (y,) = ascend.grouped_matmul(x, w, bias=bias, scale=scale, per_token_scale=pts,
+                               group_list=np.array([5, 5, 18]), split_item=3, group_type=0,
+                               act_type=5, output_dtype=jnp.float32)
+  sizes = [5, 0, 13]
+  acc = np_split_m(f64(x), f64(w), sizes, bias=bias if bias_kind == "int32" else None)
+  s = np.broadcast_to(scale.reshape(e, -1), (e, n))
+  groups = np.repeat(np.arange(e), sizes)
+  want = np.zeros((m, n))
+  want[:18] = acc[:18] * s[groups]
+  if dynamic:
+    want[:18] *= pts[:18, None]
+  if bias_kind == "float":
+    want[:18] += bias[groups]
+  want = np_act(want, 5)
+  want[18:] = 0.0
+  np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a8w8_int32_output():
+  x = jnp.asarray(RNG.integers(-128, 128, (10, 16)), jnp.int8)
+  w = jnp.asarray(RNG.integers(-128, 128, (2, 16, 4)), jnp.int8)
+  b = RNG.integers(-100, 100, (2, 4)).astype(np.int32)
+  (y,) = ascend.grouped_matmul(x, w, bias=b, group_list=np.array([4, 10]), split_item=3,
+                               group_type=0)
+  assert y.dtype == jnp.int32
+  np.testing.assert_array_equal(y, np_split_m(f64(x), f64(w), [4, 6], bias=b))
+
+
+def test_jit_with_traced_group_list():
+  x = RNG.standard_normal((12, 8)).astype(np.float32)
+  w = RNG.standard_normal((3, 8, 4)).astype(np.float32)
+  f = jax.jit(lambda x, w, gl: ascend.grouped_matmul(x, w, group_list=gl, split_item=3,
+                                                     group_type=0, group_list_type=1)[0])
+  np.testing.assert_allclose(f(x, w, jnp.asarray([3, 0, 9], jnp.int32)),
+                             np_split_m(x, w, [3, 0, 9]), rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- rejections
+
+X = np.zeros((8, 16), np.float32)
+W = np.zeros((2, 16, 4), np.float32)
+GL = np.array([4, 8], np.int64)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(group_type=1, split_item=3, group_list=GL), ValueError, "split-N"),
+    (dict(group_type=7, split_item=3, group_list=GL), ValueError, "-1, 0 or 2"),
+    (dict(group_type=0, split_item=5, group_list=GL), ValueError, "split_item must be 0-3"),
+    (dict(group_type=-1, split_item=2, x=[X], weight=[W[0]]), ValueError, "needs group_type"),
+    (dict(group_type=-1, split_item=0, x=[X], weight=[W[0]], group_list=GL), ValueError,
+     "must be null"),
+    (dict(group_type=0, split_item=0, group_list=GL), ValueError, "split_item 2 or 3"),
+    (dict(group_type=0, split_item=3), ValueError, "needs a group_list"),
+    (dict(group_type=0, split_item=3, group_list=GL, act_type=3), ValueError, "GELU_ERR"),
+    (dict(group_type=0, split_item=3, group_list=GL, act_type=6), ValueError, "0-5"),
+    (dict(group_type=0, split_item=3, group_list=np.array([4, 4, 8])), ValueError,
+     "3 entries but there are 2 groups"),
+    (dict(group_type=0, split_item=3, group_list=np.array([[0, 4, 1], [1, 4, 1]]),
+          group_list_type=2), ValueError, r"must be \[E, 2\]"),
+    (dict(group_type=0, split_item=3, group_list=np.ones(1025, np.int64)), ValueError,
+     "at most 1024"),
+    (dict(group_type=0, split_item=3, group_list=np.array([4, 12]), group_list_type=0),
+     ValueError, "covers 12 rows, more than x's 8"),
+    (dict(group_type=0, split_item=3, group_list=GL, bias=[np.zeros((2, 4))] * 3),
+     ValueError, "bias has 3 tensors"),
+    (dict(group_type=2, split_item=3, x=X, weight=W[0], group_list=GL,
+          bias=np.zeros((2, 4))), ValueError, "bias must be null"),
+    (dict(group_type=0, split_item=3, x=[], group_list=GL), ValueError, "empty list"),
+    (dict(group_type=-1, split_item=0, x=[np.zeros((1,) * 7)], weight=[W[0]]), ValueError,
+     "2-6-D"),
+    (dict(group_type=0, split_item=3, group_list=GL,
+          weight=np.zeros((2, 16, 3), jnp.int4), x=X.astype(jnp.bfloat16),
+          antiquant_scale=np.ones((2, 3))), ValueError, "even last dimension"),
+    (dict(group_type=0, split_item=3, group_list=GL,
+          weight=np.zeros((2, 16, 4), np.int8), x=X.astype(jnp.bfloat16)), ValueError,
+     "needs antiquant_scale"),
+    (dict(group_type=0, split_item=3, group_list=GL, x=np.zeros((8, 12), np.float32)),
+     ValueError, "K=12"),
+    (dict(group_type=0, split_item=3, group_list=GL, offset=np.zeros((2, 1, 4))),
+     NotImplementedError, "offset"),
+    (dict(group_type=0, split_item=3, group_list=GL, x=X.astype(np.int8),
+          weight=W.astype(np.int8), scale=np.ones((2, 4), np.uint64)), NotImplementedError,
+     "UINT64"),
+])
+def test_first_phase_rejections(kwargs, error, match):
+  kwargs = dict(kwargs)
+  x = kwargs.pop("x", X)
+  weight = kwargs.pop("weight", W)
+  with pytest.raises(error, match=match):
+    ascend.grouped_matmul(x, weight, **kwargs)
+
+
+def test_last_dim_limit():
+  with pytest.raises(ValueError, match="< 65536"):
+    ascend.grouped_matmul(np.zeros((2, 4), np.float32),
+                          np.zeros((1, 4, 65536), np.float32), group_list=np.array([2]),
+                          split_item=3, group_type=0)
