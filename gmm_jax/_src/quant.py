@@ -24,7 +24,6 @@ then the activation, an optional output scale and offset (requantization), and t
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -266,16 +265,6 @@ def compute_dtype(q: QArray):
     return np.dtype(jnp.int8) if signed and q.qtype.itemsize == 1 or q.qtype == np.dtype(
         jnp.int4) else np.dtype(jnp.int32)
   return np.dtype(jnp.bfloat16)
-
-
-def _pad_to(x, size, axis):
-  return x if x.shape[axis] == size else jax.lax.pad(
-      x, jnp.zeros((), x.dtype), [(0, size - x.shape[axis] if a == axis else 0, 0)
-                                  for a in range(x.ndim)])
-
-
-def num_blocks(size: int, tile: int) -> int:
-  return max(1, math.ceil(size / max(tile, 1)))
 
 
 # ------------------------------------------------------------------------ gmm with QArrays

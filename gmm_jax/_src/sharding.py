@@ -189,7 +189,7 @@ def _operand_spec(x, spec: P, mesh: Mesh):
   return spec
 
 
-def _local_qarray(x, shape):
+def _local_qarray(x):
   """A QArray shard (shard_map hands over the components' local blocks)."""
   if not isinstance(x, quant.QArray):
     return x
@@ -217,10 +217,9 @@ def sharded_gmm(lhs, rhs, counts, group_offset, bias, cfg, sharding: GmmSharding
   local_cfg = cfg.replace(num_local=cfg.num_local // num_experts_shards)
   reduce_k = bool(p.k)
   bias_entry = (_entry(p.experts) if cfg.group_type == "m" else None, _entry(p.n))
-  n_shards = int(np.prod([mesh.shape[a] for a in p.n])) if p.n else 1
 
   def body(lhs, rhs, counts, group_offset, bias):
-    lhs, rhs = _local_qarray(lhs, None), _local_qarray(rhs, None)
+    lhs, rhs = _local_qarray(lhs), _local_qarray(rhs)
     offset = group_offset
     if p.experts:
       offset = offset + _linear_index(p.experts) * local_cfg.num_local
@@ -237,9 +236,8 @@ def sharded_gmm(lhs, rhs, counts, group_offset, bias, cfg, sharding: GmmSharding
       z = run(lhs, rhs, local_counts, offset, None,
               local_cfg.replace(activation=None, out_dtype=np.dtype(jnp.float32)))
       z = jax.lax.psum(z, p.k)
-      if p.experts:
+      if p.experts:  # every device then holds all groups' rows: finished below
         z = jax.lax.psum(z, p.experts)
-        # every device then holds all groups' rows: finish with the global view below
       return z
     out = run(lhs, rhs, local_counts, offset, bias, local_cfg)
     if p.experts:
@@ -248,16 +246,13 @@ def sharded_gmm(lhs, rhs, counts, group_offset, bias, cfg, sharding: GmmSharding
 
   in_specs = (_operand_spec(lhs, sharding.lhs, mesh), _operand_spec(rhs, sharding.rhs, mesh),
               P(), P(), None if bias is None else P(*bias_entry))
-  out_spec = p.out_spec
-  if reduce_k and p.experts:
-    pass
-  fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=p.out_spec,
+                     check_vma=False)
   out = fn(lhs, rhs, counts, group_offset, bias)
   if reduce_k:
     # Bias and activation after the reduction, with the global group list (rows are still
     # sharded on M and N as the plan says; XLA keeps this elementwise step local).
     out = finish_fn(out, counts, group_offset, bias, cfg)
-  del n_shards
   return out
 
 
