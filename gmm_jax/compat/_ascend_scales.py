@@ -7,6 +7,10 @@
 * k-grouping block layouts (MX and G-B): every group's blocks start at its own first column,
   group i's first block row being ``(K_0 + ... + K_{i-1}) // block + i`` (spec 6.4/6.5; floor
   division is our reading where the sum is not a multiple of the block).
+
+`m_parameters` and `k_dequantized` turn a call's scale arguments into gmm_jax operands' terms:
+logical per-expert and per-row scales (m-grouping), or per-column dequantized operands
+(k-grouping).
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ _OFFSET_SHIFT = 37
 _OFFSET_MASK = 0x1FF  # 9 bits
 MX_BLOCK = 32
 GB_BLOCK = 128
+
+F32, F16, BF16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
+I8, I4, I32 = np.dtype(jnp.int8), np.dtype(jnp.int4), np.dtype(jnp.int32)
+FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+FP4 = np.dtype(jnp.float4_e2m1fn)
+E8M0 = np.dtype(jnp.float8_e8m0fnu)
+FLOATS = (F32, F16, BF16)
 
 
 def trans_quant_param(scale, offset=None) -> np.ndarray:
@@ -58,6 +69,27 @@ def is_packed(value) -> bool:
     return bool(value) and is_packed(value[0])
   dtype = getattr(value, "dtype", None)
   return dtype is not None and np.dtype(dtype) in PACKED_DTYPES
+
+
+def dtype(value):
+  return np.dtype(value.dtype)
+
+
+def array(value):
+  """A parameter as one array: a list of one tensor is that tensor, longer lists (one tensor
+  per weight) are stacked; numpy is kept for packed 64-bit scales, which JAX cannot hold
+  without x64."""
+  if value is None:
+    return None
+  if isinstance(value, (list, tuple)) and len(value) == 1:
+    value = value[0]
+  if isinstance(value, (list, tuple)):
+    if is_packed(value) and not any(isinstance(v, jax.Array) for v in value):
+      return np.stack([np.asarray(v) for v in value])
+    return jnp.stack([jnp.asarray(v) for v in value])
+  if is_packed(value) and not isinstance(value, jax.Array):
+    return np.asarray(value)
+  return jnp.asarray(value)
 
 
 def decode_packed(value):
@@ -120,3 +152,151 @@ def k_block_rows(sizes, k: int, block: int):
 
 def k_rows_needed(k: int, g: int, block: int) -> int:
   return k // block + g
+
+
+# ------------------------------------------------ parameters in logical layouts
+
+
+def k_dequantized(kind, x, w, sizes, g, params):
+  """Full quant with K grouped (FP8, MX, G-B on the 950): each column of x and row of w
+  belongs to one group, so both are dequantized elementwise with that group's (block)
+  scales; the f32 k-grouped gmm then sums the block products times their """
+  m, k = x.shape
+  n = w.shape[1]
+  ids, local, _ = column_groups(sizes, k)
+  scale, pts = array(params["scale"]), array(params["per_token_scale"])
+  if kind == "mx":
+    rows = k_rows_needed(k, g, 2 * MX_BLOCK)
+    if scale.shape != (rows, n, 2):
+      raise ValueError(f"MX k-grouping scale must be (K/64 + g, N, 2) = {[rows, n, 2]}, got "
+                       f"{list(scale.shape)}")
+    if pts.shape != (rows, m, 2):
+      raise ValueError(f"MX k-grouping per_token_scale must be (K/64 + g, M, 2) = "
+                       f"{[rows, m, 2]}, got {list(pts.shape)}")
+    row, local = k_block_rows(sizes, k, 2 * MX_BLOCK)
+    slot = (local // MX_BLOCK) % 2
+    w_scale = scale.astype(jnp.float32)[row, :, slot]  # [K, N]
+    x_scale = pts.astype(jnp.float32)[row, :, slot].T  # [M, K]
+  elif kind == "gb":
+    rows = k_rows_needed(k, g, GB_BLOCK)
+    if pts.shape != (rows, m):
+      raise ValueError(f"G-B k-grouping per_token_scale must be (K/128 + g, M) = {[rows, m]}, "
+                       f"got {list(pts.shape)}")
+    row, _ = k_block_rows(sizes, k, GB_BLOCK)
+    columns = jnp.arange(n) // GB_BLOCK
+    w_scale = scale.astype(jnp.float32)[row][:, columns]
+    x_scale = pts.astype(jnp.float32)[row].T
+  else:  # per-channel [g, N] / per-tensor [g] or [g, 1]; x per-token [g, M] or per-tensor
+    w_scale = per_group(scale, g, n, "scale", "[g, N], [g] or [g, 1]")[ids]  # [K, N]
+    x_scale = (jnp.ones((1, 1), jnp.float32) if pts is None else
+               per_group(pts, g, m, "per_token_scale", "[g, M], [g] or [g, 1]")[ids].T)
+  return x.astype(jnp.float32) * x_scale, w.astype(jnp.float32) * w_scale
+
+
+def per_group(value, g, size, name, shapes):
+  """``[g, size]``, ``[g]`` or ``[g, 1]`` -> f32 ``[g, size]``."""
+  if value.shape == (g, size) or value.shape == (g, 1):
+    return jnp.broadcast_to(value.astype(jnp.float32), (g, size))
+  if value.shape == (g,):
+    return jnp.broadcast_to(value.astype(jnp.float32)[:, None], (g, size))
+  raise ValueError(f"{name} must be {shapes} with g={g}, got {list(value.shape)}")
+
+
+def m_parameters(kind, name, params, e, m, k, n, weight_transposed):
+  """The scenario's parameters in logical layouts: per expert (leading E, gathered for a
+  sparse list) and per row of x."""
+  per_expert, per_row = {}, {}
+  scale, pts = params["scale"], params["per_token_scale"]
+  if kind == "weight_only":
+    aq, off = array(params["antiquant_scale"]), array(params["antiquant_offset"])
+    per_expert["antiquant_scale"], per_expert["antiquant_offset"] = aq, off
+  elif kind in ("a8w8", "fp8", "a8w8_packed", "fp8_packed", "a4w4", "a8w4"):
+    packed = is_packed(scale)
+    if kind in ("a8w4", "a4w4") and not packed:
+      raise ValueError(f"{name} takes a UINT64/INT64 scale (trans_quant_param), got "
+                       f"{dtype(array(scale))}")
+    if not packed and dtype(array(scale)) not in ((F32, BF16) if kind == "a8w8" else (F32,)):
+      raise ValueError(f"{name} takes a {'f32/bf16' if kind == 'a8w8' else 'f32'} or "
+                       f"UINT64/INT64 scale, got {dtype(array(scale))}")
+    value, out_offset = decode_packed(array(scale)) if packed else (
+        array(scale).astype(jnp.float32), None)
+    if kind == "a8w4":
+      want = (e, 1, n) if params["offset"] is not None else (e, k // 256, n)
+      if params["offset"] is None and (k % 256 or k > 18432 or n % 8):
+        raise ValueError(f"per-group A8W4 needs K % 256 == 0, K <= 18432 and N % 8 == 0, got "
+                         f"K={k}, N={n}")
+      if value.shape != want:
+        raise ValueError(f"A8W4 scale must be {list(want)}, got {list(value.shape)}")
+      per_expert["scale"] = value
+      if params["offset"] is not None:
+        offset = array(params["offset"])
+        if offset.shape != (e, 1, n) or dtype(offset) != F32:
+          raise ValueError(f"A8W4 offset must be f32 [E, 1, N]={[e, 1, n]}, got "
+                           f"{offset.dtype} {list(offset.shape)}")
+        per_expert["offset"] = offset
+    elif kind == "a4w4":
+      if n % 8:
+        raise ValueError(f"A4W4 needs N % 8 == 0, got N={n}")
+      if value.ndim == 3 and value.shape[0] == e and value.shape[2] == n:
+        groups = value.shape[1]
+        if k % groups or (k // groups) % 2:
+          raise ValueError(f"per-group A4W4 scale {list(value.shape)}: K={k} must split into "
+                           f"{groups} groups of an even size")
+        per_expert["scale"] = value
+      elif value.shape == (e, n):
+        per_expert["scale"] = value[:, None, :]
+      else:
+        raise ValueError(f"A4W4 scale must be [E, N] or [E, G, N], got {list(value.shape)}")
+    else:
+      per_expert["scale"] = channel_scale(value, e, n, kind)
+      if out_offset is not None:
+        per_expert["output_offset"] = channel_scale(out_offset, e, n, kind)[:, 0, :]
+    if pts is not None:
+      pts = array(pts)
+      if dtype(pts) != F32:
+        raise ValueError(f"per_token_scale must be f32, got {pts.dtype}")
+      if pts.shape == (m,):  # per-token (also when g == M, spec 6.6)
+        per_row["token_scale"] = pts[:, None]
+      elif kind == "fp8" and pts.shape in ((e,), (e, 1)):
+        per_expert["tensor_scale"] = pts.reshape(e)
+      else:
+        shapes = "[M] or [g] / [g, 1]" if kind == "fp8" else "[M]"
+        raise ValueError(f"per_token_scale must be {shapes} (M={m}, g={e}), got "
+                         f"{list(pts.shape)}")
+  elif kind == "gb":
+    scale, pts = array(scale), array(pts)
+    kb, nb = -(-k // GB_BLOCK), -(-n // GB_BLOCK)
+    want = (e, nb, kb) if weight_transposed else (e, kb, nb)
+    if scale.shape != want:
+      raise ValueError(f"G-B scale must be {list(want)} (g, ceil(K/128), ceil(N/128)"
+                       f"{', transposed' if weight_transposed else ''}), got "
+                       f"{list(scale.shape)}")
+    if pts.shape != (m, kb) or dtype(pts) != F32:
+      raise ValueError(f"G-B per_token_scale must be f32 (M, ceil(K/128)) = {[m, kb]}, got "
+                       f"{pts.dtype} {list(pts.shape)}")
+    per_expert["scale"] = jnp.swapaxes(scale, 1, 2) if weight_transposed else scale
+    per_row["token_scale"] = pts
+  elif kind == "mx":
+    scale, pts = array(scale), array(pts)
+    if dtype(scale) != E8M0 or dtype(pts) != E8M0:
+      raise ValueError(f"MX scale and per_token_scale must be float8_e8m0fnu, got "
+                       f"{scale.dtype} and {pts.dtype}")
+    per_expert["scale"] = mx_weight_scale(scale, e, k, n, weight_transposed)
+    per_row["token_scale"] = mx_token_scale(pts, m, k)
+  return per_expert, per_row
+
+
+def channel_scale(value, e, n, kind):
+  """Per-channel ``[E, N]`` or per-tensor ``[E]`` / ``[E, 1]`` -> ``[E, 1, N or 1]``."""
+  if value.shape == (e, n) or value.shape == (e, 1):
+    if kind in ("a8w8_packed",) and value.shape == (e, 1) and n != 1:
+      raise ValueError("INT8 output needs a per-channel scale [E, N]; per-tensor is not "
+                       "supported")
+    return value[:, None, :]
+  if value.shape == (e,):
+    if kind == "a8w8_packed":
+      raise ValueError("INT8 output needs a per-channel scale [E, N]; per-tensor is not "
+                       "supported")
+    return value[:, None, None]
+  raise ValueError(f"scale must be [E, N] (per-channel) or [E] / [E, 1] (per-tensor) with "
+                   f"E={e}, N={n}, got {list(value.shape)}")

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -53,257 +52,13 @@ from gmm_jax._src import layout, quant
 from gmm_jax._src.api import gmm
 from gmm_jax._src.epilogue import resolve_activation
 from gmm_jax.compat import _ascend_scales as scales
-from gmm_jax.compat._ascend_scales import trans_quant_param
+from gmm_jax.compat._ascend_rules import (ACT_TYPES, MAX_GROUPS, MAX_LAST_DIM, MAX_WEIGHTS, NAMES,
+                                          as_list, check_arguments, check_bias,
+                                          check_tuning, concrete, counts, out_dtype_of,
+                                          scenario)
+from gmm_jax.compat._ascend_scales import FP4, FP8, I4, I32, dtype, trans_quant_param
 
 __all__ = ["grouped_matmul", "trans_quant_param"]
-
-ACT_TYPES = {0: None, 1: "relu", 2: "gelu_tanh", 4: "fast_gelu", 5: "silu"}
-MAX_GROUPS = 1024
-MAX_WEIGHTS = 128  # quantized scenarios; non-quant lists go up to MAX_GROUPS (950)
-MAX_LAST_DIM = 65536
-GB_K_BLOCK = scales.GB_BLOCK
-
-F32, F16, BF16 = np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16)
-I8, I4, I32 = np.dtype(jnp.int8), np.dtype(jnp.int4), np.dtype(jnp.int32)
-FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
-FP4 = np.dtype(jnp.float4_e2m1fn)
-E8M0 = np.dtype(jnp.float8_e8m0fnu)
-FLOATS = (F32, F16, BF16)
-
-_NAMES = {
-    "non_quant": "non-quant", "weight_only": "weight-only (A16W8/A16W4/fp8 weight)",
-    "a8w8_int32": "A8W8 with INT32 output", "a8w8_packed": "A8W8 with a UINT64/INT64 scale",
-    "a8w8": "A8W8", "a8w4": "A8W4", "a4w4": "A4W4", "fp8_packed": "FP8 with a packed scale",
-    "fp8": "FP8 (static/dynamic)", "gb": "G-B (FP8, 128-blocks)", "mx": "MX",
-}
-# The optional quantization arguments each scenario takes (others must be null).
-_TAKES = {
-    "non_quant": (), "weight_only": ("antiquant_scale", "antiquant_offset"),
-    "a8w8_int32": (), "a8w8_packed": ("scale",), "a8w8": ("scale", "per_token_scale"),
-    "a8w4": ("scale", "offset", "per_token_scale"), "a4w4": ("scale", "per_token_scale"),
-    "fp8_packed": ("scale",), "fp8": ("scale", "per_token_scale"),
-    "gb": ("scale", "per_token_scale"), "mx": ("scale", "per_token_scale"),
-}
-_FULL_QUANT = ("a8w8_int32", "a8w8_packed", "a8w8", "a4w4", "fp8_packed", "fp8", "gb", "mx")
-_SUPPORTED_PAIRS = ("f32/f16/bf16 x the same (non-quant); f16/bf16 x int8/int4/fp8 "
-                    "(weight-only); int8 x int8 (A8W8); int8 x int4 (A8W4); int4 x int4 (A4W4); "
-                    "fp8 x fp8 (FP8, MX, G-B); fp4 x fp4 (MX). HiFloat8 has no JAX dtype")
-
-
-# ------------------------------------------------------------------------------- helpers
-
-
-def _as_list(value, name):
-  if value is None:
-    return None
-  if isinstance(value, (list, tuple)):
-    if not value:
-      raise ValueError(f"{name} must not be an empty list")
-    return list(value)
-  return [value]
-
-
-def _dtype(value):
-  return np.dtype(value.dtype)
-
-
-def _array(value):
-  """A parameter as one array: a list of one tensor is that tensor, longer lists (one tensor
-  per weight) are stacked; numpy is kept for packed 64-bit scales, which JAX cannot hold
-  without x64."""
-  if value is None:
-    return None
-  if isinstance(value, (list, tuple)) and len(value) == 1:
-    value = value[0]
-  if isinstance(value, (list, tuple)):
-    if scales.is_packed(value) and not any(isinstance(v, jax.Array) for v in value):
-      return np.stack([np.asarray(v) for v in value])
-    return jnp.stack([jnp.asarray(v) for v in value])
-  if scales.is_packed(value) and not isinstance(value, jax.Array):
-    return np.asarray(value)
-  return jnp.asarray(value)
-
-
-def _counts(group_list, group_list_type, num_groups, dim_name):
-  """Ascend group list -> (per-entry expert index or None, per-entry sizes) as jnp arrays.
-
-  Sparse entries are processed in list order, each consuming the next `size` rows, and
-  processing stops at the first entry whose size is <= 0 (Ascend's kernel semantics).
-  """
-  group_list = jnp.asarray(group_list)
-  if not jnp.issubdtype(group_list.dtype, jnp.integer):
-    raise ValueError(f"group_list must be an integer tensor (INT64 on Ascend), got "
-                     f"{group_list.dtype}")
-  if group_list_type not in (0, 1, 2):
-    raise ValueError(f"group_list_type must be 0 (cumsum), 1 (counts) or 2 (sparse), got "
-                     f"{group_list_type}")
-  if group_list_type == 2:
-    if group_list.ndim != 2 or group_list.shape[1] != 2:
-      raise ValueError(f"a sparse group_list (type 2) must be [E, 2], got "
-                       f"{list(group_list.shape)}")
-  elif group_list.ndim != 1:
-    raise ValueError(f"group_list must be 1-D for type {group_list_type}, got "
-                     f"{list(group_list.shape)}")
-  if group_list.shape[0] > MAX_GROUPS:
-    raise ValueError(f"group_list has {group_list.shape[0]} entries; at most {MAX_GROUPS}")
-  if num_groups > 1 and group_list.shape[0] != num_groups:
-    raise ValueError(f"group_list has {group_list.shape[0]} entries but there are "
-                     f"{num_groups} groups along {dim_name}")
-  group_list = group_list.astype(jnp.int32)
-  if group_list_type == 0:
-    return None, jnp.diff(group_list, prepend=0)
-  if group_list_type == 1:
-    return None, group_list
-  sizes = group_list[:, 1]
-  processed = jnp.cumsum((sizes <= 0).astype(jnp.int32)) == 0
-  return group_list[:, 0], jnp.where(processed, sizes, 0)
-
-
-def _concrete(value):
-  return None if isinstance(value, jax.core.Tracer) else np.asarray(value)
-
-
-# ------------------------------------------------------------------------ the scenario
-
-
-def _scenario(x, weight, scale, antiquant_scale, group_type, k: int, n: int, g: int):
-  """Which section-6 scenario an (x, weight, scale) triple is, or a ValueError."""
-  xt, wt = _dtype(x), _dtype(weight)
-  if xt in FLOATS and wt == xt:
-    if antiquant_scale is not None or scale is not None:
-      raise ValueError(f"{xt} x with {wt} weights is non-quant: scale and antiquant_scale "
-                       "must be null")
-    return "non_quant"
-  if xt in (F16, BF16) and wt in (I8, I4) + FP8:
-    if antiquant_scale is None:
-      raise ValueError(f"{xt} x with {wt} weights is weight-only quantization: it needs "
-                       "antiquant_scale")
-    return "weight_only"
-  if xt == I8 and wt == I8:
-    if scale is None:
-      return "a8w8_int32"
-    return "a8w8_packed" if scales.is_packed(scale) else "a8w8"
-  if xt == I8 and wt == I4:
-    return "a8w4"
-  if xt == I4 and wt == I4:
-    return "a4w4"
-  if (xt in FP8 and wt in FP8) or (xt == FP4 and wt == FP4):
-    if scale is None:
-      raise ValueError(f"{xt} x {wt} is full quantization: it needs a scale")
-    if scales.is_packed(scale):
-      return "fp8_packed" if xt in FP8 else "mx"
-    if _dtype(_array(scale)) == E8M0 or xt == FP4:
-      return "mx"
-    return "gb" if _is_gb_scale(_array(scale), group_type, k, n, g) else "fp8"
-  raise ValueError(f"x {xt} with weight {wt} matches no Ascend scenario; supported: "
-                   f"{_SUPPORTED_PAIRS}")
-
-
-def _is_gb_scale(scale, group_type, k, n, g) -> bool:
-  blocks_n = -(-n // GB_K_BLOCK)
-  if group_type == 2:  # (K/128 + g, ceil(N/128)); with K < 128 it reads as per-group
-    return (scale.ndim == 2 and scale.shape == (scales.k_rows_needed(k, g, GB_K_BLOCK),
-                                                blocks_n) and scale.shape != (g, n))
-  return scale.ndim == 3
-
-
-def _check_arguments(kind, args, xt, weight_type, group_type, single_x, single_w):
-  """Which arguments each scenario takes, requires, and where it may run (sections 3, 6)."""
-  name = _NAMES[kind]
-  for arg in ("scale", "offset", "antiquant_scale", "antiquant_offset", "per_token_scale"):
-    if args[arg] is not None and arg not in _TAKES[kind]:
-      raise ValueError(f"{arg} must be null for {name} (x {xt}, weight {weight_type})")
-  required = {"a8w4": ("scale", "per_token_scale", "bias"), "a4w4": ("scale",),
-              "gb": ("per_token_scale",), "mx": ("per_token_scale",)}.get(kind, ())
-  for arg in required:
-    if args[arg] is None:
-      raise ValueError(f"{name} needs {arg}")
-  fp8_weight = kind == "weight_only" and weight_type in FP8
-  allowed = {"non_quant": (-1, 0, 2), "weight_only": (0,) if fp8_weight else (-1, 0),
-             "fp8": (0, 2), "gb": (0, 2), "mx": (0, 2) if xt in FP8 else (0,)}.get(kind, (0,))
-  if group_type not in allowed:
-    raise ValueError(f"{name} supports group_type {allowed}, got {group_type}")
-  if kind in _FULL_QUANT and not (single_x and single_w):
-    raise ValueError(f"{name} needs a single x and a single weight tensor")
-  if kind == "a8w4" and not single_x:
-    raise ValueError("A8W4 needs a single x tensor")
-  if args["per_token_scale"] is not None and not (single_x and single_w):
-    raise ValueError("per_token_scale needs single x, weight and out tensors")
-  if fp8_weight and args["antiquant_offset"] is not None:
-    raise ValueError("fp8 weight-only quantization takes no antiquant_offset")
-  for arg in ("antiquant_scale", "antiquant_offset"):
-    if kind == "weight_only" and args[arg] is not None:
-      dtype = _dtype(jnp.asarray(_as_list(args[arg], arg)[0]))
-      if dtype != xt:
-        raise ValueError(f"{arg} must have x's dtype {xt}, got {dtype}")
-
-
-def _out_dtype(kind, xt, scale, offset, output_dtype):
-  """The output dtypes each scenario's table allows; the first is the default."""
-  if kind in ("non_quant", "weight_only"):
-    allowed = (xt,)
-  elif kind == "a8w8_int32":
-    allowed = (I32,)
-  elif kind == "a8w8_packed":
-    allowed = (np.dtype(jnp.int8), BF16, F16, I32)
-  elif kind == "a8w8":
-    allowed = (BF16,) if _dtype(_array(scale)) == BF16 else (BF16, F16)
-  elif kind == "a8w4":
-    allowed = (F16,) if offset is not None else (BF16, F16)
-  elif kind == "a4w4":
-    allowed = (BF16, F16)
-  else:
-    allowed = (BF16, F16, F32)
-  if output_dtype is None:
-    return allowed[0]
-  out = np.dtype(output_dtype)
-  if out not in allowed:
-    raise ValueError(f"{_NAMES[kind]} (x {xt}) gives {[str(a) for a in allowed]} output, not "
-                     f"{out}")
-  return out
-
-
-def _check_bias(kind, xt, out, bias_dtypes, weight_type):
-  if not bias_dtypes:
-    return
-  if kind == "non_quant":
-    allowed = {F32: (F32,), F16: (F16, F32), BF16: (BF16, F32)}[xt]
-  elif kind == "weight_only":
-    allowed = (BF16, F32) if xt == BF16 else (F16,)
-  elif kind in ("a8w8_int32", "a8w8_packed"):
-    allowed = (I32,)
-  elif kind == "a8w8":
-    allowed = (I32, out, F32)
-  elif kind == "a8w4" or (kind == "mx" and xt == FP4):
-    allowed = (F32,)
-  else:
-    raise ValueError(f"bias must be null for {_NAMES[kind]} (x {xt}, weight {weight_type})")
-  for dtype in bias_dtypes:
-    if dtype not in allowed:
-      raise ValueError(f"{_NAMES[kind]} with {out} output takes a bias of "
-                       f"{sorted({str(a) for a in allowed})}, got {dtype}")
-
-
-def _check_tuning(tuning_config, kind, max_m, per_channel_a8w4):
-  if tuning_config is None:
-    return
-  values = np.asarray(tuning_config)
-  if values.ndim != 1 or values.size > 3 or not np.issubdtype(values.dtype, np.integer):
-    raise ValueError(f"tuning_config must be at most 3 integers, got {tuning_config!r}")
-  if values.size and not 0 <= values[0] <= max_m:
-    raise ValueError(f"tuning_config[0] (expected tokens per expert) must lie in [0, "
-                     f"{max_m}] (the largest x dim 0), got {values[0]}")
-  if values.size > 1:
-    if values[1] not in (0, 1):
-      raise ValueError(f"tuning_config[1] must be 0 or 1, got {values[1]}")
-    if values[1] == 1 and not (kind == "a8w4" and per_channel_a8w4):
-      raise ValueError("tuning_config[1] = 1 (pre-transposed weight layout) is for per-channel "
-                       "A8W4 only")
-  if values.size > 2 and values[2] < -1:
-    raise ValueError(f"tuning_config[2] (A8W8 workspace bytes) must be -1 or >= 0, got "
-                     f"{values[2]}")
-
-
 # ----------------------------------------------------------------------------- the API
 
 
@@ -345,7 +100,7 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
   Raises:
     ValueError: a combination Ascend's first phase rejects, naming the rule.
   """
-  xs, weights, biases = _as_list(x, "x"), _as_list(weight, "weight"), _as_list(bias, "bias")
+  xs, weights, biases = as_list(x, "x"), as_list(weight, "weight"), as_list(bias, "bias")
   if xs is None or weights is None:
     raise ValueError("x and weight are required")
   xs, weights = [jnp.asarray(v) for v in xs], [jnp.asarray(v) for v in weights]
@@ -362,7 +117,7 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     raise ValueError("act_type=3 (GELU_ERR_FUNC) is not supported (as on Ascend)")
   if biases is not None and len(biases) != len(weights):
     raise ValueError(f"bias has {len(biases)} tensors but weight has {len(weights)}")
-  if len({_dtype(w) for w in weights}) > 1 or len({_dtype(v) for v in xs}) > 1:
+  if len({dtype(w) for w in weights}) > 1 or len({dtype(v) for v in xs}) > 1:
     raise ValueError("the tensors of a list must share one dtype")
   for w in weights:
     if w.ndim < 2:
@@ -370,8 +125,8 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     if w.shape[-1] >= MAX_LAST_DIM:
       raise ValueError(f"the weight's last dimension must be < {MAX_LAST_DIM}, got "
                        f"{w.shape[-1]}")
-    if _dtype(w) in (I4, FP4) and w.shape[-1] % 2:
-      raise ValueError(f"{_dtype(w)} weights need an even last dimension, got {w.shape[-1]}")
+    if dtype(w) in (I4, FP4) and w.shape[-1] % 2:
+      raise ValueError(f"{dtype(w)} weights need an even last dimension, got {w.shape[-1]}")
   for xi in xs:
     if not 2 <= xi.ndim <= 6:
       raise ValueError(f"x tensors must be 2-6-D, got {list(xi.shape)}")
@@ -389,21 +144,21 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
   g = w0.shape[0] if (group_type == 0 and len(weights) == 1) else len(weights)
   if group_type == 2 and len(weights) == 1:
     g = np.shape(group_list)[0] if group_list is not None else 1
-  kind = _scenario(xs[0], w0, scale, antiquant_scale, group_type, xs[0].shape[-1], n, g)
+  kind = scenario(xs[0], w0, scale, antiquant_scale, group_type, xs[0].shape[-1], n, g)
   args = dict(scale=scale, offset=offset, antiquant_scale=antiquant_scale,
               antiquant_offset=antiquant_offset, per_token_scale=per_token_scale, bias=bias)
-  xt = _dtype(xs[0])
-  _check_arguments(kind, args, xt, _dtype(w0), group_type, len(xs) == 1, len(weights) == 1)
+  xt = dtype(xs[0])
+  check_arguments(kind, args, xt, dtype(w0), group_type, len(xs) == 1, len(weights) == 1)
   limit = MAX_GROUPS if kind == "non_quant" else MAX_WEIGHTS
   if len(weights) > limit:
-    raise ValueError(f"at most {limit} weight tensors for {_NAMES[kind]}, got {len(weights)}")
-  out_dtype = _out_dtype(kind, xt, scale, offset, output_dtype)
-  _check_bias(kind, xt, out_dtype, [_dtype(b) for b in biases or ()], _dtype(w0))
+    raise ValueError(f"at most {limit} weight tensors for {NAMES[kind]}, got {len(weights)}")
+  out_dtype = out_dtype_of(kind, xt, scale, offset, output_dtype)
+  check_bias(kind, xt, out_dtype, [dtype(b) for b in biases or ()], dtype(w0))
   if out_dtype == I32 and act_type:
     raise ValueError("INT32 output takes no activation (act_type must be 0)")
   if weight_transposed and kind in ("a8w4", "a4w4"):
-    raise ValueError(f"{_NAMES[kind]} needs a weight that is not transposed (ND)")
-  if kind == "weight_only" and _dtype(w0) in FP8 and not weight_transposed:
+    raise ValueError(f"{NAMES[kind]} needs a weight that is not transposed (ND)")
+  if kind == "weight_only" and dtype(w0) in FP8 and not weight_transposed:
     raise ValueError("fp8 weight-only quantization needs a transposed weight "
                      "(weight_transposed=True, weight [E, N, K])")
   if xt == FP4 and (k % 2 or k == 2):
@@ -415,7 +170,7 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
     raise ValueError("K = 0 is only valid when every x has no rows or every weight has no "
                      "columns")
   max_m = max(int(np.prod(v.shape[:-1])) for v in xs)
-  _check_tuning(tuning_config, kind, max_m,
+  check_tuning(tuning_config, kind, max_m,
                 kind == "a8w4" and offset is not None)
   activation = ACT_TYPES[act_type]
   params = dict(args, bias=biases)
@@ -442,7 +197,7 @@ def _no_grouping(xs, weights, kind, params, group_list, split_item, activation, 
     raise ValueError(f"group_type=-1 pairs x and weight: {len(xs)} vs {len(weights)}")
   per_tensor = {}
   for arg in ("antiquant_scale", "antiquant_offset", "bias"):
-    values = _as_list(params[arg], arg)
+    values = as_list(params[arg], arg)
     if values is not None and len(values) != len(weights):
       raise ValueError(f"{arg} has {len(values)} tensors but weight has {len(weights)} "
                        "(all or none)")
@@ -521,7 +276,7 @@ def _k_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
     if group_list is None:
       raise ValueError("group_type=2 with a single weight needs a group_list")
     num_groups = np.shape(group_list)[0]
-    experts, sizes = _counts(group_list, group_list_type, 1, "K")
+    experts, sizes = counts(group_list, group_list_type, 1, "K")
   elif not single_out:  # S-M-M: group sizes from the weights
     if group_list is not None:
       raise ValueError("group_type=2 with multiple weights (S-M-M) takes no group_list")
@@ -539,62 +294,16 @@ def _k_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
     raise ValueError("a sparse group_list (type 2) is for group_type=0 only")
   if x2.shape[1] != w.shape[0]:
     raise ValueError(f"x {list(x2.shape)} has K={x2.shape[1]}, weight(s) K={w.shape[0]}")
-  concrete = _concrete(sizes)
-  if concrete is not None and int(concrete.sum()) > x2.shape[1]:
-    raise ValueError(f"the group list covers {int(concrete.sum())} columns of K, more than "
+  known = concrete(sizes)
+  if known is not None and int(known.sum()) > x2.shape[1]:
+    raise ValueError(f"the group list covers {int(known.sum())} columns of K, more than "
                      f"x's {x2.shape[1]}")
   lhs, rhs = x2, w
   if kind != "non_quant":
-    lhs, rhs = _k_dequantized(kind, x2, w, sizes, num_groups, params)
+    lhs, rhs = scales.k_dequantized(kind, x2, w, sizes, num_groups, params)
   out = gmm(lhs, rhs, sizes, group_type="k", group_list_type="counts", num_groups=num_groups,
             activation=activation, preferred_element_type=out_dtype)
   return [out] if single_out else list(out)
-
-
-def _k_dequantized(kind, x, w, sizes, g, params):
-  """Full quant with K grouped (FP8, MX, G-B on the 950): each column of x and row of w
-  belongs to one group, so both are dequantized elementwise with that group's (block)
-  scales; the f32 k-grouped gmm then sums the block products times their scales."""
-  m, k = x.shape
-  n = w.shape[1]
-  ids, local, _ = scales.column_groups(sizes, k)
-  scale, pts = _array(params["scale"]), _array(params["per_token_scale"])
-  if kind == "mx":
-    rows = scales.k_rows_needed(k, g, 2 * scales.MX_BLOCK)
-    if scale.shape != (rows, n, 2):
-      raise ValueError(f"MX k-grouping scale must be (K/64 + g, N, 2) = {[rows, n, 2]}, got "
-                       f"{list(scale.shape)}")
-    if pts.shape != (rows, m, 2):
-      raise ValueError(f"MX k-grouping per_token_scale must be (K/64 + g, M, 2) = "
-                       f"{[rows, m, 2]}, got {list(pts.shape)}")
-    row, local = scales.k_block_rows(sizes, k, 2 * scales.MX_BLOCK)
-    slot = (local // scales.MX_BLOCK) % 2
-    w_scale = scale.astype(jnp.float32)[row, :, slot]  # [K, N]
-    x_scale = pts.astype(jnp.float32)[row, :, slot].T  # [M, K]
-  elif kind == "gb":
-    rows = scales.k_rows_needed(k, g, GB_K_BLOCK)
-    if pts.shape != (rows, m):
-      raise ValueError(f"G-B k-grouping per_token_scale must be (K/128 + g, M) = {[rows, m]}, "
-                       f"got {list(pts.shape)}")
-    row, _ = scales.k_block_rows(sizes, k, GB_K_BLOCK)
-    columns = jnp.arange(n) // GB_K_BLOCK
-    w_scale = scale.astype(jnp.float32)[row][:, columns]
-    x_scale = pts.astype(jnp.float32)[row].T
-  else:  # per-channel [g, N] / per-tensor [g] or [g, 1]; x per-token [g, M] or per-tensor
-    w_scale = _per_group(scale, g, n, "scale", "[g, N], [g] or [g, 1]")[ids]  # [K, N]
-    x_scale = (jnp.ones((1, 1), jnp.float32) if pts is None else
-               _per_group(pts, g, m, "per_token_scale", "[g, M], [g] or [g, 1]")[ids].T)
-  return x.astype(jnp.float32) * x_scale, w.astype(jnp.float32) * w_scale
-
-
-def _per_group(value, g, size, name, shapes):
-  """``[g, size]``, ``[g]`` or ``[g, 1]`` -> f32 ``[g, size]``."""
-  if value.shape == (g, size) or value.shape == (g, 1):
-    return jnp.broadcast_to(value.astype(jnp.float32), (g, size))
-  if value.shape == (g,):
-    return jnp.broadcast_to(value.astype(jnp.float32)[:, None], (g, size))
-  raise ValueError(f"{name} must be {shapes} with g={g}, got {list(value.shape)}")
-
 
 # ---------------------------------------------------------------------- group type 0
 
@@ -625,22 +334,23 @@ def _m_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
                     f"groupListType=1); group_list_type={group_list_type} is ignored",
                     stacklevel=3)
       group_list_type = 1
-    experts, sizes = _counts(group_list, group_list_type, num_groups, "M")
-    concrete = _concrete(sizes)
-    if implied is not None and concrete is not None and not np.array_equal(
-        concrete, np.asarray(implied)):
+    experts, sizes = counts(group_list, group_list_type, num_groups, "M")
+    known = concrete(sizes)
+    if implied is not None and known is not None and not np.array_equal(
+        known, np.asarray(implied)):
       raise ValueError("with multiple x tensors, the group sizes must equal each x's rows")
   if x2.shape[1] != k:
     raise ValueError(f"x {list(x2.shape)} has K={x2.shape[1]}, weight {list(w.shape)} K={k}")
-  concrete = _concrete(sizes)
-  if concrete is not None and int(concrete.sum()) > m:
-    raise ValueError(f"the group list covers {int(concrete.sum())} rows, more than x's {m}")
+  known = concrete(sizes)
+  if known is not None and int(known.sum()) > m:
+    raise ValueError(f"the group list covers {int(known.sum())} rows, more than x's {m}")
   biases = params["bias"]
   bias = None if biases is None else biases[0] if len(biases) == 1 else jnp.stack(biases)
   if bias is not None and bias.shape != (num_groups, n):
     raise ValueError(f"bias must be [E, N]={[num_groups, n]}, got {list(bias.shape)}")
 
-  per_expert, per_row = _m_parameters(kind, params, num_groups, m, k, n, weight_transposed)
+  per_expert, per_row = scales.m_parameters(kind, NAMES[kind], params, num_groups, m, k, n,
+                                            weight_transposed)
   per_expert["weight"], per_expert["bias"] = w, bias
   if experts is not None:
     # Sparse: entry i takes the next sizes[i] rows with expert experts[i]'s weights (any
@@ -653,111 +363,9 @@ def _m_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
     per_row["token_scale"] = per_expert.pop("tensor_scale")[ids][:, None]
   return [_m_gmm(kind, x2, sizes, per_expert, per_row, activation, out_dtype)]
 
-
-def _m_parameters(kind, params, e, m, k, n, weight_transposed):
-  """The scenario's parameters in logical layouts: per expert (leading E, gathered for a
-  sparse list) and per row of x."""
-  per_expert, per_row = {}, {}
-  scale, pts = params["scale"], params["per_token_scale"]
-  if kind == "weight_only":
-    aq, off = _array(params["antiquant_scale"]), _array(params["antiquant_offset"])
-    per_expert["antiquant_scale"], per_expert["antiquant_offset"] = aq, off
-  elif kind in ("a8w8", "fp8", "a8w8_packed", "fp8_packed", "a4w4", "a8w4"):
-    packed = scales.is_packed(scale)
-    if kind in ("a8w4", "a4w4") and not packed:
-      raise ValueError(f"{_NAMES[kind]} takes a UINT64/INT64 scale (trans_quant_param), got "
-                       f"{_dtype(_array(scale))}")
-    if not packed and _dtype(_array(scale)) not in ((F32, BF16) if kind == "a8w8" else (F32,)):
-      raise ValueError(f"{_NAMES[kind]} takes a {'f32/bf16' if kind == 'a8w8' else 'f32'} or "
-                       f"UINT64/INT64 scale, got {_dtype(_array(scale))}")
-    value, out_offset = scales.decode_packed(_array(scale)) if packed else (
-        _array(scale).astype(jnp.float32), None)
-    if kind == "a8w4":
-      want = (e, 1, n) if params["offset"] is not None else (e, k // 256, n)
-      if params["offset"] is None and (k % 256 or k > 18432 or n % 8):
-        raise ValueError(f"per-group A8W4 needs K % 256 == 0, K <= 18432 and N % 8 == 0, got "
-                         f"K={k}, N={n}")
-      if value.shape != want:
-        raise ValueError(f"A8W4 scale must be {list(want)}, got {list(value.shape)}")
-      per_expert["scale"] = value
-      if params["offset"] is not None:
-        offset = _array(params["offset"])
-        if offset.shape != (e, 1, n) or _dtype(offset) != F32:
-          raise ValueError(f"A8W4 offset must be f32 [E, 1, N]={[e, 1, n]}, got "
-                           f"{offset.dtype} {list(offset.shape)}")
-        per_expert["offset"] = offset
-    elif kind == "a4w4":
-      if n % 8:
-        raise ValueError(f"A4W4 needs N % 8 == 0, got N={n}")
-      if value.ndim == 3 and value.shape[0] == e and value.shape[2] == n:
-        groups = value.shape[1]
-        if k % groups or (k // groups) % 2:
-          raise ValueError(f"per-group A4W4 scale {list(value.shape)}: K={k} must split into "
-                           f"{groups} groups of an even size")
-        per_expert["scale"] = value
-      elif value.shape == (e, n):
-        per_expert["scale"] = value[:, None, :]
-      else:
-        raise ValueError(f"A4W4 scale must be [E, N] or [E, G, N], got {list(value.shape)}")
-    else:
-      per_expert["scale"] = _channel_scale(value, e, n, kind)
-      if out_offset is not None:
-        per_expert["output_offset"] = _channel_scale(out_offset, e, n, kind)[:, 0, :]
-    if pts is not None:
-      pts = _array(pts)
-      if _dtype(pts) != F32:
-        raise ValueError(f"per_token_scale must be f32, got {pts.dtype}")
-      if pts.shape == (m,):  # per-token (also when g == M, spec 6.6)
-        per_row["token_scale"] = pts[:, None]
-      elif kind == "fp8" and pts.shape in ((e,), (e, 1)):
-        per_expert["tensor_scale"] = pts.reshape(e)
-      else:
-        shapes = "[M] or [g] / [g, 1]" if kind == "fp8" else "[M]"
-        raise ValueError(f"per_token_scale must be {shapes} (M={m}, g={e}), got "
-                         f"{list(pts.shape)}")
-  elif kind == "gb":
-    scale, pts = _array(scale), _array(pts)
-    kb, nb = -(-k // GB_K_BLOCK), -(-n // GB_K_BLOCK)
-    want = (e, nb, kb) if weight_transposed else (e, kb, nb)
-    if scale.shape != want:
-      raise ValueError(f"G-B scale must be {list(want)} (g, ceil(K/128), ceil(N/128)"
-                       f"{', transposed' if weight_transposed else ''}), got "
-                       f"{list(scale.shape)}")
-    if pts.shape != (m, kb) or _dtype(pts) != F32:
-      raise ValueError(f"G-B per_token_scale must be f32 (M, ceil(K/128)) = {[m, kb]}, got "
-                       f"{pts.dtype} {list(pts.shape)}")
-    per_expert["scale"] = jnp.swapaxes(scale, 1, 2) if weight_transposed else scale
-    per_row["token_scale"] = pts
-  elif kind == "mx":
-    scale, pts = _array(scale), _array(pts)
-    if _dtype(scale) != E8M0 or _dtype(pts) != E8M0:
-      raise ValueError(f"MX scale and per_token_scale must be float8_e8m0fnu, got "
-                       f"{scale.dtype} and {pts.dtype}")
-    per_expert["scale"] = scales.mx_weight_scale(scale, e, k, n, weight_transposed)
-    per_row["token_scale"] = scales.mx_token_scale(pts, m, k)
-  return per_expert, per_row
-
-
-def _channel_scale(value, e, n, kind):
-  """Per-channel ``[E, N]`` or per-tensor ``[E]`` / ``[E, 1]`` -> ``[E, 1, N or 1]``."""
-  if value.shape == (e, n) or value.shape == (e, 1):
-    if kind in ("a8w8_packed",) and value.shape == (e, 1) and n != 1:
-      raise ValueError("INT8 output needs a per-channel scale [E, N]; per-tensor is not "
-                       "supported")
-    return value[:, None, :]
-  if value.shape == (e,):
-    if kind == "a8w8_packed":
-      raise ValueError("INT8 output needs a per-channel scale [E, N]; per-tensor is not "
-                       "supported")
-    return value[:, None, None]
-  raise ValueError(f"scale must be [E, N] (per-channel) or [E] / [E, 1] (per-tensor) with "
-                   f"E={e}, N={n}, got {list(value.shape)}")
-
-
 def _m_gmm(kind, x, sizes, per_expert, per_row, activation, out_dtype):
   """One gmm over the (gathered) per-entry parameters, in the scenario's formula."""
   w, bias = per_expert["weight"], per_expert["bias"]
-  m = x.shape[0]
   call = dict(group_list_type="counts", bias=bias, activation=activation,
               preferred_element_type=out_dtype)
   token = per_row.get("token_scale")
@@ -779,8 +387,8 @@ def _m_gmm(kind, x, sizes, per_expert, per_row, activation, out_dtype):
     z = z * token
     return (z if fn is None else fn(z)).astype(out_dtype)
   if kind in ("gb", "mx"):
-    block = GB_K_BLOCK if kind == "gb" else scales.MX_BLOCK
-    rhs_tile = (1, block, GB_K_BLOCK) if kind == "gb" else (1, block, 1)
+    block = scales.GB_BLOCK if kind == "gb" else scales.MX_BLOCK
+    rhs_tile = (1, block, scales.GB_BLOCK) if kind == "gb" else (1, block, 1)
     lhs = quant.QArray(x, token, tile=(1, block))
     rhs = quant.QArray(w, per_expert["scale"], tile=rhs_tile)
     return gmm(lhs, rhs, sizes, **call)
