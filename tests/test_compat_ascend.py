@@ -308,6 +308,10 @@ _A8W4 = dict(scale=_PK(2, 1, _N), bias=_F32(2, _N), per_token_scale=_F32(8), gro
      "takes a bias of"),
     ("bf16", "i8", dict(antiquant_scale=_BF(2, 3, _N)), "must split into 3 equal groups"),
     ("bf16", "fp8", dict(antiquant_scale=_BF(2, _N)), "needs a transposed weight"),
+    ("bf16", "i4", dict(antiquant_scale=_BF(2, 256, _N), weight_transposed=True,
+                        weight=jnp.zeros((2, _N, _K), jnp.int4)), "even per-group size"),
+    ("f32", "f32", dict(group_list=np.array([[4], [8]])), "must be 1-D for type 0"),
+    ("f32", "f32", dict(weight=None), "x and weight are required"),
     ("bf16", "fp8t", dict(antiquant_scale=_BF(2, _N), antiquant_offset=_BF(2, _N),
                           weight_transposed=True), "no antiquant_offset"),
     ("bf16", "i8", dict(antiquant_scale=_BF(2, _N), act_type=1, output_dtype=jnp.float32),
@@ -322,7 +326,7 @@ _A8W4 = dict(scale=_PK(2, 1, _N), bias=_F32(2, _N), per_token_scale=_F32(8), gro
     ("i8", "i8", dict(scale=_F32(2, 3)), "per-channel"),
     ("i8", "i8", dict(scale=_PK(2, _N), per_token_scale=_F32(8)),
      "per_token_scale must be null for A8W8 with a UINT64"),
-    ("i8", "i8", dict(scale=_PK(2)), "per-tensor is not supported"),
+    ("i8", "i8", dict(scale=_PK(2)), r"per-tensor \[2\] is not supported"),
     ("i8", "i8", dict(scale=_PK(2, _N), bias=_F32(2, _N)), "takes a bias of"),
     ("i8", "i8", dict(act_type=1), "INT32 output takes no activation"),
     ("i8", "i8", dict(output_dtype=jnp.bfloat16), "output, not bfloat16"),
@@ -499,3 +503,14 @@ def test_torch_npu_style_lists_of_one_tensor():
   (y,) = ascend.grouped_matmul([x], [w], bias=[bias], scale=[scale], per_token_scale=[pts],
                                **args)
   np.testing.assert_array_equal(y, want)
+
+
+def test_transposed_int_weight_only_matches_the_logical_layout():
+  e, k, n = 2, 64, 8
+  x = jnp.asarray(RNG.standard_normal((9, k)), jnp.bfloat16)
+  w = jnp.asarray(RNG.integers(-8, 8, (e, k, n)), jnp.int4)
+  scale = jnp.asarray(RNG.uniform(0.01, 0.05, (e, 4, n)), jnp.bfloat16)  # groups of 16
+  args = dict(antiquant_scale=scale, group_list=np.array([4, 9]), split_item=3, group_type=0)
+  (want,) = ascend.grouped_matmul(x, w, **args)
+  (y,) = ascend.grouped_matmul(x, jnp.swapaxes(w, 1, 2), weight_transposed=True, **args)
+  np.testing.assert_array_equal(f64(y), f64(want))

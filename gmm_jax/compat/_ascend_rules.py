@@ -78,9 +78,18 @@ def counts(group_list, group_list_type, num_groups, dim_name):
     raise ValueError(f"group_list has {group_list.shape[0]} entries but there are "
                      f"{num_groups} groups along {dim_name}")
   group_list = group_list.astype(jnp.int32)
+  # Ascend checks no values (V3+) and gives undefined results for bad ones; a host list is
+  # checked here; a traced one can be, with gmm_jax.check_group_list under checkify.
+  known = concrete(group_list)
   if group_list_type == 0:
+    if known is not None and (np.diff(known, prepend=0) < 0).any():
+      raise ValueError(f"a cumsum group_list (type 0) must be non-negative and non-decreasing, "
+                       f"got {known.tolist()}")
     return None, jnp.diff(group_list, prepend=0)
   if group_list_type == 1:
+    if known is not None and (known < 0).any():
+      raise ValueError(f"a counts group_list (type 1) must be non-negative, got "
+                       f"{known.tolist()}")
     return None, group_list
   sizes = group_list[:, 1]
   processed = jnp.cumsum((sizes <= 0).astype(jnp.int32)) == 0
@@ -164,6 +173,17 @@ def check_arguments(kind, args, xt, weight_type, group_type, single_x, single_w)
       dtype = _dtype(jnp.asarray(as_list(args[arg], arg)[0]))
       if dtype != xt:
         raise ValueError(f"{arg} must have x's dtype {xt}, got {dtype}")
+  scale = args["scale"]
+  if scale is not None and kind != "mx":
+    packed = scales.is_packed(scale)
+    scale_dtype = _dtype(jnp.asarray(as_list(scale, "scale")[0])) if not packed else None
+    if kind in ("a8w4", "a4w4") and not packed:
+      raise ValueError(f"{name} takes a UINT64/INT64 scale (trans_quant_param), got "
+                       f"{scale_dtype}")
+    floats = (F32, BF16) if kind == "a8w8" else (F32,)
+    if not packed and scale_dtype not in floats:
+      raise ValueError(f"{name} takes a {'f32/bf16' if kind == 'a8w8' else 'f32'} or "
+                       f"UINT64/INT64 scale, got {scale_dtype}")
 
 
 def out_dtype_of(kind, xt, scale, offset, output_dtype):

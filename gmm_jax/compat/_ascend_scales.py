@@ -157,14 +157,13 @@ def k_rows_needed(k: int, g: int, block: int) -> int:
 # ------------------------------------------------ parameters in logical layouts
 
 
-def k_dequantized(kind, x, w, sizes, g, params):
+def k_dequantized(kind, x, w, sizes, g, scale, pts):
   """Full quant with K grouped (FP8, MX, G-B on the 950): each column of x and row of w
   belongs to one group, so both are dequantized elementwise with that group's (block)
-  scales; the f32 k-grouped gmm then sums the block products times their """
+  scales; the f32 k-grouped gmm then sums the block products times their scales."""
   m, k = x.shape
   n = w.shape[1]
   ids, local, _ = column_groups(sizes, k)
-  scale, pts = array(params["scale"]), array(params["per_token_scale"])
   if kind == "mx":
     rows = k_rows_needed(k, g, 2 * MX_BLOCK)
     if scale.shape != (rows, n, 2):
@@ -202,24 +201,21 @@ def per_group(value, g, size, name, shapes):
   raise ValueError(f"{name} must be {shapes} with g={g}, got {list(value.shape)}")
 
 
-def m_parameters(kind, name, params, e, m, k, n, weight_transposed):
+def m_parameters(kind, e, m, k, n, weight_transposed, int8_out, params):
   """The scenario's parameters in logical layouts: per expert (leading E, gathered for a
-  sparse list) and per row of x."""
+  sparse list) and per row of x.
+
+  Args:
+    params: arrays (lists already stacked): scale (a packed one already decoded to f32, its
+      offset in packed_offset), offset, antiquant_scale, antiquant_offset, per_token_scale.
+  """
   per_expert, per_row = {}, {}
   scale, pts = params["scale"], params["per_token_scale"]
   if kind == "weight_only":
-    aq, off = array(params["antiquant_scale"]), array(params["antiquant_offset"])
-    per_expert["antiquant_scale"], per_expert["antiquant_offset"] = aq, off
+    per_expert["antiquant_scale"] = params["antiquant_scale"]
+    per_expert["antiquant_offset"] = params["antiquant_offset"]
   elif kind in ("a8w8", "fp8", "a8w8_packed", "fp8_packed", "a4w4", "a8w4"):
-    packed = is_packed(scale)
-    if kind in ("a8w4", "a4w4") and not packed:
-      raise ValueError(f"{name} takes a UINT64/INT64 scale (trans_quant_param), got "
-                       f"{dtype(array(scale))}")
-    if not packed and dtype(array(scale)) not in ((F32, BF16) if kind == "a8w8" else (F32,)):
-      raise ValueError(f"{name} takes a {'f32/bf16' if kind == 'a8w8' else 'f32'} or "
-                       f"UINT64/INT64 scale, got {dtype(array(scale))}")
-    value, out_offset = decode_packed(array(scale)) if packed else (
-        array(scale).astype(jnp.float32), None)
+    value, out_offset = scale.astype(jnp.float32), params["packed_offset"]
     if kind == "a8w4":
       want = (e, 1, n) if params["offset"] is not None else (e, k // 256, n)
       if params["offset"] is None and (k % 256 or k > 18432 or n % 8):
@@ -229,7 +225,7 @@ def m_parameters(kind, name, params, e, m, k, n, weight_transposed):
         raise ValueError(f"A8W4 scale must be {list(want)}, got {list(value.shape)}")
       per_expert["scale"] = value
       if params["offset"] is not None:
-        offset = array(params["offset"])
+        offset = params["offset"]
         if offset.shape != (e, 1, n) or dtype(offset) != F32:
           raise ValueError(f"A8W4 offset must be f32 [E, 1, N]={[e, 1, n]}, got "
                            f"{offset.dtype} {list(offset.shape)}")
@@ -248,11 +244,10 @@ def m_parameters(kind, name, params, e, m, k, n, weight_transposed):
       else:
         raise ValueError(f"A4W4 scale must be [E, N] or [E, G, N], got {list(value.shape)}")
     else:
-      per_expert["scale"] = channel_scale(value, e, n, kind)
+      per_expert["scale"] = channel_scale(value, e, n, int8_out)
       if out_offset is not None:
-        per_expert["output_offset"] = channel_scale(out_offset, e, n, kind)[:, 0, :]
+        per_expert["output_offset"] = channel_scale(out_offset, e, n, int8_out)[:, 0, :]
     if pts is not None:
-      pts = array(pts)
       if dtype(pts) != F32:
         raise ValueError(f"per_token_scale must be f32, got {pts.dtype}")
       if pts.shape == (m,):  # per-token (also when g == M, spec 6.6)
@@ -264,7 +259,6 @@ def m_parameters(kind, name, params, e, m, k, n, weight_transposed):
         raise ValueError(f"per_token_scale must be {shapes} (M={m}, g={e}), got "
                          f"{list(pts.shape)}")
   elif kind == "gb":
-    scale, pts = array(scale), array(pts)
     kb, nb = -(-k // GB_BLOCK), -(-n // GB_BLOCK)
     want = (e, nb, kb) if weight_transposed else (e, kb, nb)
     if scale.shape != want:
@@ -277,7 +271,6 @@ def m_parameters(kind, name, params, e, m, k, n, weight_transposed):
     per_expert["scale"] = jnp.swapaxes(scale, 1, 2) if weight_transposed else scale
     per_row["token_scale"] = pts
   elif kind == "mx":
-    scale, pts = array(scale), array(pts)
     if dtype(scale) != E8M0 or dtype(pts) != E8M0:
       raise ValueError(f"MX scale and per_token_scale must be float8_e8m0fnu, got "
                        f"{scale.dtype} and {pts.dtype}")
@@ -286,17 +279,15 @@ def m_parameters(kind, name, params, e, m, k, n, weight_transposed):
   return per_expert, per_row
 
 
-def channel_scale(value, e, n, kind):
+def channel_scale(value, e, n, int8_out):
   """Per-channel ``[E, N]`` or per-tensor ``[E]`` / ``[E, 1]`` -> ``[E, 1, N or 1]``."""
+  per_tensor = value.shape == (e,) or (value.shape == (e, 1) and n != 1)
+  if per_tensor and int8_out:
+    raise ValueError(f"INT8 output needs a per-channel scale [E, N]={[e, n]}; per-tensor "
+                     f"{list(value.shape)} is not supported")
   if value.shape == (e, n) or value.shape == (e, 1):
-    if kind in ("a8w8_packed",) and value.shape == (e, 1) and n != 1:
-      raise ValueError("INT8 output needs a per-channel scale [E, N]; per-tensor is not "
-                       "supported")
     return value[:, None, :]
   if value.shape == (e,):
-    if kind == "a8w8_packed":
-      raise ValueError("INT8 output needs a per-channel scale [E, N]; per-tensor is not "
-                       "supported")
     return value[:, None, None]
   raise ValueError(f"scale must be [E, N] (per-channel) or [E] / [E, 1] (per-tensor) with "
                    f"E={e}, N={n}, got {list(value.shape)}")

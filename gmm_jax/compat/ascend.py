@@ -56,7 +56,7 @@ from gmm_jax.compat._ascend_rules import (ACT_TYPES, MAX_GROUPS, MAX_LAST_DIM, M
                                           as_list, check_arguments, check_bias,
                                           check_tuning, concrete, counts, out_dtype_of,
                                           scenario)
-from gmm_jax.compat._ascend_scales import FP4, FP8, I4, I32, dtype, trans_quant_param
+from gmm_jax.compat._ascend_scales import FP4, FP8, I4, I32, array, dtype, trans_quant_param
 
 __all__ = ["grouped_matmul", "trans_quant_param"]
 # ----------------------------------------------------------------------------- the API
@@ -161,6 +161,14 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
   if kind == "weight_only" and dtype(w0) in FP8 and not weight_transposed:
     raise ValueError("fp8 weight-only quantization needs a transposed weight "
                      "(weight_transposed=True, weight [E, N, K])")
+  if kind == "weight_only" and dtype(w0) == I4 and weight_transposed:
+    # A transposed int4 weight packs K pairwise, so a per-group K group must be even.
+    first = jnp.asarray(as_list(antiquant_scale, "antiquant_scale")[0])
+    groups = first.shape[-2] if first.ndim == (3 if group_type == 0 and len(weights) == 1
+                                               else 2) else 1
+    if groups > 1 and (k // groups) % 2:
+      raise ValueError(f"a transposed int4 weight needs an even per-group size, got K={k} in "
+                       f"{groups} groups")
   if xt == FP4 and (k % 2 or k == 2):
     raise ValueError(f"FP4 needs an even K other than 2, got K={k}")
   if xt == FP4 and not weight_transposed and n % 2:
@@ -298,12 +306,19 @@ def _k_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
   if known is not None and int(known.sum()) > x2.shape[1]:
     raise ValueError(f"the group list covers {int(known.sum())} columns of K, more than "
                      f"x's {x2.shape[1]}")
-  lhs, rhs = x2, w
-  if kind != "non_quant":
-    lhs, rhs = scales.k_dequantized(kind, x2, w, sizes, num_groups, params)
-  out = gmm(lhs, rhs, sizes, group_type="k", group_list_type="counts", num_groups=num_groups,
-            activation=activation, preferred_element_type=out_dtype)
+  if kind == "non_quant":
+    out = gmm(x2, w, sizes, group_type="k", group_list_type="counts", num_groups=num_groups,
+              activation=activation, preferred_element_type=out_dtype)
+  else:
+    out = _k_quantized(kind, num_groups, activation, out_dtype, x2, w, sizes,
+                       array(params["scale"]), array(params["per_token_scale"]))
   return [out] if single_out else list(out)
+
+
+def _k_quantized(kind, num_groups, activation, out_dtype, x, w, sizes, scale, pts):
+  lhs, rhs = scales.k_dequantized(kind, x, w, sizes, num_groups, scale, pts)
+  return gmm(lhs, rhs, sizes, group_type="k", group_list_type="counts", num_groups=num_groups,
+             activation=activation, preferred_element_type=out_dtype)
 
 # ---------------------------------------------------------------------- group type 0
 
@@ -349,8 +364,23 @@ def _m_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
   if bias is not None and bias.shape != (num_groups, n):
     raise ValueError(f"bias must be [E, N]={[num_groups, n]}, got {list(bias.shape)}")
 
-  per_expert, per_row = scales.m_parameters(kind, NAMES[kind], params, num_groups, m, k, n,
-                                            weight_transposed)
+  scale, packed_offset = array(params["scale"]), None
+  if scales.is_packed(scale):  # decoded on the host: JAX holds no 64-bit ints without x64
+    scale, packed_offset = scales.decode_packed(scale)
+  arrays = dict(scale=scale, packed_offset=packed_offset, offset=array(params["offset"]),
+                antiquant_scale=array(params["antiquant_scale"]),
+                antiquant_offset=array(params["antiquant_offset"]),
+                per_token_scale=array(params["per_token_scale"]))
+  static = (kind, num_groups, weight_transposed, activation, out_dtype)
+  return [_m_compute(static, x2, w, bias, sizes, experts, arrays)]
+
+
+def _m_compute(static, x, w, bias, sizes, experts, arrays):
+  """The scale layouts, the sparse gather and the gmm."""
+  kind, num_groups, weight_transposed, activation, out_dtype = static
+  m, k, n = x.shape[0], w.shape[1], w.shape[2]
+  per_expert, per_row = scales.m_parameters(kind, num_groups, m, k, n, weight_transposed,
+                                            out_dtype == np.dtype(jnp.int8), arrays)
   per_expert["weight"], per_expert["bias"] = w, bias
   if experts is not None:
     # Sparse: entry i takes the next sizes[i] rows with expert experts[i]'s weights (any
@@ -361,7 +391,8 @@ def _m_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
   if "tensor_scale" in per_expert:  # FP8 per-tensor x scale: each row takes its group's
     ids = jnp.maximum(layout.row_group_ids(sizes, m), 0)
     per_row["token_scale"] = per_expert.pop("tensor_scale")[ids][:, None]
-  return [_m_gmm(kind, x2, sizes, per_expert, per_row, activation, out_dtype)]
+  return _m_gmm(kind, x, sizes, per_expert, per_row, activation, out_dtype)
+
 
 def _m_gmm(kind, x, sizes, per_expert, per_row, activation, out_dtype):
   """One gmm over the (gathered) per-entry parameters, in the scenario's formula."""
