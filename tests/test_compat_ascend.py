@@ -514,3 +514,40 @@ def test_transposed_int_weight_only_matches_the_logical_layout():
   (want,) = ascend.grouped_matmul(x, w, **args)
   (y,) = ascend.grouped_matmul(x, jnp.swapaxes(w, 1, 2), weight_transposed=True, **args)
   np.testing.assert_array_equal(f64(y), f64(want))
+
+
+_NON_QUANT_ROWS = [  # 6.7 (950) and 6.1 (A2/A3): x = weight = out dtype, bias per row
+    (jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32), (jnp.bfloat16, None),
+    (jnp.float16, jnp.float16), (jnp.float16, jnp.float32), (jnp.float16, None),
+    (jnp.float32, jnp.float32), (jnp.float32, None)]
+
+
+@pytest.mark.parametrize("dtype, bias_dtype, group_type", [
+    (dtype, bias, group_type) for dtype, bias in _NON_QUANT_ROWS for group_type in (-1, 0, 2)
+    if not (group_type == 2 and bias is not None)])  # k-grouping takes no bias
+def test_non_quant_rows(dtype, bias_dtype, group_type):
+  e, m, k, n = 3, 12, 32, 8
+  tol = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}[dtype]
+  x = jnp.asarray(RNG.standard_normal((m, k)), dtype)
+  w = jnp.asarray(RNG.standard_normal((e, k, n)), dtype)
+  b = None if bias_dtype is None else jnp.asarray(RNG.standard_normal((e, n)), bias_dtype)
+  if group_type == 2:
+    wk = w[0]
+    (y,) = ascend.grouped_matmul(x, wk, group_list=np.array([10, 10, 32]), group_type=2,
+                                 split_item=3)
+    want = np.stack([f64(x)[:, :10] @ f64(wk)[:10], np.zeros((m, n)),
+                     f64(x)[:, 10:] @ f64(wk)[10:]])
+  elif group_type == 0:
+    (y,) = ascend.grouped_matmul(x, w, bias=b, group_list=np.array([5, 0, 4]),
+                                 group_list_type=1, group_type=0, split_item=3)
+    want = np_split_m(f64(x), f64(w), [5, 0, 4], bias=None if b is None else f64(b))
+  else:
+    ys = ascend.grouped_matmul([x[:5], x[5:]], [w[0], w[1]], group_type=-1,
+                               bias=None if b is None else [b[0], b[1]])
+    y = jnp.concatenate(ys)
+    want = np.concatenate([f64(x)[:5] @ f64(w)[0], f64(x)[5:] @ f64(w)[1]])
+    if b is not None:
+      want += np.concatenate([np.broadcast_to(f64(b)[0], (5, n)),
+                              np.broadcast_to(f64(b)[1], (m - 5, n))])
+  assert y.dtype == dtype
+  np.testing.assert_allclose(f64(y), want, rtol=tol, atol=tol * np.abs(want).max())
