@@ -250,3 +250,73 @@ def check_tuning(tuning_config, kind, max_m, per_channel_a8w4):
   if values.size > 2 and values[2] < -1:
     raise ValueError(f"tuning_config[2] (A8W8 workspace bytes) must be -1 or >= 0, got "
                      f"{values[2]}")
+
+
+def check_structure(xs, weights, biases, group_type, split_item, act_type, weight_transposed):
+  """The attributes and the tensor lists' ranks, counts and last dims (section 9)."""
+  if group_type == 1:
+    raise ValueError("group_type=1 (split-N) is not supported")
+  if group_type not in (-1, 0, 2):
+    raise ValueError(f"group_type must be -1, 0 or 2, got {group_type}")
+  if split_item not in (0, 1, 2, 3):
+    raise ValueError(f"split_item must be 0-3, got {split_item}")
+  if act_type not in (0, 1, 2, 3, 4, 5):
+    raise ValueError(f"act_type must be in 0-5, got {act_type}")
+  if act_type == 3:
+    raise ValueError("act_type=3 (GELU_ERR_FUNC) is not supported (as on Ascend)")
+  if biases is not None and len(biases) != len(weights):
+    raise ValueError(f"bias has {len(biases)} tensors but weight has {len(weights)}")
+  if len({_dtype(w) for w in weights}) > 1 or len({_dtype(v) for v in xs}) > 1:
+    raise ValueError("the tensors of a list must share one dtype")
+  for w in weights:
+    if w.ndim < 2:
+      raise ValueError(f"weight tensors must be at least 2-D, got {list(w.shape)}")
+    if w.shape[-1] >= MAX_LAST_DIM:
+      raise ValueError(f"the weight's last dimension must be < {MAX_LAST_DIM}, got "
+                       f"{w.shape[-1]}")
+    if _dtype(w) in (I4, FP4) and w.shape[-1] % 2:
+      raise ValueError(f"{_dtype(w)} weights need an even last dimension, got {w.shape[-1]}")
+  for xi in xs:
+    if not 2 <= xi.ndim <= 6:
+      raise ValueError(f"x tensors must be 2-6-D, got {list(xi.shape)}")
+  if group_type == 2 and weight_transposed:
+    raise ValueError("group_type=2 (k-grouping) needs a weight that is not transposed")
+  # Stored last dims (x is stored [K, M] for k-grouping).
+  x_last = xs[0].shape[0] if group_type == 2 else xs[0].shape[-1]
+  if x_last >= MAX_LAST_DIM:
+    raise ValueError(f"x's stored last dimension must be < {MAX_LAST_DIM}, got {x_last}")
+
+
+def check_scenario(kind, xs, weights, k, n, group_type, out_dtype, act_type, antiquant_scale,
+                   offset, tuning_config, weight_transposed):
+  """A scenario's own shape rules (sections 6, 7 and 9) and tuning_config (section 8)."""
+  limit = MAX_GROUPS if kind == "non_quant" else MAX_WEIGHTS
+  if len(weights) > limit:
+    raise ValueError(f"at most {limit} weight tensors for {NAMES[kind]}, got {len(weights)}")
+  w0 = weights[0]
+  xt = _dtype(xs[0])
+  if out_dtype == I32 and act_type:
+    raise ValueError("INT32 output takes no activation (act_type must be 0)")
+  if weight_transposed and kind in ("a8w4", "a4w4"):
+    raise ValueError(f"{NAMES[kind]} needs a weight that is not transposed (ND)")
+  if kind == "weight_only" and _dtype(w0) in FP8 and not weight_transposed:
+    raise ValueError("fp8 weight-only quantization needs a transposed weight "
+                     "(weight_transposed=True, weight [E, N, K])")
+  if kind == "weight_only" and _dtype(w0) == I4 and weight_transposed:
+    # A transposed int4 weight packs K pairwise, so a per-group K group must be even.
+    first = jnp.asarray(as_list(antiquant_scale, "antiquant_scale")[0])
+    groups = first.shape[-2] if first.ndim == (3 if group_type == 0 and len(weights) == 1
+                                               else 2) else 1
+    if groups > 1 and (k // groups) % 2:
+      raise ValueError(f"a transposed int4 weight needs an even per-group size, got K={k} in "
+                       f"{groups} groups")
+  if xt == FP4 and (k % 2 or k == 2):
+    raise ValueError(f"FP4 needs an even K other than 2, got K={k}")
+  if xt == FP4 and not weight_transposed and n % 2:
+    raise ValueError(f"FP4 with a non-transposed weight needs an even N, got N={n}")
+  k_x = xs[0].shape[-1]
+  if k_x == 0 and not (all(np.prod(v.shape[:-1]) == 0 for v in xs) or n == 0):
+    raise ValueError("K = 0 is only valid when every x has no rows or every weight has no "
+                     "columns")
+  max_m = max(int(np.prod(v.shape[:-1])) for v in xs)
+  check_tuning(tuning_config, kind, max_m, kind == "a8w4" and offset is not None)
