@@ -551,3 +551,19 @@ def test_non_quant_rows(dtype, bias_dtype, group_type):
                               np.broadcast_to(f64(b)[1], (m - 5, n))])
   assert y.dtype == dtype
   np.testing.assert_allclose(f64(y), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_a8w4_int32_packed_weights_equal_int4_weights():
+  # Ascend takes A8W4 weights as INT32 words of 8 INT4 values (lowest nibble first).
+  e, m = 2, 8
+  w = RNG.integers(-8, 8, (e, _K, _N))
+  nibbles = (w & 0xF).astype(np.uint32).reshape(e, _K, _N // 8, 8)
+  words = (nibbles << (4 * np.arange(8, dtype=np.uint32))).sum(-1, dtype=np.uint32)
+  packed = words.view(np.int32)
+  x = jnp.asarray(RNG.integers(-128, 128, (m, _K)), jnp.int8)
+  args = dict(scale=ascend.trans_quant_param(RNG.uniform(0.01, 0.02, (e, 1, _N))),
+              bias=_F32(e, _N), per_token_scale=_F32(m), group_list=np.array([3, 5]),
+              group_list_type=1, group_type=0, split_item=3)
+  (want,) = ascend.grouped_matmul(x, jnp.asarray(w, jnp.int4), **args)
+  (y,) = ascend.grouped_matmul(x, jnp.asarray(packed), **args)
+  np.testing.assert_array_equal(f64(y), f64(want))

@@ -63,6 +63,16 @@ def trans_quant_param(scale, offset=None) -> np.ndarray:
   return bits.astype(np.int64)
 
 
+def unpack_int4(weight) -> jax.Array:
+  """An INT32 weight holding 8 INT4 values per element (A8W4's packed form, ``[..., N/8]``)
+  -> ``int4 [..., N]``; the lowest nibble is the first value (our reading: Ascend's int4
+  packing is little-endian)."""
+  shifts = jnp.arange(8, dtype=jnp.int32) * 4
+  nibbles = (weight.astype(jnp.int32)[..., None] >> shifts) & 0xF
+  values = jnp.where(nibbles >= 8, nibbles - 16, nibbles)
+  return values.reshape(*weight.shape[:-1], weight.shape[-1] * 8).astype(jnp.int4)
+
+
 def is_packed(value) -> bool:
   """Whether `value` (an array or a list of them) is a UINT64/INT64 quant parameter."""
   if isinstance(value, (list, tuple)):

@@ -9,7 +9,8 @@ Scenarios (the union of the A2/A3 and 950 tables, section 6):
                 per-channel, group type 0)
   A8W8          int8 x int8: float scale [+ per-token scale] (bf16/f16 out), UINT64/INT64
                 quant parameter (int8/bf16/f16 out, static), or no scale (int32 out)
-  A8W4          int8 x int4: packed scale, bias (mandatory), per-token scale, optional offset
+  A8W4          int8 x int4 (or INT32 holding 8 INT4, lowest nibble first): packed scale,
+                bias (mandatory), per-token scale, optional offset
   A4W4          int4 x int4: packed scale, optional per-token scale
   FP8           e4m3fn/e5m2 x e4m3fn/e5m2: f32 or packed scale, per-token or per-tensor x scale
                 (static/dynamic T-C, T-T, K-C, K-T); group types 0, 2 (packed: 0)
@@ -107,6 +108,8 @@ def grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_s
   xs, weights = [jnp.asarray(v) for v in xs], [jnp.asarray(v) for v in weights]
   biases = None if biases is None else [jnp.asarray(v) for v in biases]
   check_structure(xs, weights, biases, group_type, split_item, act_type, weight_transposed)
+  if dtype(xs[0]) == np.dtype(jnp.int8) and dtype(weights[0]) == I32:
+    weights = [scales.unpack_int4(w) for w in weights]  # A8W4's 8 x INT4 per INT32
   if weight_transposed:
     weights = [jnp.swapaxes(w, -1, -2) for w in weights]
 
