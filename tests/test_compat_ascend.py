@@ -567,3 +567,21 @@ def test_a8w4_int32_packed_weights_equal_int4_weights():
   (want,) = ascend.grouped_matmul(x, jnp.asarray(w, jnp.int4), **args)
   (y,) = ascend.grouped_matmul(x, jnp.asarray(packed), **args)
   np.testing.assert_array_equal(f64(y), f64(want))
+
+
+def test_fp8_scale_shapes_that_two_readings_share():
+  # Spec 6.6, m-grouping with g == M: a [g] per_token_scale is per-token; [g, 1] follows the
+  # per-channel weight, i.e. per-tensor (one scale per group).
+  g = m = 4
+  x = jnp.asarray(RNG.uniform(-2, 2, (m, 32)), jnp.float8_e4m3fn)
+  w = jnp.asarray(RNG.uniform(-2, 2, (g, 32, 8)), jnp.float8_e4m3fn)
+  scale = RNG.uniform(0.5, 1.5, (g, 8)).astype(np.float32)
+  pts = RNG.uniform(0.5, 1.5, (g,)).astype(np.float32)
+  sizes = [2, 0, 2, 0]  # rows 0-1 -> group 0, rows 2-3 -> group 2
+  args = dict(scale=scale, group_list=np.array(sizes), group_list_type=1, group_type=0,
+              split_item=3, output_dtype=jnp.float32)
+  acc = np_split_m(f64(x), f64(w), sizes) * scale[[0, 0, 2, 2]]
+  (per_token,) = ascend.grouped_matmul(x, w, per_token_scale=pts, **args)
+  np.testing.assert_allclose(per_token, acc * pts[:, None], rtol=1e-5)
+  (per_tensor,) = ascend.grouped_matmul(x, w, per_token_scale=pts[:, None], **args)
+  np.testing.assert_allclose(per_tensor, acc * pts[[0, 0, 2, 2], None], rtol=1e-5)
