@@ -21,8 +21,9 @@ PY="${PYTHON:-python3}"
 
 # 1. The shared suite with the compiled Triton kernels (and the benchmark-script check).
 if "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
-  timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_pallas_triton.py \
-    -k "Compiled" > "$OUT/tests.txt" 2>&1
+  # One process (the addopts' xdist workers would share the GPU, and xdist may be absent).
+  timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" \
+    tests/test_pallas_triton.py -k "Compiled" > "$OUT/tests.txt" 2>&1
   echo "pytest exit $?" >> "$OUT/tests.txt"
 else
   echo "pytest/hypothesis not installed: compiled suite skipped" > "$OUT/tests.txt"
