@@ -257,15 +257,12 @@ def _k_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
     out = gmm(x2, w, sizes, group_type="k", group_list_type="counts", num_groups=num_groups,
               activation=activation, preferred_element_type=out_dtype)
   else:
-    out = _k_quantized(kind, num_groups, activation, out_dtype, x2, w, sizes,
-                       array(params["scale"]), array(params["per_token_scale"]))
+    lhs, rhs = scales.k_dequantized(kind, x2, w, sizes, num_groups, array(params["scale"]),
+                                    array(params["per_token_scale"]))
+    out = gmm(lhs, rhs, sizes, group_type="k", group_list_type="counts", num_groups=num_groups,
+              activation=activation, preferred_element_type=out_dtype)
   return [out] if single_out else list(out)
 
-
-def _k_quantized(kind, num_groups, activation, out_dtype, x, w, sizes, scale, pts):
-  lhs, rhs = scales.k_dequantized(kind, x, w, sizes, num_groups, scale, pts)
-  return gmm(lhs, rhs, sizes, group_type="k", group_list_type="counts", num_groups=num_groups,
-             activation=activation, preferred_element_type=out_dtype)
 
 # ---------------------------------------------------------------------- group type 0
 
@@ -318,14 +315,6 @@ def _m_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
                 antiquant_scale=array(params["antiquant_scale"]),
                 antiquant_offset=array(params["antiquant_offset"]),
                 per_token_scale=array(params["per_token_scale"]))
-  static = (kind, num_groups, weight_transposed, activation, out_dtype)
-  return [_m_compute(static, x2, w, bias, sizes, experts, arrays)]
-
-
-def _m_compute(static, x, w, bias, sizes, experts, arrays):
-  """The scale layouts, the sparse gather and the gmm."""
-  kind, num_groups, weight_transposed, activation, out_dtype = static
-  m, k, n = x.shape[0], w.shape[1], w.shape[2]
   per_expert, per_row = scales.m_parameters(kind, num_groups, m, k, n, weight_transposed,
                                             out_dtype == np.dtype(jnp.int8), arrays)
   per_expert["weight"], per_expert["bias"] = w, bias
@@ -338,7 +327,7 @@ def _m_compute(static, x, w, bias, sizes, experts, arrays):
   if "tensor_scale" in per_expert:  # FP8 per-tensor x scale: each row takes its group's
     ids = jnp.maximum(layout.row_group_ids(sizes, m), 0)
     per_row["token_scale"] = per_expert.pop("tensor_scale")[ids][:, None]
-  return _m_gmm(kind, x, sizes, per_expert, per_row, activation, out_dtype)
+  return [_m_gmm(kind, x2, sizes, per_expert, per_row, activation, out_dtype)]
 
 
 def _m_gmm(kind, x, sizes, per_expert, per_row, activation, out_dtype):
