@@ -5,23 +5,24 @@ This file is the whole public API.
 
 from gmm_jax._src.api import explain as explain
 from gmm_jax._src.api import gmm as gmm
-from gmm_jax._src.api import ragged_dot as ragged_dot
 from gmm_jax._src.config import GmmConfig as GmmConfig
 from gmm_jax._src.config import Tiling as Tiling
 from gmm_jax._src.dispatch import implementations as implementations
 from gmm_jax._src.epilogue import ACTIVATIONS as ACTIVATIONS
-from gmm_jax._src.layout import GroupedArray as GroupedArray
-from gmm_jax._src.layout import GroupedDesc as GroupedDesc
-from gmm_jax._src.layout import TileMetadata as TileMetadata
-from gmm_jax._src.layout import check_group_list as check_group_list
-from gmm_jax._src.layout import grouped_desc as grouped_desc
-from gmm_jax._src.layout import make_tile_metadata as make_tile_metadata
-from gmm_jax._src.quant import QArray as QArray
+from gmm_jax._src.group_list import check_group_list as check_group_list
+from gmm_jax._src.grouped_array import GroupedArray as GroupedArray
+from gmm_jax._src.grouped_array import GroupedDesc as GroupedDesc
+from gmm_jax._src.grouped_array import grouped_desc as grouped_desc
+from gmm_jax._src.metadata import TileMetadata as TileMetadata
+from gmm_jax._src.metadata import make_tile_metadata as make_tile_metadata
+from gmm_jax._src.qarray import QArray as QArray
+from gmm_jax._src.qarray import QuantSpec as QuantSpec
+from gmm_jax._src.qarray import dequantize as dequantize
+from gmm_jax._src.qarray import quantize as quantize
+from gmm_jax._src.ragged_dot import ragged_dot as ragged_dot
+from gmm_jax._src.ragged_dot import ragged_dot_general as ragged_dot_general
+from gmm_jax._src.routing import routed_apply as routed_apply
+from gmm_jax._src.routing import routed_gmm as routed_gmm
 from gmm_jax._src.sharding import GmmSharding as GmmSharding
-from gmm_jax._src.sharding import routed_apply as routed_apply
-from gmm_jax._src.sharding import routed_gmm as routed_gmm
-from gmm_jax._src.quant import QuantSpec as QuantSpec
-from gmm_jax._src.quant import dequantize as dequantize
-from gmm_jax._src.quant import quantize as quantize
 
 __version__ = "0.1.0"

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src.api import gmm
+from gmm_jax import GmmSharding, QuantSpec, gmm, quantize, routed_gmm
 
 
 def group_sizes(m: int, num_groups: int, distribution: str, seed: int = 0) -> np.ndarray:
@@ -164,8 +164,6 @@ def run_quant_case(m, kn, num_groups, distribution, modes=("fwd",), implementati
   """Weight-only int8 / int4 (per-group 128) / fp8 and int8 x int8 (per-token x
   per-channel) gmm against bf16 and f32 gmm on the same shape; returns a Row per mode with
   the seconds of each column of `QUANT_COLUMNS`."""
-  from gmm_jax._src import quant
-
   rng = np.random.default_rng(seed)
   k = n = kn
   x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
@@ -174,9 +172,9 @@ def run_quant_case(m, kn, num_groups, distribution, modes=("fwd",), implementati
   cot = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
   x16, w16 = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
   weights = {
-      "int8 w": quant.quantize(w, jnp.int8, channelwise_axes=(0, 2)),
-      "int4 w/128": quant.quantize(w, jnp.int4, channelwise_axes=(0, 2), tiled_axes={1: 128}),
-      "fp8 w": quant.quantize(w, jnp.float8_e4m3fn, channelwise_axes=(0, 2)),
+      "int8 w": quantize(w, jnp.int8, channelwise_axes=(0, 2)),
+      "int4 w/128": quantize(w, jnp.int4, channelwise_axes=(0, 2), tiled_axes={1: 128}),
+      "fp8 w": quantize(w, jnp.float8_e4m3fn, channelwise_axes=(0, 2)),
   }
   wq8 = weights["int8 w"]
   options = dict(implementation=implementation, interpret=interpret)
@@ -186,7 +184,7 @@ def run_quant_case(m, kn, num_groups, distribution, modes=("fwd",), implementati
       **{name: (lambda a, b, s: gmm(a, b, s, **options), x16, q) for name, q in weights.items()},
       # dynamic per-token int8 activations x per-channel int8 weights, bf16 out
       "w8a8": (lambda a, b, s: gmm(a, b, s, preferred_element_type=jnp.bfloat16,
-                                   quantize_lhs=quant.QuantSpec(jnp.int8, channelwise_axes=(0,)),
+                                   quantize_lhs=QuantSpec(jnp.int8, channelwise_axes=(0,)),
                                    **options), x16, wq8),
   }
   out = []
@@ -251,8 +249,6 @@ def run_sharding_case(devices: int, pattern: str, experts_per_device=4, tokens_p
   combined by a psum) or "routed" (tokens sharded, all_to_all to the experts' devices).
   Returns (seconds of forward, seconds of forward+backward, bytes per device fwd, fwd+bwd)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-  from gmm_jax._src.sharding import GmmSharding, routed_gmm
 
   mesh = Mesh(np.array(jax.devices()[:devices]), ("e",))
   rng = np.random.default_rng(seed)

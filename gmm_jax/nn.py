@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gmm_jax._src.api import gmm
-from gmm_jax._src.quant import QuantSpec
-from gmm_jax._src.sharding import routed_apply
+from gmm_jax import QuantSpec, gmm, routed_apply
+from gmm_jax._src.epilogue import resolve_activation
 
 Array = jax.Array
 
@@ -145,8 +144,6 @@ class MoE(nnx.Module):
 
   def _experts(self, rows, sizes, kernels=None):
     """The gated FFN on expert-contiguous rows (kernels: local slices, expert parallel)."""
-    from gmm_jax._src.epilogue import resolve_activation
-
     act = resolve_activation(self.activation)
     if kernels is None:
       return self.down(act(self.gate(rows, sizes)) * self.up(rows, sizes), sizes)

@@ -1,19 +1,23 @@
-"""Helpers shared by the Pallas kernels: tile sizes, edge masks, per-group bounds.
+"""What the Pallas kernels share: one preamble (quantized operand preparation, dtypes, tile
+checks, the empty and K=0 cases), tile sizes, edge masks, in-kernel dequantization.
 
-Kernels read the grouped layout only through `gmm_jax._src.layout` (work items, group
-bounds); nothing here re-derives group offsets from a group list.
+Floor 2 with the kernels. Kernels read the grouped layout only through
+`gmm_jax._src.metadata` (work items, group bounds); nothing here re-derives group offsets
+from a group list.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gmm_jax._src import layout
+from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_dims
+from gmm_jax._src.epilogue import resolve_activation
+from gmm_jax._src.qarray import QArray, quant_mode
 
 
 def next_power_of_2(x: int) -> int:
@@ -32,23 +36,6 @@ def power_of_2_tile(size: int, smallest: int, largest: int) -> int:
 def edge_mask(first, size: int, limit) -> jax.Array:
   """bool ``[size]``: which of the indices ``first + [0, size)`` lie below `limit`."""
   return first + lax.iota(jnp.int32, size) < limit
-
-
-def local_group_bounds(counts: jax.Array, dim_size: int, group_offset,
-                       num_local: int) -> tuple[jax.Array, jax.Array]:
-  """int32 ``[num_local]`` start and end of each local group along the grouped dimension.
-
-  Local group ``g`` is global group ``group_offset + g``; one past the last global group it
-  is empty (start == end == 0), so a kernel that loops over ``[start, end)`` does nothing.
-  """
-  bounds = layout.bounds_from_counts(counts, dim_size)
-  first, end = layout.local_group_range(group_offset, num_local, counts.shape[0])
-  global_ids = first + jnp.arange(num_local, dtype=jnp.int32)
-  held = global_ids < end
-  index = jnp.where(held, global_ids, 0)
-  starts = jnp.where(held, bounds[index], 0)
-  ends = jnp.where(held, bounds[index + 1], 0)
-  return starts.astype(jnp.int32), ends.astype(jnp.int32)
 
 
 def unsupported_primitives(fn, rules) -> set[str]:
@@ -114,54 +101,75 @@ def quant_static(quant: QuantOperands | None) -> QuantStatic | None:
   return QuantStatic(quant.mode, quant.rhs_zero is not None, quant.k_block)
 
 
-def prepare_quant(lhs, rhs, cfg, m: int, k: int, n: int):
-  """Splits QArray operands into plain values + `QuantOperands` for an in-kernel
-  dequantizing gmm, or raises NotImplementedError naming what the kernels support:
-  m-grouping; weight-only int8/int4/fp8 weights with per-tensor, per-channel or per-group
-  (along K) scales and optional zero points; or int8 x int8 with a per-token/per-tensor lhs
-  scale and a per-channel/per-tensor rhs scale, no zero points.
+_SUPPORTED = ("the kernels dequantize in-kernel for m-grouping: weight-only int8/int4/fp8 "
+              "weights (per-tensor, per-channel or per-group scales, optional zero points) "
+              "and int8 x int8 with per-token/per-tensor x per-channel/per-tensor scales")
+_WEIGHT_TYPES = tuple(np.dtype(t) for t in (jnp.int8, jnp.int4, jnp.float8_e4m3fn,
+                                            jnp.float8_e5m2))
 
-  Returns:
-    (lhs values, rhs values, QuantOperands or None when neither operand is quantized).
-  """
-  from gmm_jax._src import quant
 
-  lq, rq = isinstance(lhs, quant.QArray), isinstance(rhs, quant.QArray)
-  if not lq and not rq:
-    return lhs, rhs, None
-  mode = quant.quant_mode(lhs, rhs, cfg)
-  supported = ("the kernels dequantize in-kernel for m-grouping: weight-only int8/int4/fp8 "
-               "weights (per-tensor, per-channel or per-group scales, optional zero points) "
-               "and int8 x int8 with per-token/per-tensor x per-channel/per-tensor scales")
-  if cfg.group_type != "m" or mode not in ("weight_only", "scaled"):
-    raise NotImplementedError(f"{supported}; got group_type={cfg.group_type!r}, mode {mode}")
-  if rq and rhs.qtype not in (np.dtype(jnp.int8), np.dtype(jnp.int4),
-                              np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)):
-    raise NotImplementedError(f"{supported}; got rhs values {rhs.qtype}")
-  # rhs scale as [L or 1, Kb, N or 1] in the canonical [K, N] orientation.
+def _rhs_scale_layout(rhs: QArray, cfg):
+  """The rhs scale, zero point and tiles in the canonical ``[L, K, N]`` orientation."""
   scale, zero, tile = rhs.scale, rhs.zero_point, rhs.tile
   if cfg.transpose_rhs:
     scale = jnp.swapaxes(scale, -1, -2)
     zero = None if zero is None else jnp.swapaxes(zero, -1, -2)
     tile = tile[:-2] + (tile[-1], tile[-2])
+  return scale, zero, tile
+
+
+def check_quant(lhs, rhs, cfg) -> None:
+  """Raises NotImplementedError for quantized operands the kernels cannot dequantize
+  in-kernel (shapes and dtypes only: it runs on abstract values too). Plain operands pass.
+  """
+  lq, rq = isinstance(lhs, QArray), isinstance(rhs, QArray)
+  if not lq and not rq:
+    return
+  mode = quant_mode(lhs, rhs, cfg)
+  if cfg.group_type != "m" or mode not in ("weight_only", "scaled"):
+    raise NotImplementedError(f"{_SUPPORTED}; got group_type={cfg.group_type!r}, mode {mode}")
+  if rhs.qtype not in _WEIGHT_TYPES:
+    raise NotImplementedError(f"{_SUPPORTED}; got rhs values {rhs.qtype}")
+  n = rhs.shape[-2] if cfg.transpose_rhs else rhs.shape[-1]
+  scale_n = rhs.scale.shape[-2] if cfg.transpose_rhs else rhs.scale.shape[-1]
+  if scale_n not in (1, n):
+    raise NotImplementedError(f"{_SUPPORTED}; got rhs scales blocked along N {rhs.scale.shape}")
+  if mode == "weight_only":
+    return
+  if (lhs.qtype != np.dtype(jnp.int8) or rhs.qtype != np.dtype(jnp.int8)
+      or lhs.zero_point is not None or rhs.zero_point is not None):
+    raise NotImplementedError(
+        f"{_SUPPORTED}; got {lhs.qtype} x {rhs.qtype} (zero points: "
+        f"{lhs.zero_point is not None}, {rhs.zero_point is not None})")
+  m = lhs.shape[1] if cfg.transpose_lhs else lhs.shape[0]
+  scale_m = lhs.scale.shape[1] if cfg.transpose_lhs else lhs.scale.shape[0]
+  if scale_m not in (1, m):
+    raise NotImplementedError(f"{_SUPPORTED}; got lhs scales {lhs.scale.shape}")
+
+
+def prepare_quant(lhs, rhs, cfg, m: int, k: int, n: int):
+  """Splits QArray operands into plain values + `QuantOperands` for an in-kernel
+  dequantizing gmm (NotImplementedError from `check_quant` for what the kernels cannot
+  serve).
+
+  Returns:
+    (lhs values, rhs values, QuantOperands or None when neither operand is quantized).
+  """
+  check_quant(lhs, rhs, cfg)
+  if not isinstance(rhs, QArray):
+    return lhs, rhs, None
+  mode = quant_mode(lhs, rhs, cfg)
+  # rhs scale as [L or 1, Kb, N or 1] in the canonical [K, N] orientation.
+  scale, zero, tile = _rhs_scale_layout(rhs, cfg)
   num_kb = scale.shape[1]
-  if scale.shape[2] not in (1, n):
-    raise NotImplementedError(f"{supported}; got rhs scales blocked along N {rhs.scale.shape}")
   k_block = max(k, 1) if num_kb == 1 else tile[1]
   shape = (cfg.num_local, num_kb, n)
   rhs_scale = jnp.broadcast_to(scale.astype(jnp.float32), shape)
   rhs_zero = None if zero is None else jnp.broadcast_to(zero.astype(jnp.float32), shape)
   if mode == "weight_only":
     return lhs, rhs.qvalue, QuantOperands(mode, rhs_scale, rhs_zero, k_block, None)
-  if (lhs.qtype != np.dtype(jnp.int8) or rhs.qtype != np.dtype(jnp.int8)
-      or lhs.zero_point is not None or rhs.zero_point is not None):
-    raise NotImplementedError(
-        f"{supported}; got {lhs.qtype} x {rhs.qtype} (zero points: "
-        f"{lhs.zero_point is not None}, {rhs.zero_point is not None})")
   lhs_scale = lhs.scale.astype(jnp.float32)
   lhs_scale = lhs_scale.T if cfg.transpose_lhs else lhs_scale  # [M or 1, 1]
-  if lhs_scale.shape[0] not in (1, m):
-    raise NotImplementedError(f"{supported}; got lhs scales {lhs.scale.shape}")
   lhs_scale = jnp.broadcast_to(lhs_scale, (m, 1))
   return lhs.qvalue, rhs.qvalue, QuantOperands(mode, rhs_scale, None, k_block, lhs_scale)
 
@@ -179,8 +187,6 @@ def kernel_dtypes(lhs, rhs, quant: QuantOperands | None):
   """(dot dtype, accumulator dtype) of a kernel on prepared operands: weight-only
   dequantizes the weights to the activations' float type; otherwise the promoted type, with
   an int32 accumulator for integers and f32 for floats."""
-  from gmm_jax._src.config import accumulator_dtype
-
   if quant is not None and quant.mode == "weight_only":
     dot_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
     return np.dtype(dot_dtype), np.dtype(jnp.float32)
@@ -190,8 +196,76 @@ def kernel_dtypes(lhs, rhs, quant: QuantOperands | None):
 
 def with_quant_k_step(tiling, quant: QuantOperands | None, k: int):
   """Per-group weight scales take one K step per scale row: ``tile_k = k_block``."""
-  from gmm_jax._src.config import Tiling
-
   if quant is None or quant.k_block >= max(k, 1):
     return tiling
   return Tiling(tile_m=tiling.tile_m, tile_k=quant.k_block, tile_n=tiling.tile_n)
+
+
+# ------------------------------------------------------------------------------- preamble
+
+
+class Prepared(NamedTuple):
+  """A gmm call made ready for a kernel (see `preamble`).
+
+  Fields:
+    lhs, rhs: plain values (the quantized values of QArrays); a zero column each when K=0.
+    quant: `QuantOperands` of the in-kernel dequantization, or None.
+    dims: (M, K, N) of the call (K as given, 0 included).
+    dot_dtype, acc_dtype: the dtypes of the kernel's dots and accumulator.
+    tiling: the tiles (the user's, else the kernel's heuristic), with the quantized K step.
+    out_shape: the result's shape.
+    empty: nothing to compute (no group, or M or N is 0): the result is zeros.
+  """
+
+  lhs: jax.Array
+  rhs: jax.Array
+  quant: QuantOperands | None
+  dims: tuple[int, int, int]
+  dot_dtype: np.dtype
+  acc_dtype: np.dtype
+  tiling: Tiling
+  out_shape: tuple[int, ...]
+  empty: bool
+
+
+def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
+             default_tiling: Callable[..., Tiling], check_tiling: Callable[..., None],
+             unsupported: Callable[[object], set], backend: str) -> Prepared:
+  """The steps every kernel entry point takes before its pallas_call.
+
+  Args:
+    lhs, rhs, counts, cfg: the canonical call (see `GmmConfig`).
+    tiling: an explicit tiling (else ``cfg.tiling``, else `default_tiling`).
+    default_tiling: ``(m, k, n, cfg, itemsize) -> Tiling``, the kernel's heuristic.
+    check_tiling: ``(tiling, m, k, n, cfg)``; raises NotImplementedError for tiles the
+      kernel cannot use.
+    unsupported: ``activation -> set of primitive names`` the compiled kernel cannot lower.
+    backend: the kernel's name, for messages.
+
+  Raises:
+    NotImplementedError: quantized operands the kernels cannot dequantize, tiles they
+      cannot use, or (compiled mode) an activation they cannot lower.
+  """
+  m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
+  lhs, rhs, quant = prepare_quant(lhs, rhs, cfg, m, k, n)
+  dot_dtype, acc_dtype = kernel_dtypes(lhs, rhs, quant)
+  tiling = with_quant_k_step(
+      tiling or cfg.tiling or default_tiling(m, k, n, cfg, dot_dtype.itemsize), quant, k)
+  check_tiling(tiling, m, k, n, cfg)
+  if not cfg.interpret:
+    missing = unsupported(cfg.activation)
+    if missing:
+      raise NotImplementedError(
+          f"activation {cfg.activation!r} uses {sorted(missing)}, which the {backend} "
+          "lowering does not support")
+  out_shape = (m, n) if cfg.group_type == "m" else (cfg.num_local, m, n)
+  # No group or an empty output: nothing is written (as the XLA path), and the kernels get
+  # no zero-sized grid.
+  empty = cfg.num_local == 0 or counts.shape[0] == 0 or m == 0 or n == 0
+  if k == 0 and not empty:
+    # An empty contraction is a zero accumulator: one zero column each (kernels get no
+    # zero-sized operand; the group bounds still see K = 0).
+    lhs = jnp.zeros((1, m) if cfg.transpose_lhs else (m, 1), lhs.dtype)
+    rhs = jnp.zeros(rhs.shape[:-2] + ((n, 1) if cfg.transpose_rhs else (1, n)), rhs.dtype)
+  return Prepared(lhs, rhs, quant, (m, k, n), dot_dtype, acc_dtype, tiling, out_shape, empty)
+

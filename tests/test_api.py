@@ -248,9 +248,9 @@ def test_grouped_desc_variable_dim_1_and_bad_buffer():
 @pytest.mark.parametrize("dims, variable_dim_idx, num_groups, match", [
     ((5000,), 0, 8, r"2-D only, got dims \(5000,\)"),
     ((5000, 512, 2), 0, 8, r"2-D only, got dims \(5000, 512, 2\)"),
-    ((0, 512), 0, 8, r"positive, got \(0, 512\)"),
-    ((5000, -1), 0, 8, r"positive, got \(5000, -1\)"),
-    ((5000, 512), 0, 0, "num_groups must be positive, got 0"),
+    ((5000, -1), 0, 8, r"non-negative ints, got \(5000, -1\)"),
+    ((5000, 2.5), 0, 8, r"non-negative ints, got \(5000, 2.5\)"),
+    ((5000, 512), 0, 0, "num_groups must be a positive int, got 0"),
     ((5000, 512), 2, 8, "variable_dim_idx must be 0 or 1, got 2"),
     ((5000, 512), -1, 8, "variable_dim_idx must be 0 or 1, got -1"),
 ])

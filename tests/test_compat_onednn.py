@@ -55,7 +55,7 @@ def test_sizes_by_type(dtype, name, size):
     (lambda: onednn.memory_desc_grouped((8, 4), "f32", 0, 0), ValueError, "num_groups"),
     (lambda: onednn.memory_desc_grouped((8, 4), "f32", 2, 2), ValueError,
      "variable_dim_idx"),
-    (lambda: onednn.memory_desc_grouped((0, 4), "f32", 0, 2), ValueError, "positive"),
+    (lambda: onednn.memory_desc_grouped((-1, 4), "f32", 0, 2), ValueError, "non-negative"),
     (lambda: onednn.memory_desc_grouped((8, 4), "f32", 0, 2, offsets_dtype="s64"),
      ValueError, "s32"),
     (lambda: onednn.memory_desc_grouped((8, 4), "q7", 0, 2), ValueError, "unknown data type"),
@@ -63,6 +63,12 @@ def test_sizes_by_type(dtype, name, size):
 def test_descriptor_validation(call, error, match):
   with pytest.raises(error, match=match):
     call()
+
+
+def test_zero_volume_descriptor_is_valid():
+  # oneDNN accepts a zero-volume memory: its values buffer has 0 bytes.
+  md = onednn.memory_desc_grouped((0, 16), "f32", 0, 2)
+  assert md.dims == (0, 16) and md.get_size(0) == 0 and md.get_size(1) == 8
 
 
 def np_var_m(src, weights, offsets, *, src_scale=None, wei_scale=None, src_zp=None,

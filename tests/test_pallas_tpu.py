@@ -14,6 +14,7 @@ from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.reference import gmm_reference
 from gmm_jax.pallas.tpu import gmm as tpu_gmm
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
+from lowering import lower_for, mosaic_calls
 from oracle import f64, tolerances
 
 
@@ -90,18 +91,8 @@ def test_default_tiling_is_blockable(group_type, m, k, n, num_local, itemsize, t
 # ----------------------------------------------------------------------- lowering for TPU
 
 
-@pytest.fixture
-def as_if_on_tpu(monkeypatch):
-  """The dispatcher picks by `jax.default_backend()` at trace time: tell it it is a TPU."""
-  monkeypatch.setattr(dispatch, "current_platform", lambda: "tpu")
-
-
 def _lower_for_tpu(fn, *args) -> str:
-  return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
-
-
-def _mosaic_calls(text: str) -> int:
-  return text.count("tpu_custom_call")
+  return lower_for("tpu", fn, *args)
 
 
 LOWERING_SHAPES = [  # (M, K, N): aligned, below one tile, ragged, several ragged tiles
@@ -128,7 +119,7 @@ LOWERING_TILINGS = [None, Tiling(tile_m=128, tile_k=128, tile_n=128),
 @pytest.mark.parametrize("case", range(len(LOWERING_CASES)))
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("group_type", ["m", "k"])
-def test_lowers_for_tpu(as_if_on_tpu, group_type, shape, case, tiling):
+def test_lowers_for_tpu(group_type, shape, case, tiling):
   num_local = 4
   lhs, rhs, bias, options = lowering_problem(group_type, shape, LOWERING_CASES[case],
                                              num_local)
@@ -140,11 +131,11 @@ def test_lowers_for_tpu(as_if_on_tpu, group_type, shape, case, tiling):
 
   sizes = jnp.zeros((num_local + 1,), jnp.int32)  # traced: any routing, one lowering
   text = _lower_for_tpu(f, lhs, rhs, bias, sizes, jnp.int32(1))
-  assert _mosaic_calls(text) == 1, "one Mosaic kernel"
+  assert mosaic_calls(text) == 1, "one Mosaic kernel"
 
 
 @pytest.mark.parametrize("group_type", ["m", "k"])
-def test_gradients_lower_for_tpu(as_if_on_tpu, group_type):
+def test_gradients_lower_for_tpu(group_type):
   # The backward pass is forward gmms in the other grouping modes (and transposed layouts).
   lhs, rhs, bias = make_operands(group_type, m=300, k=129, n=257, lhs_dtype=jnp.bfloat16,
                                  with_bias=True)
@@ -155,18 +146,19 @@ def test_gradients_lower_for_tpu(as_if_on_tpu, group_type):
 
   text = _lower_for_tpu(jax.grad(loss, argnums=(0, 1, 2)), lhs, rhs, bias,
                         jnp.asarray(SIZES_WITH_EMPTY, jnp.int32))
-  assert _mosaic_calls(text) >= 3, "forward, dlhs and drhs kernels"
+  assert mosaic_calls(text) >= 3, "forward, dlhs and drhs kernels"
 
 
-def test_unlowerable_activation_and_tiling_fall_back_to_xla(as_if_on_tpu):
-  # erfc has no Mosaic rule and a 16-row tile cannot be blocked: both are refused at trace
-  # time, so the TPU chain serves the call with "xla" instead of failing to lower.
+def test_unlowerable_activation_and_tiling_fall_back_to_xla():
+  # erfc has no Mosaic rule and a 16-row tile cannot be blocked: the kernel refuses both
+  # before it builds its pallas_call, so the TPU chain serves the call with "xla" instead
+  # of failing inside Mosaic's lowering.
   lhs, rhs, _ = make_operands("m")
   sizes = np.asarray(SIZES_WITH_EMPTY, np.int32)
   erfc_gelu = lambda x: jax.nn.gelu(x, approximate=False)  # noqa: E731
   with pytest.raises(NotImplementedError, match="erfc"):
-    jax.jit(lambda l, r: gmm_jax.gmm(l, r, sizes, activation=erfc_gelu,
-                                     implementation="pallas_tpu")).trace(lhs, rhs)
+    _lower_for_tpu(lambda l, r: gmm_jax.gmm(l, r, sizes, activation=erfc_gelu,
+                                            implementation="pallas_tpu"), lhs, rhs)
   for options in (dict(activation=erfc_gelu), dict(tiling=Tiling(tile_m=16))):
     text = _lower_for_tpu(lambda l, r: gmm_jax.gmm(l, r, sizes, **options), lhs, rhs)
-    assert _mosaic_calls(text) == 0  # served by "xla"
+    assert mosaic_calls(text) == 0  # served by "xla"

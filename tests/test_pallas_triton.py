@@ -4,8 +4,6 @@ lowerable primitives), which needs no GPU."""
 
 from __future__ import annotations
 
-import contextlib
-
 import gmm_jax
 import jax
 import jax.numpy as jnp
@@ -15,8 +13,8 @@ from gmm_jax._src import dispatch
 from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.reference import gmm_reference
 from gmm_jax.pallas.gpu import gmm as triton_gmm
-from jax.experimental.pallas import triton as plgpu
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
+from lowering import lower_for, triton_calls
 from oracle import f64, tolerances
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -80,33 +78,8 @@ def test_non_power_of_2_tiles_are_refused():
 # ----------------------------------------------------------------------- lowering for CUDA
 
 
-@pytest.fixture
-def as_if_on_gpu(monkeypatch):
-  """The dispatcher picks by `jax.default_backend()` at trace time: tell it it is a GPU."""
-  monkeypatch.setattr(dispatch, "current_platform", lambda: "gpu")
-
-
-def _gpu_model():
-  """An abstract H100 for jax >= 0.11's Triton lowering, which reads the GPU model
-  (compute capability) from the device, or from the abstract mesh's device when there is no
-  GPU, and otherwise raises. jax 0.10 falls back to compute capability 9.0 by itself."""
-  if not hasattr(plgpu, "get_gpu_info"):
-    return contextlib.nullcontext()
-  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None,
-                                       platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
-                                   abstract_device=device)
-  return jax.sharding.use_abstract_mesh(mesh)
-
-
 def _lower_for_cuda(fn, *args) -> str:
-  with _gpu_model():  # around the trace too: lowering sees the trace-time context
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
-def _triton_calls(text: str) -> int:
-  """Triton kernel launches in a lowered module (the custom-call target by jaxlib version)."""
-  return text.count("xla.gpu.triton") + text.count("triton_kernel_call_ffi")
+  return lower_for("cuda", fn, *args)
 
 
 LOWERING_SHAPES = [  # (M, K, N): powers of 2, and ragged / below-one-tile / prime sizes
@@ -128,7 +101,7 @@ LOWERING_CASES = [  # (lhs dtype, rhs dtype, preferred, transpose_lhs, transpose
 @pytest.mark.parametrize("case", range(len(LOWERING_CASES)))
 @pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("group_type", ["m", "k"])
-def test_lowers_for_cuda(as_if_on_gpu, group_type, shape, case):
+def test_lowers_for_cuda(group_type, shape, case):
   num_local = 4
   lhs, rhs, bias, options = lowering_problem(group_type, shape, LOWERING_CASES[case],
                                              num_local)
@@ -139,11 +112,11 @@ def test_lowers_for_cuda(as_if_on_gpu, group_type, shape, case):
 
   sizes = jnp.zeros((num_local + 1,), jnp.int32)  # traced: any routing, one lowering
   text = _lower_for_cuda(f, lhs, rhs, bias, sizes, jnp.int32(1))
-  assert _triton_calls(text) == 1, "one Triton kernel"
+  assert triton_calls(text) == 1, "one Triton kernel"
 
 
 @pytest.mark.parametrize("group_type", ["m", "k"])
-def test_gradients_lower_for_cuda(as_if_on_gpu, group_type):
+def test_gradients_lower_for_cuda(group_type):
   # The backward pass is forward gmms in the other grouping modes (and transposed layouts).
   lhs, rhs, bias = make_operands(group_type, m=45, k=50, n=40, lhs_dtype=jnp.bfloat16,
                                  with_bias=True)
@@ -155,20 +128,21 @@ def test_gradients_lower_for_cuda(as_if_on_gpu, group_type):
 
   text = _lower_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), lhs, rhs, bias,
                          jnp.asarray(SIZES_WITH_EMPTY, jnp.int32))
-  assert _triton_calls(text) >= 3, (
+  assert triton_calls(text) >= 3, (
       "forward, dlhs and drhs kernels")
 
 
-def test_activation_without_triton_lowering_falls_back(as_if_on_gpu, monkeypatch):
-  # erf has no Triton lowering: a callable that needs it is refused at trace time (so the
-  # platform chain moves on to "xla"), not left to fail when lowering.
+def test_activation_without_triton_lowering_falls_back():
+  # erf has no Triton lowering: the kernel refuses a callable that needs it before it
+  # builds its pallas_call (so the platform chain moves on to "xla"), instead of failing
+  # inside Triton's lowering.
   assert dispatch.candidates(GmmConfig(group_type="m", num_local=1), "gpu") == (
       "pallas_triton", "xla")
   lhs, rhs, _ = make_operands("m")
   sizes = np.asarray(SIZES_WITH_EMPTY, np.int32)
   erf_gelu = lambda x: jax.nn.gelu(x, approximate=False)  # noqa: E731
   with pytest.raises(NotImplementedError, match="erf"):
-    jax.jit(lambda l, r: gmm_jax.gmm(l, r, sizes, activation=erf_gelu,
-                                     implementation="pallas_triton")).trace(lhs, rhs)
+    _lower_for_cuda(lambda l, r: gmm_jax.gmm(l, r, sizes, activation=erf_gelu,
+                                             implementation="pallas_triton"), lhs, rhs)
   text = _lower_for_cuda(lambda l, r: gmm_jax.gmm(l, r, sizes, activation=erf_gelu), lhs, rhs)
-  assert _triton_calls(text) == 0  # the platform chain served it with "xla"
+  assert triton_calls(text) == 0  # the platform chain served it with "xla"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from gmm_jax import QArray, quantize
 from gmm_jax._src import dispatch
-from test_pallas_triton import _lower_for_cuda, _triton_calls
+from lowering import implementations_used, lower_for, triton_calls
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -43,7 +43,8 @@ def _weights(case: str, k: int, seed: int = 0, n: int = N):
 
 
 def _pallas_calls(fn, *args) -> int:
-  return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+  """gmms of the lowered program that a Pallas kernel serves."""
+  return sum(name.startswith("pallas") for name in implementations_used(fn, *args))
 
 
 WEIGHT_CASES = ["int8 per-channel", "int4 per-channel zero-point", "int4 per-group-128",
@@ -137,10 +138,17 @@ def test_refused_layouts_fall_back_to_composition():
 
 
 def test_dispatcher_declares_the_quantized_modes():
-  cfg = gmm_jax.GmmConfig(group_type="m", num_local=1)
-  assert dispatch.serves(cfg, "weight_only", "gpu") and dispatch.serves(cfg, "scaled", "tpu")
-  assert not dispatch.serves(cfg, "blocked", "gpu")
-  assert not dispatch.serves(cfg, "weight_only", "cpu")  # CPU: composed XLA path
+  cfg = gmm_jax.GmmConfig(group_type="m", num_local=G)
+  x = jnp.zeros((M, 128), jnp.bfloat16)
+  w = _weights("int8 per-channel", 128)
+  xq = quantize(np.ones((M, 128), np.float32), jnp.int8, channelwise_axes=(0,))
+  mx = quantize(np.ones((G, 128, N), np.float32), jnp.float8_e4m3fn, tiled_axes={1: 32})
+  xmx = quantize(np.ones((M, 128), np.float32), jnp.float8_e4m3fn, tiled_axes={1: 32})
+  assert dispatch.serves(x, w, cfg, "gpu") and dispatch.serves(xq, w, cfg, "tpu")
+  assert not dispatch.serves(xmx, mx, cfg, "gpu")  # blocked (MX): composed
+  assert not dispatch.serves(x, w, cfg, "cpu")  # CPU: composed XLA path
+  blocked_n = quantize(np.ones((G, 128, N), np.float32), jnp.int8, tiled_axes={2: 8})
+  assert not dispatch.serves(x, blocked_n, cfg, "gpu")  # the kernels' static check refuses
 
 
 # ------------------------------------------------------------------------------- lowering
@@ -153,9 +161,7 @@ LOWER_CASES = WEIGHT_CASES + ["int8 x int8"]
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @pytest.mark.parametrize("case", LOWER_CASES)
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
-def test_quantized_kernels_lower(monkeypatch, platform, case, transpose_rhs, shape):
-  monkeypatch.setattr(dispatch, "current_platform",
-                      lambda: "tpu" if platform == "tpu" else "gpu")
+def test_quantized_kernels_lower(platform, case, transpose_rhs, shape):
   m, k, n = shape
   rng = np.random.default_rng(5)
   w = rng.standard_normal((G, k, n)).astype(np.float32)
@@ -174,8 +180,8 @@ def test_quantized_kernels_lower(monkeypatch, platform, case, transpose_rhs, sha
                        transpose_rhs=transpose_rhs)  # the platform's chain picks the kernel
 
   sizes = jnp.zeros((G,), jnp.int32)
+  text = lower_for(platform, f, lhs, rhs, bias, sizes)
   if platform == "tpu":
-    text = jax.jit(f).trace(lhs, rhs, bias, sizes).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 1
   else:
-    assert _triton_calls(_lower_for_cuda(f, lhs, rhs, bias, sizes)) == 1
+    assert triton_calls(text) == 1

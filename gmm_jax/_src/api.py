@@ -1,25 +1,145 @@
-"""Public entry points: `gmm` and the `jax.lax.ragged_dot` drop-in."""
+"""The public `gmm` and `explain`: validate -> canonicalize -> route.
+
+Floor 5: the only place that validates user input and builds a `GmmConfig`. Below it every
+layer takes canonical operands ``(lhs, rhs, counts, group_offset, bias, cfg)``.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from gmm_jax._src import dispatch, layout, quant
+from gmm_jax._src import backends  # noqa: F401  (registers the implementations)
+from gmm_jax._src import dispatch, group_list, op, quantized
 from gmm_jax._src import sharding as sharding_lib
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling
 from gmm_jax._src.epilogue import resolve_activation
-from gmm_jax._src.layout import GroupedArray
-from gmm_jax._src.vjp import gmm_core
+from gmm_jax._src.grouped_array import GroupedArray
+from gmm_jax._src.qarray import QArray, QuantSpec, as_qarray, quant_mode
 
-GROUP_TYPES = ("m", "k")
+Array = jax.Array
 
 
-def _check_operand_dtype(x, name):
+def _describe(x) -> str:
+  if isinstance(x, QArray):
+    return repr(x)
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return str(jax.typeof(x))
+  return repr(x)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+# ------------------------------------------------------------------------------ validate
+
+
+def _check_bool(value, name: str) -> bool:
+  if not isinstance(value, (bool, np.bool_)):
+    raise ValueError(f"{name} must be a bool, got {value!r}")
+  return bool(value)
+
+
+def _as_operand(x, name: str):
+  """A QArray (gmm_jax or qwix) or a numeric array; ValueError for anything else."""
+  quantized_x = as_qarray(x)
+  if quantized_x is not None:
+    return quantized_x
+  if x is None or isinstance(x, (str, bytes, dict, set)):
+    raise ValueError(f"{name} must be an array or a gmm_jax.QArray, got {x!r}")
+  try:
+    x = jnp.asarray(x)
+  except (TypeError, ValueError) as err:
+    raise ValueError(f"{name} must be an array or a gmm_jax.QArray, got {x!r}: {err}") from None
   dtype = x.dtype
-  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+  if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating)
+                               or jnp.issubdtype(dtype, jnp.integer)):
     raise ValueError(f"{name} must be a floating or integer array, got {jax.typeof(x)}")
+  return x
+
+
+def _check_quant_specs(lhs, rhs, quantize_lhs, quantize_rhs) -> None:
+  for spec, operand, name in ((quantize_lhs, lhs, "lhs"), (quantize_rhs, rhs, "rhs")):
+    if spec is None:
+      continue
+    if not isinstance(spec, QuantSpec):
+      raise ValueError(f"quantize_{name} must be a gmm_jax.QuantSpec or None, got {spec!r}")
+    if isinstance(operand, QArray) or not jnp.issubdtype(operand.dtype, jnp.floating):
+      raise ValueError(f"quantize_{name} needs a float {name}, got {_describe(operand)}")
+
+
+def _check_plain_dtypes(lhs, rhs) -> None:
+  if jnp.issubdtype(lhs.dtype, jnp.integer) != jnp.issubdtype(rhs.dtype, jnp.integer):
+    raise NotImplementedError(
+        f"mixed integer and floating operands ({lhs.dtype} x {rhs.dtype}): pass the "
+        "integer side as a gmm_jax.QArray (its scale says what the integers mean); "
+        "plain arrays must be both floating or both integer")
+
+
+def _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs):
+  rhs_rank = 3 if group_type == "m" else 2
+  if lhs.ndim != 2 or rhs.ndim != rhs_rank:
+    raise ValueError(
+        f"group_type={group_type!r} needs a 2-D lhs and a {rhs_rank}-D rhs, got lhs "
+        f"{_describe(lhs)} and rhs {_describe(rhs)}")
+  m, k = (lhs.shape[1], lhs.shape[0]) if transpose_lhs else lhs.shape
+  rhs_k, n = (rhs.shape[-1], rhs.shape[-2]) if transpose_rhs else rhs.shape[-2:]
+  if rhs_k != k:
+    raise ValueError(
+        f"contraction sizes differ: lhs {lhs.shape} (transpose_lhs={transpose_lhs}) has "
+        f"K={k}, rhs {rhs.shape} (transpose_rhs={transpose_rhs}) has K={rhs_k}")
+  return m, k, n
+
+
+def _num_groups(num_groups):
+  if num_groups is None:
+    return None
+  if not _is_int(num_groups) or num_groups < 0:
+    raise ValueError(f"num_groups must be a non-negative int, got {num_groups!r}")
+  return int(num_groups)
+
+
+def _group_counts(groups, group_list_type, num_groups, group_type, rhs_shape, group_offset,
+                  dim_size, dim_name):
+  """(counts, num_total, num_local): the list validated and made canonical."""
+  groups = group_list.as_group_list(groups)
+  group_list.check_shape(groups, group_list_type)
+  num_groups = _num_groups(num_groups)
+  list_len = groups.shape[0]
+  if group_list_type == "sparse":
+    if num_groups is None:
+      if group_type == "k" or group_offset is not None:
+        raise ValueError(
+            "num_groups is required for a sparse group_list with group_type='k' or a "
+            "group_offset")
+      num_groups = rhs_shape[0]
+    num_total = num_groups
+  else:
+    num_total = list_len
+  if group_type == "m":
+    num_local = rhs_shape[0]
+    if group_list_type != "sparse" and num_groups is not None and num_groups != num_total:
+      raise ValueError(f"num_groups={num_groups} differs from the group_list length {num_total}")
+    if group_offset is None and num_local != num_total:
+      raise ValueError(
+          f"rhs {tuple(rhs_shape)} holds {num_local} groups but the group list has "
+          f"{num_total}; pass group_offset if rhs holds a slice of the groups")
+    if num_local > num_total:
+      raise ValueError(f"rhs {tuple(rhs_shape)} holds more groups than the group list "
+                       f"({num_total})")
+  else:
+    num_local = num_total if (num_groups is None or group_list_type == "sparse") else num_groups
+    if num_local > num_total:
+      raise ValueError(f"num_groups={num_local} exceeds the group list length {num_total}")
+  group_list.validate_concrete(groups, group_list_type, dim_size, num_total, dim_name)
+  counts = group_list.to_counts(groups, group_list_type, num_total, dim_size=dim_size)
+  return counts, num_total, num_local
 
 
 def _group_offset(group_offset, num_total: int):
@@ -27,36 +147,26 @@ def _group_offset(group_offset, num_total: int):
     return jnp.zeros((), jnp.int32)
   if not isinstance(group_offset, jax.core.Tracer):
     value = np.asarray(group_offset)
-    if value.size != 1 or not np.issubdtype(value.dtype, np.integer):
+    if value.size != 1 or value.dtype == np.bool_ or not np.issubdtype(value.dtype, np.integer):
       raise ValueError(f"group_offset must be an integer scalar, got {group_offset!r}")
     if not 0 <= int(value.reshape(())) <= num_total:
       raise ValueError(f"group_offset must lie in [0, {num_total}], got {int(value.reshape(()))}")
   group_offset = jnp.asarray(group_offset)
   if group_offset.size != 1 or not jnp.issubdtype(group_offset.dtype, jnp.integer):
     raise ValueError(f"group_offset must be an integer scalar, got {jax.typeof(group_offset)}")
+  # A traced offset past the list holds no group (the metadata clips it to [0, G]).
   return group_offset.reshape(()).astype(jnp.int32)
 
 
-def _run_one(lhs, rhs, counts, group_offset, bias, cfg):
-  """One (possibly quantized) gmm on canonical operands: what each shard runs."""
-  if isinstance(lhs, quant.QArray) or isinstance(rhs, quant.QArray):
-    return quant.gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg)
-  return gmm_core(cfg, lhs, rhs, counts, group_offset, bias)
-
-
-def _finish_after_reduction(z, counts, group_offset, bias, cfg):
-  """Bias, activation and cast of a K-reduced f32 pre-activation."""
-  if bias is not None:
-    if cfg.group_type == "m":
-      ids = layout.row_group_ids(counts, z.shape[0], group_offset, cfg.num_local)
-      z = z + bias.astype(jnp.float32)[jnp.maximum(ids, 0)]
-    else:
-      z = z + bias.astype(jnp.float32)[:, None, :]
-  return quant.finish(z, counts, group_offset, cfg)
-
-
-def _describe(x) -> str:
-  return repr(x) if isinstance(x, quant.QArray) else str(jax.typeof(x))
+def _bias(bias, num_local: int, n: int):
+  if bias is None:
+    return None
+  bias = _as_operand(bias, "bias")
+  if isinstance(bias, QArray):
+    raise ValueError(f"bias must be a plain array, got {_describe(bias)}")
+  if bias.shape != (num_local, n):
+    raise ValueError(f"bias must have shape [G_local, N] = {(num_local, n)}, got {bias.shape}")
+  return bias
 
 
 def _per_group_vector(value, name: str, num_local: int, n: int):
@@ -75,11 +185,203 @@ def _per_group_vector(value, name: str, num_local: int, n: int):
   return jnp.broadcast_to(value.astype(jnp.float32), (num_local, n))
 
 
-def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
-        num_groups=None, bias=None, activation=None, transpose_lhs=False, transpose_rhs=False,
-        preferred_element_type=None, precision=None, group_offset=None, implementation=None,
-        interpret=False, tiling=None, output_scale=None, output_offset=None,
-        quantize_lhs=None, quantize_rhs=None, straight_through=True, sharding=None):
+def _activation(activation, n: int):
+  """The activation, checked to keep the shape of what it is applied to."""
+  fn = resolve_activation(activation)
+  if fn is None or isinstance(activation, str):
+    return activation
+  probe = jax.ShapeDtypeStruct((2, max(n, 1)), jnp.float32)
+  out = jax.eval_shape(fn, probe)
+  if getattr(out, "shape", None) != probe.shape:
+    raise ValueError(
+        f"activation {activation!r} must keep the shape of its input (it is applied to the "
+        f"[rows, N] accumulator): it maps float32{list(probe.shape)} to "
+        f"{_describe(out) if hasattr(out, 'shape') else repr(out)}")
+  return activation
+
+
+def _precision_name(value):
+  if isinstance(value, lax.Precision):
+    return value
+  if isinstance(value, str):
+    try:
+      return lax.Precision(value)
+    except ValueError:
+      pass
+    if hasattr(lax, "DotAlgorithmPreset") and value.upper() in lax.DotAlgorithmPreset.__members__:
+      return lax.DotAlgorithmPreset[value.upper()]
+  raise ValueError(
+      f"precision={value!r} is not a jax.lax.Precision: use None, 'default', 'high', "
+      "'highest' (or 'bfloat16', 'tensorfloat32', 'float32', 'fastest'), a "
+      "jax.lax.Precision, a pair of those, or a jax.lax.DotAlgorithmPreset")
+
+
+def _precision(precision):
+  """The precision as jax.lax.dot_general takes it, in a hashable form."""
+  if precision is None:
+    return None
+  presets = tuple(getattr(lax, name) for name in ("DotAlgorithmPreset", "DotAlgorithm")
+                  if hasattr(lax, name))
+  if presets and isinstance(precision, presets):
+    return precision
+  if isinstance(precision, (tuple, list)):
+    if len(precision) != 2:
+      raise ValueError(f"precision as a sequence must be a pair, got {precision!r}")
+    pair = tuple(_precision_name(p) for p in precision)
+    if not all(isinstance(p, lax.Precision) for p in pair):
+      raise ValueError(f"a precision pair must hold two jax.lax.Precision, got {precision!r}")
+    return pair
+  return _precision_name(precision)
+
+
+def _out_dtype(preferred_element_type, lhs, rhs, quantized: bool, float_activations: bool):
+  if preferred_element_type is None:
+    if quantized:  # weight-only keeps the activations' dtype; others give f32
+      return np.dtype(lhs.dtype) if float_activations else np.dtype(jnp.float32)
+    return np.dtype(jnp.promote_types(lhs.dtype, rhs.dtype))
+  try:
+    dtype = np.dtype(jnp.dtype(preferred_element_type))
+  except TypeError as err:
+    raise ValueError(f"preferred_element_type={preferred_element_type!r} is not a dtype") from err
+  if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating)
+                               or jnp.issubdtype(dtype, jnp.integer)):
+    raise ValueError(f"preferred_element_type must be a floating or integer dtype, got {dtype}")
+  if (not quantized and jnp.issubdtype(dtype, jnp.integer)
+      and jnp.issubdtype(lhs.dtype, jnp.floating)):
+    raise ValueError(
+        f"preferred_element_type={dtype} is an integer type but the operands are floating "
+        f"({lhs.dtype} x {rhs.dtype}): the result would be truncated; use a float type, or "
+        "quantized operands (an integer output of a quantized gmm is requantized)")
+  return dtype
+
+
+def _platform(platform):
+  if platform is None:
+    return None
+  if not isinstance(platform, str) or dispatch.normalize_platform(platform) not in PLATFORMS:
+    raise ValueError(f"platform must be None or one of {PLATFORMS}, got {platform!r}")
+  return dispatch.normalize_platform(platform)
+
+
+# ---------------------------------------------------------------------------- the call
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """A validated, canonical gmm call and how to route it."""
+
+  lhs: Any
+  rhs: Any
+  counts: Array
+  group_offset: Array
+  bias: Array | None
+  cfg: GmmConfig
+  quantize_lhs: QuantSpec | None
+  quantize_rhs: QuantSpec | None
+  straight_through: bool
+  output_scale: Array | None
+  output_offset: Array | None
+  sharding: sharding_lib.GmmSharding | None
+
+
+def _unwrap_grouped_array(lhs, groups, group_type, group_list_type, transpose_lhs):
+  """A GroupedArray lhs carries its group list (cumsum) and its grouping type."""
+  if not isinstance(lhs, GroupedArray):
+    return lhs, groups, group_type, group_list_type, None
+  if groups is not None:
+    raise ValueError("pass either a GroupedArray lhs or a group_list, not both")
+  if transpose_lhs:
+    raise ValueError("a GroupedArray lhs is stored untransposed; transpose_lhs must be False")
+  inferred = "m" if lhs.variable_dim == 0 else "k"
+  if group_type is not None and group_type != inferred:
+    raise ValueError(
+        f"a GroupedArray with variable_dim={lhs.variable_dim} means group_type="
+        f"{inferred!r}, got {group_type!r}")
+  return lhs.values, lhs.offsets, inferred, "cumsum", lhs.offsets if inferred == "m" else None
+
+
+def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias, activation,
+              transpose_lhs, transpose_rhs, preferred_element_type, precision, group_offset,
+              implementation, interpret, tiling, output_scale, output_offset, quantize_lhs,
+              quantize_rhs, straight_through, sharding, platform) -> _Call:
+  """Every check of a gmm call, and its canonical form."""
+  transpose_lhs = _check_bool(transpose_lhs, "transpose_lhs")
+  transpose_rhs = _check_bool(transpose_rhs, "transpose_rhs")
+  interpret = _check_bool(interpret, "interpret")
+  straight_through = _check_bool(straight_through, "straight_through")
+  group_type = "m" if group_type is None else group_type
+  if group_type not in GROUP_TYPES:
+    raise ValueError(f"group_type must be one of {GROUP_TYPES}, got {group_type!r}")
+  if groups is None:
+    raise ValueError("gmm needs a group_list (or a GroupedArray lhs)")
+  lhs, rhs = _as_operand(lhs, "lhs"), _as_operand(rhs, "rhs")
+  _check_quant_specs(lhs, rhs, quantize_lhs, quantize_rhs)
+  lhs_q, rhs_q = isinstance(lhs, QArray), isinstance(rhs, QArray)
+  quantized_call = lhs_q or rhs_q or quantize_lhs is not None or quantize_rhs is not None
+  if not quantized_call:
+    _check_plain_dtypes(lhs, rhs)
+  elif not lhs_q and not jnp.issubdtype(lhs.dtype, jnp.floating):
+    raise ValueError(f"with a quantized rhs, lhs must be a float array or a QArray, got "
+                     f"{_describe(lhs)}")
+  m, k, n = _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs)
+  dim_size, dim_name = (m, "M") if group_type == "m" else (k, "K")
+  counts, num_total, num_local = _group_counts(
+      groups, group_list_type, num_groups, group_type, rhs.shape, group_offset, dim_size,
+      dim_name)
+  offset = _group_offset(group_offset, num_total)
+  bias = _bias(bias, num_local, n)
+  output_scale = _per_group_vector(output_scale, "output_scale", num_local, n)
+  output_offset = _per_group_vector(output_offset, "output_offset", num_local, n)
+  if not quantized_call and (output_scale is not None or output_offset is not None):
+    raise NotImplementedError(
+        "output_scale/output_offset (requantization) apply to quantized operands (QArray or "
+        "quantize_lhs/quantize_rhs); for float operands scale the result")
+  if tiling is not None and not isinstance(tiling, Tiling):
+    raise ValueError(f"tiling must be a gmm_jax.Tiling or None, got {tiling!r}")
+  if sharding is not None and not isinstance(sharding, sharding_lib.GmmSharding):
+    raise ValueError(f"sharding must be a gmm_jax.GmmSharding or None, got {sharding!r}")
+  float_activations = not lhs_q and quantize_lhs is None
+  cfg = GmmConfig(
+      group_type=group_type, num_local=num_local, transpose_lhs=transpose_lhs,
+      transpose_rhs=transpose_rhs, activation=_activation(activation, n),
+      out_dtype=_out_dtype(preferred_element_type, lhs, rhs, quantized_call, float_activations),
+      precision=_precision(precision),
+      implementation=dispatch.check_implementation(implementation), interpret=interpret,
+      tiling=tiling, platform=_platform(platform))
+  return _Call(lhs, rhs, counts, offset, bias, cfg, quantize_lhs, quantize_rhs,
+               straight_through, output_scale, output_offset, sharding)
+
+
+def _route(call: _Call):
+  """The one path a canonical call takes down the floors."""
+  args = (call.lhs, call.rhs, call.counts, call.group_offset, call.bias, call.cfg)
+  dynamic = call.quantize_lhs is not None or call.quantize_rhs is not None
+  requantized = call.output_scale is not None or call.output_offset is not None
+  if call.sharding is not None:
+    if dynamic or requantized:
+      raise NotImplementedError(
+          "sharded gmm supports float and QArray operands; dynamic quantization "
+          "(quantize_lhs/quantize_rhs) and output_scale/output_offset run per shard with "
+          "shard-local statistics, so quantize outside the sharded call")
+    return sharding_lib.sharded_gmm(*args, call.sharding)
+  if dynamic:
+    return quantized.dynamic_gmm(*args, call.quantize_lhs, call.quantize_rhs,
+                                 call.straight_through, call.output_scale, call.output_offset)
+  if isinstance(call.lhs, QArray) or isinstance(call.rhs, QArray):
+    return quantized.gmm_quantized(*args, call.output_scale, call.output_offset)
+  return op.gmm(*args)
+
+
+def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
+        group_list_type: str = "counts", num_groups: int | None = None, bias=None,
+        activation: str | Callable[[Array], Array] | None = None, transpose_lhs: bool = False,
+        transpose_rhs: bool = False, preferred_element_type=None, precision=None,
+        group_offset=None, implementation: str | Sequence[str] | None = None,
+        interpret: bool = False, tiling: Tiling | None = None, output_scale=None,
+        output_offset=None, quantize_lhs: QuantSpec | None = None,
+        quantize_rhs: QuantSpec | None = None, straight_through: bool = True,
+        sharding: sharding_lib.GmmSharding | None = None,
+        platform: str | None = None) -> Array | GroupedArray:
   """Grouped matrix multiplication with a fused bias + activation epilogue.
 
   m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
@@ -91,33 +393,43 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
   with K split into contiguous groups -> ``[G, M, N]``, ``out[g] = lhs[:, cols of g] @
   rhs[rows of g]``; an empty group gives ``activation(bias[g])``.
 
+  gmm is a JAX primitive: jit, grad (any order), jvp/linearize, linear_transpose, vmap (over
+  any operand, group sizes included) and shard_map all compose with it; every derivative is
+  another gmm.
+
   Args:
-    lhs: the left operand, or a `GroupedArray` (its offsets are then the group list and its
-      variable_dim picks the grouping: 0 -> "m", 1 -> "k").
-    rhs: the right operand (per-group weights for "m").
+    lhs: the left operand, a `QArray`, or a `GroupedArray` (its offsets are then the group
+      list and its variable_dim picks the grouping: 0 -> "m", 1 -> "k").
+    rhs: the right operand (per-group weights for "m"), or a `QArray`.
     group_list: ``[G]`` int sizes ("counts"), ``[G]`` non-decreasing end offsets ("cumsum")
       or ``[E, 2]`` rows ``(group_index, size)`` with increasing indices ("sparse"; unlisted
-      groups are empty). May be traced: one compilation serves any sizes.
+      groups are empty). May be traced: one compilation serves any sizes. A concrete list
+      is validated; a traced one has defined results when invalid (see
+      `gmm_jax.check_group_list`).
     group_type: "m" or "k"; default "m" (or from a GroupedArray lhs).
     group_list_type: "counts", "cumsum" or "sparse".
     num_groups: G of a sparse list (default ``rhs.shape[0]`` for "m"); for "k" the number
       of output groups (default G of the list).
     bias: ``[G_local, N]``, added in the f32 accumulator.
     activation: None, "relu", "gelu_tanh", "gelu", "fast_gelu", "silu" or a jnp-traceable
-      callable, applied after the bias and before the cast.
+      elementwise callable, applied after the bias and before the cast.
     transpose_lhs, transpose_rhs: operands stored transposed (see shapes above).
     preferred_element_type: output dtype; default the promoted input dtype. Floating inputs
-      always accumulate in f32; integer inputs accumulate exactly in int32.
-    precision: passed to the dots (as in jax.lax.dot_general).
-    group_offset: int or traced int32 scalar: rhs (for "m") or the output (for "k") holds
-      only groups ``[group_offset, group_offset + G_local)`` of the list (expert
-      parallelism).
-    implementation: None/"auto" (platform default chain), "xla" or "reference" (and the
-      kernels registered by later releases).
-    interpret: run Pallas kernels in interpret mode.
+      always accumulate in f32; integer inputs accumulate exactly in int32. An integer type
+      needs integer or quantized operands.
+    precision: as in jax.lax.dot_general (None, a name, a jax.lax.Precision, a pair, or a
+      jax.lax.DotAlgorithmPreset).
+    group_offset: int or traced int32 scalar (or ``[1]`` array): rhs (for "m") or the
+      output (for "k") holds only groups ``[group_offset, group_offset + G_local)`` of the
+      list (expert parallelism).
+    implementation: None/"auto" (the platform's chain), a registered name ("xla",
+      "reference", "pallas_triton", "pallas_tpu"; see `gmm_jax.implementations`), or a
+      sequence of names tried in order (the first that serves the call runs).
+    interpret: run Pallas kernels in interpret mode (any platform).
     tiling: a `Tiling` overriding the chosen implementation's tile heuristic for the
-      forward call (the backward's gmms keep the heuristic). A backend that cannot use it
-      (e.g. Triton needs powers of 2) raises NotImplementedError and the chain moves on.
+      forward call (the transposed gmms of the backward keep the heuristic). A backend that
+      cannot use it (e.g. Triton needs powers of 2) raises NotImplementedError and the
+      chain moves on.
     output_scale, output_offset: quantized operands only: ``y * output_scale +
       output_offset`` after the activation, before the cast (requantization when the output
       dtype is an integer: rounded to nearest even and saturated). Scalar, ``[N]``,
@@ -130,6 +442,9 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
     sharding: a `GmmSharding(mesh, lhs=PartitionSpec, rhs=PartitionSpec)`: how the operands
       lie on a device mesh; gmm then runs per shard with the matching strategy (expert
       parallel, rows, columns, contraction; see `gmm_jax.explain`) through `jax.shard_map`.
+    platform: None (the platform the call is lowered for: the devices of its operands, a
+      topology's abstract mesh, ``jax.default_device``, or the default backend), or "cpu",
+      "gpu", "tpu" to use that platform's chain of implementations.
 
   Quantized operands (a `QArray`, or a qwix QArray) select a mode: float lhs x QArray rhs is
   weight-only (``x @ dequantize(W)``); QArray x QArray multiplies the quantized values
@@ -142,201 +457,54 @@ def gmm(lhs, rhs, group_list=None, *, group_type=None, group_list_type="counts",
     N]`` for "k".
 
   Raises:
-    ValueError: malformed shapes, dtypes, names, or a concrete group list that is negative,
-      decreasing (cumsum), has bad sparse indices or sums past the grouped dimension.
+    ValueError: malformed shapes, dtypes, names, flags, or a concrete group list that is
+      negative, decreasing (cumsum), has bad sparse indices, does not fit int32 or sums
+      past the grouped dimension.
     NotImplementedError: a valid combination no registered implementation serves.
   """
-  out_offsets = None
-  if isinstance(lhs, GroupedArray):
-    if group_list is not None:
-      raise ValueError("pass either a GroupedArray lhs or a group_list, not both")
-    if transpose_lhs:
-      raise ValueError("a GroupedArray lhs is stored untransposed; transpose_lhs must be False")
-    inferred = "m" if lhs.variable_dim == 0 else "k"
-    if group_type is not None and group_type != inferred:
-      raise ValueError(
-          f"a GroupedArray with variable_dim={lhs.variable_dim} means group_type="
-          f"{inferred!r}, got {group_type!r}")
-    group_type, group_list, group_list_type = inferred, lhs.offsets, "cumsum"
-    out_offsets = lhs.offsets if inferred == "m" else None
-    lhs = lhs.values
-  group_type = "m" if group_type is None else group_type
-  if group_type not in GROUP_TYPES:
-    raise ValueError(f"group_type must be one of {GROUP_TYPES}, got {group_type!r}")
-  if group_list is None:
-    raise ValueError("gmm needs a group_list (or a GroupedArray lhs)")
-
-  lhs_q, rhs_q = quant.as_qarray(lhs), quant.as_qarray(rhs)
-  lhs = lhs_q if lhs_q is not None else jnp.asarray(lhs)
-  rhs = rhs_q if rhs_q is not None else jnp.asarray(rhs)
-  for spec, operand, name in ((quantize_lhs, lhs, "lhs"), (quantize_rhs, rhs, "rhs")):
-    if spec is None:
-      continue
-    if not isinstance(spec, quant.QuantSpec):
-      raise ValueError(f"quantize_{name} must be a gmm_jax.QuantSpec or None, got {spec!r}")
-    if isinstance(operand, quant.QArray) or not jnp.issubdtype(operand.dtype, jnp.floating):
-      raise ValueError(f"quantize_{name} needs a float {name}, got {_describe(operand)}")
-  quantized = (lhs_q is not None or rhs_q is not None or quantize_lhs is not None
-               or quantize_rhs is not None)
-  if not quantized:
-    _check_operand_dtype(lhs, "lhs")
-    _check_operand_dtype(rhs, "rhs")
-    if jnp.issubdtype(lhs.dtype, jnp.integer) != jnp.issubdtype(rhs.dtype, jnp.integer):
-      raise NotImplementedError(
-          f"mixed integer and floating operands ({lhs.dtype} x {rhs.dtype}): pass the "
-          "integer side as a gmm_jax.QArray (its scale says what the integers mean); "
-          "plain arrays must be both floating or both integer")
-  elif lhs_q is None and not jnp.issubdtype(lhs.dtype, jnp.floating):
-    raise ValueError(f"with a quantized rhs, lhs must be a float array or a QArray, got "
-                     f"{_describe(lhs)}")
-  rhs_rank = 3 if group_type == "m" else 2
-  if lhs.ndim != 2 or rhs.ndim != rhs_rank:
-    raise ValueError(
-        f"group_type={group_type!r} needs a 2-D lhs and a {rhs_rank}-D rhs, got lhs "
-        f"{_describe(lhs)} and rhs {_describe(rhs)}")
-  m, k = (lhs.shape[1], lhs.shape[0]) if transpose_lhs else lhs.shape
-  rhs_k, n = (rhs.shape[-1], rhs.shape[-2]) if transpose_rhs else rhs.shape[-2:]
-  if rhs_k != k:
-    raise ValueError(
-        f"contraction sizes differ: lhs {lhs.shape} (transpose_lhs={transpose_lhs}) has "
-        f"K={k}, rhs {rhs.shape} (transpose_rhs={transpose_rhs}) has K={rhs_k}")
-
-  group_list = layout.as_group_list(group_list)
-  layout.check_group_list_shape(group_list, group_list_type)
-  list_len = np.shape(group_list)[0]
-  if group_list_type == "sparse":
-    if num_groups is None:
-      if group_type == "k" or group_offset is not None:
-        raise ValueError(
-            "num_groups is required for a sparse group_list with group_type='k' or a "
-            "group_offset")
-      num_groups = rhs.shape[0]
-    num_total = int(num_groups)
-  else:
-    num_total = list_len
-  if group_type == "m":
-    num_local = rhs.shape[0]
-    if group_list_type != "sparse" and num_groups is not None and num_groups != num_total:
-      raise ValueError(f"num_groups={num_groups} differs from the group_list length {num_total}")
-    if group_offset is None and num_local != num_total:
-      raise ValueError(
-          f"rhs {rhs.shape} holds {num_local} groups but the group list has {num_total}; "
-          "pass group_offset if rhs holds a slice of the groups")
-    if num_local > num_total:
-      raise ValueError(f"rhs {rhs.shape} holds more groups than the group list ({num_total})")
-  else:
-    num_local = num_total if (num_groups is None or group_list_type == "sparse") else int(
-        num_groups)
-    if num_local > num_total:
-      raise ValueError(f"num_groups={num_local} exceeds the group list length {num_total}")
-  dim_size, dim_name = (m, "M") if group_type == "m" else (k, "K")
-  layout.validate_concrete_group_list(
-      group_list, group_list_type, dim_size, num_total, dim_name)
-  offset = _group_offset(group_offset, num_total)
-
-  if bias is not None:
-    bias = jnp.asarray(bias)
-    _check_operand_dtype(bias, "bias")
-    if bias.shape != (num_local, n):
-      raise ValueError(f"bias must have shape [G_local, N] = {(num_local, n)}, got {bias.shape}")
-  output_scale = _per_group_vector(output_scale, "output_scale", num_local, n)
-  output_offset = _per_group_vector(output_offset, "output_offset", num_local, n)
-  if not quantized and (output_scale is not None or output_offset is not None):
-    raise NotImplementedError(
-        "output_scale/output_offset (requantization) apply to quantized operands (QArray or "
-        "quantize_lhs/quantize_rhs); for float operands scale the result")
-  resolve_activation(activation)
-  if preferred_element_type is None:
-    if quantized:  # weight-only keeps the activations' dtype; others give f32
-      out_dtype = lhs.dtype if (lhs_q is None and quantize_lhs is None) else jnp.float32
-    else:
-      out_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
-  else:
-    try:
-      out_dtype = jnp.dtype(preferred_element_type)
-    except TypeError as err:
-      raise ValueError(f"bad preferred_element_type {preferred_element_type!r}") from err
-
-  if tiling is not None and not isinstance(tiling, Tiling):
-    raise ValueError(f"tiling must be a gmm_jax.Tiling or None, got {tiling!r}")
-  cfg = GmmConfig(
-      group_type=group_type, num_local=num_local, transpose_lhs=bool(transpose_lhs),
-      transpose_rhs=bool(transpose_rhs), activation=activation, out_dtype=np.dtype(out_dtype),
-      precision=precision, implementation=implementation, interpret=bool(interpret),
-      tiling=tiling)
-  dispatch.candidates(cfg)  # unknown implementation names fail here, with the list
-  counts = layout.to_counts(group_list, group_list_type, num_total)
-  if sharding is not None:
-    if not isinstance(sharding, sharding_lib.GmmSharding):
-      raise ValueError(f"sharding must be a gmm_jax.GmmSharding or None, got {sharding!r}")
-    if (quantize_lhs is not None or quantize_rhs is not None or output_scale is not None
-        or output_offset is not None):
-      raise NotImplementedError(
-          "sharded gmm supports float and QArray operands; dynamic quantization "
-          "(quantize_lhs/quantize_rhs) and output_scale/output_offset run per shard with "
-          "shard-local statistics, so quantize outside the sharded call")
-    out = sharding_lib.sharded_gmm(lhs, rhs, counts, offset, bias, cfg, sharding,
-                                   _run_one, _finish_after_reduction)
-  elif quantize_lhs is not None or quantize_rhs is not None:
-    out = quant.dynamic_gmm(lhs, rhs, counts, offset, bias, cfg, quantize_lhs, quantize_rhs,
-                            bool(straight_through), output_scale, output_offset)
-  elif quantized:
-    out = quant.gmm_quantized(lhs, rhs, counts, offset, bias, cfg, output_scale,
-                              output_offset)
-  else:
-    out = gmm_core(cfg, lhs, rhs, counts, offset, bias)
+  lhs, group_list, group_type, group_list_type, out_offsets = _unwrap_grouped_array(
+      lhs, group_list, group_type, group_list_type, transpose_lhs)
+  call = _validate(
+      lhs, rhs, group_list, group_type=group_type, group_list_type=group_list_type,
+      num_groups=num_groups, bias=bias, activation=activation, transpose_lhs=transpose_lhs,
+      transpose_rhs=transpose_rhs, preferred_element_type=preferred_element_type,
+      precision=precision, group_offset=group_offset, implementation=implementation,
+      interpret=interpret, tiling=tiling, output_scale=output_scale,
+      output_offset=output_offset, quantize_lhs=quantize_lhs, quantize_rhs=quantize_rhs,
+      straight_through=straight_through, sharding=sharding, platform=platform)
+  out = _route(call)
   return out if out_offsets is None else GroupedArray(out, out_offsets, 0)
-
-
-def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
-               group_offset=None):
-  """A drop-in for `jax.lax.ragged_dot` (m-grouping, counts), backed by `gmm`.
-
-  Args:
-    lhs: ``[M, K]``.
-    rhs: ``[G, K, N]``.
-    group_sizes: int ``[G]``.
-    precision, preferred_element_type: as in jax.lax.ragged_dot.
-    group_offset: optional int scalar (or ``[1]`` array): rhs holds groups
-      ``[group_offset, group_offset + rhs.shape[0])`` of group_sizes.
-
-  Returns:
-    ``[M, N]``; rows past ``sum(group_sizes)`` are 0.
-  """
-  return gmm(lhs, rhs, group_sizes, group_type="m", group_list_type="counts",
-             precision=precision, preferred_element_type=preferred_element_type,
-             group_offset=group_offset)
 
 
 def explain(lhs, rhs, group_list=None, **kwargs) -> str:
   """What `gmm(lhs, rhs, group_list, **kwargs)` would do, and why: the quantization mode,
   the sharding strategy and collectives (with ``sharding=``), and which implementation
-  serves each gmm it runs (the forward; each skipped implementation with its reason).
+  serves each gmm of the forward on the platform it is lowered for (each skipped
+  implementation with its reason).
 
-  Traces the call abstractly (nothing is computed); arguments as for `gmm`.
+  Lowers the call (nothing is computed); arguments as for `gmm`. Arrays placed on (or
+  typed for) other devices, or ``jax.default_device``, decide the platform.
   """
   lines = []
-  lq, rq = quant.as_qarray(lhs), quant.as_qarray(rhs)
+  lq, rq = as_qarray(lhs), as_qarray(rhs)
+  probe = GmmConfig(group_type=kwargs.get("group_type") or "m", num_local=1,
+                    transpose_lhs=kwargs.get("transpose_lhs", False),
+                    transpose_rhs=kwargs.get("transpose_rhs", False))
   if kwargs.get("quantize_lhs") is not None or kwargs.get("quantize_rhs") is not None:
     lines.append("quantization: dynamic (gmm quantizes the float operands; gradients "
                  f"{'straight-through' if kwargs.get('straight_through', True) else 'none'})")
   elif lq is not None or rq is not None:
-    probe = GmmConfig(group_type=kwargs.get("group_type") or "m", num_local=1,
-                      transpose_lhs=kwargs.get("transpose_lhs", False),
-                      transpose_rhs=kwargs.get("transpose_rhs", False))
-    lines.append(f"quantization: {quant.quant_mode(lq or lhs, rq or rhs, probe)}")
+    lines.append(f"quantization: {quant_mode(lq or lhs, rq or rhs, probe)}")
   else:
     lines.append("quantization: none")
   sharding = kwargs.get("sharding")
   if sharding is not None:
-    group_type = kwargs.get("group_type") or "m"
-    probe = GmmConfig(group_type=group_type, num_local=1,
-                      transpose_lhs=kwargs.get("transpose_lhs", False),
-                      transpose_rhs=kwargs.get("transpose_rhs", False))
     lines.append(sharding_lib.plan(sharding, probe, np.ndim(lq.qvalue if lq else lhs),
                                    np.ndim(rq.qvalue if rq else rhs)).describe())
+  if isinstance(group_list, (list, tuple)):
+    group_list = np.asarray(group_list)
   with dispatch.record() as decisions:
-    jax.eval_shape(lambda l, r, g: gmm(l, r, g, **kwargs), lhs, rhs, group_list)
+    jax.jit(lambda l, r, g: gmm(l, r, g, **kwargs)).lower(lhs, rhs, group_list)
   lines.append("implementations (forward):")
   seen = []
   for decision in decisions:

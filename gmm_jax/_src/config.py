@@ -1,45 +1,96 @@
-"""Static options of one gmm call, shared by the dispatcher, the backends and the VJP."""
+"""Static options of one gmm call, shared by the dispatcher, the backends and the op.
+
+Floor 0: imports nothing from gmm_jax.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable, Literal, Union, get_args
 
 import jax.numpy as jnp
 import numpy as np
 
+GroupType = Literal["m", "k"]
+Platform = Literal["cpu", "gpu", "tpu"]
+GROUP_TYPES: tuple[str, ...] = get_args(GroupType)
+PLATFORMS: tuple[str, ...] = get_args(Platform)
+Activation = Union[str, Callable[[Any], Any], None]
+
+# Tile sizes index int32 arrays inside the kernels.
+_MAX_TILE = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Tile sizes, with the same field names on every backend.
+
+  tile_m: rows of lhs per work item (m-grouping); tile_k: contraction elements per work item
+  (the grouped dim of k-grouping, or the K step of a kernel); tile_n: output columns per
+  block (kernels; the XLA path takes all of N at once). Python or numpy integers in
+  ``[1, 2**31)``.
+  """
+
+  tile_m: int = 256
+  tile_k: int = 512
+  tile_n: int = 512
+
+  def __post_init__(self):
+    for name in ("tile_m", "tile_k", "tile_n"):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"Tiling.{name} must be a positive int, got {value!r}")
+      if not 0 < value <= _MAX_TILE:
+        raise ValueError(f"Tiling.{name} must lie in [1, 2**31), got {int(value)}")
+      object.__setattr__(self, name, int(value))
+
 
 @dataclasses.dataclass(frozen=True)
 class GmmConfig:
-  """Everything about a gmm call that is static under jit.
+  """Everything about a gmm call that is static under jit (hashable: it is a parameter of
+  the gmm primitive).
 
-  Backends receive canonical operands ``(lhs, rhs, counts, group_offset, bias)``: counts are
-  int32 ``[G]`` global group sizes, group_offset an int32 scalar (the first global group held
-  in ``rhs``/the output), bias None or ``[num_local, N]``.
+  Below the public API every layer receives canonical operands ``(lhs, rhs, counts,
+  group_offset, bias, cfg)``: counts are int32 ``[G]`` global group sizes that fit the
+  grouped dimension (see `group_list.to_counts`), group_offset an int32 scalar (the first
+  global group held in ``rhs``/the output), bias None or ``[num_local, N]``.
 
   Fields:
     group_type: "m" (rows of lhs grouped) or "k" (the contraction dim grouped).
     num_local: groups held locally (rhs.shape[0] for "m", the output's dim 0 for "k").
     transpose_lhs: lhs is stored ``[K, M]``.
     transpose_rhs: rhs is stored ``[..., N, K]``.
-    activation: None, a name or a callable, applied after the bias.
+    activation: None, a name of `ACTIVATIONS` or a callable, applied after the bias.
     out_dtype: dtype of the result.
-    precision: passed to the dots.
-    implementation: a registered name, or None for the platform's chain.
+    precision: passed to the dots (a canonical `jax.lax.Precision`, pair or algorithm).
+    implementation: None (the platform's chain) or the names to try, in order.
     interpret: run Pallas kernels in interpret mode.
     tiling: a `Tiling` that overrides the backend's heuristic, or None.
+    platform: None (the platform the call is lowered for) or a platform whose chain to use.
   """
 
-  group_type: str
+  group_type: GroupType
   num_local: int
   transpose_lhs: bool = False
   transpose_rhs: bool = False
-  activation: Any = None
-  out_dtype: Any = jnp.float32
+  activation: Activation = None
+  out_dtype: np.dtype = np.dtype(np.float32)
   precision: Any = None
-  implementation: str | None = None
+  implementation: tuple[str, ...] | None = None
   interpret: bool = False
-  tiling: Any = None
+  tiling: Tiling | None = None
+  platform: Platform | None = None
+
+  def __post_init__(self):
+    implementation = self.implementation
+    if implementation == "auto":
+      implementation = None
+    elif isinstance(implementation, str):
+      implementation = (implementation,)
+    elif implementation is not None:
+      implementation = tuple(implementation)
+    object.__setattr__(self, "implementation", implementation)
+    object.__setattr__(self, "out_dtype", np.dtype(self.out_dtype))
 
   def replace(self, **changes) -> "GmmConfig":
     return dataclasses.replace(self, **changes)
@@ -54,28 +105,20 @@ def accumulator_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
   return np.dtype(jnp.float32)
 
 
+def preactivation_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
+  """The dtype an activation is applied in: the accumulator's, f32 for integer inputs."""
+  acc = accumulator_dtype(lhs_dtype, rhs_dtype)
+  return acc if jnp.issubdtype(acc, jnp.floating) else np.dtype(np.float32)
+
+
 def problem_dims(lhs_shape, rhs_shape, cfg: GmmConfig) -> tuple[int, int, int]:
   """(M, K, N) of a validated call."""
-  m, k = (lhs_shape[1], lhs_shape[0]) if cfg.transpose_lhs else lhs_shape
+  m, k = (lhs_shape[1], lhs_shape[0]) if cfg.transpose_lhs else tuple(lhs_shape)
   n = rhs_shape[-2] if cfg.transpose_rhs else rhs_shape[-1]
   return m, k, n
 
 
-@dataclasses.dataclass(frozen=True)
-class Tiling:
-  """Tile sizes, with the same field names on every backend.
-
-  tile_m: rows of lhs per work item (m-grouping); tile_k: contraction elements per work item
-  (the grouped dim of k-grouping, or the K step of a kernel); tile_n: output columns per
-  block (kernels; the XLA path takes all of N at once).
-  """
-
-  tile_m: int = 256
-  tile_k: int = 512
-  tile_n: int = 512
-
-  def __post_init__(self):
-    for name in ("tile_m", "tile_k", "tile_n"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"Tiling.{name} must be a positive int, got {value!r}")
+def output_shape(lhs_shape, rhs_shape, cfg: GmmConfig) -> tuple[int, ...]:
+  """``[M, N]`` for m-grouping, ``[num_local, M, N]`` for k-grouping."""
+  m, _, n = problem_dims(lhs_shape, rhs_shape, cfg)
+  return (m, n) if cfg.group_type == "m" else (cfg.num_local, m, n)

@@ -1,22 +1,29 @@
 """The one dispatcher: a registry of gmm implementations keyed by what they can serve.
 
-An implementation registers with the grouping types, quantization modes and platforms it
-supports. A call with ``implementation=None`` (or "auto") walks the platform's chain; an
-implementation that cannot serve the case raises `NotImplementedError` and the next one is
-tried; when all fail, one error lists every reason.
+Floor 1. An implementation registers (from `backends.py`) with the grouping types,
+quantization modes and platforms it supports, and each platform has a preference chain. A
+call with ``implementation=None`` walks its platform's chain; a sequence of names is tried
+in that order; an implementation that cannot serve the case raises `NotImplementedError`
+and the next one is tried; when all fail, one error lists every reason. This module names
+no backend.
+
+The platform of a call is the platform it is lowered for, unless ``GmmConfig.platform``
+overrides it: the op's lowering rule reads it from the lowering context, and decisions taken
+above the op are made per platform with `on_lowering_platform`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
+import functools
 from typing import Callable
 
 import jax
 import numpy as np
 
-from gmm_jax._src.config import GmmConfig
+from gmm_jax._src.config import PLATFORMS, GmmConfig  # noqa: F401  (PLATFORMS re-exported)
+from gmm_jax._src.qarray import quant_mode as _quant_mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +31,10 @@ class Backend:
   """A registered gmm implementation.
 
   ``fn(lhs, rhs, counts, group_offset, bias, cfg)`` computes the forward on canonical
-  operands (see `GmmConfig`) or raises NotImplementedError for a case it cannot serve.
+  operands (see `GmmConfig`; lhs/rhs are QArrays in a quantized mode) or raises
+  NotImplementedError for a case it cannot serve. ``check(lhs, rhs, cfg)``, if given, is
+  the static part of that refusal (shapes and dtypes only, so it also runs on abstract
+  values): the layers above the op ask it before they hand over QArrays.
   """
 
   name: str
@@ -32,16 +42,13 @@ class Backend:
   platforms: tuple[str, ...]
   group_types: tuple[str, ...] = ("m", "k")
   quant_modes: tuple[str, ...] = ("none",)
+  check: Callable | None = None
 
 
 _REGISTRY: dict[str, Backend] = {}
-
-# Preference order per platform; names that are not registered are skipped.
-_CHAINS: dict[str, tuple[str, ...]] = {
-    "cpu": ("xla", "reference"),
-    "gpu": ("pallas_triton", "xla"),
-    "tpu": ("pallas_tpu", "xla"),
-}
+# Preference order per platform (set by the backends module); unregistered names are skipped.
+_CHAINS: dict[str, tuple[str, ...]] = {}
+_DEFAULT_CHAIN_PLATFORM = "cpu"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +73,7 @@ _RECORDERS: list[list[Decision]] = []
 
 @contextlib.contextmanager
 def record():
-  """Collects the `Decision`s of the gmms traced inside the block."""
+  """Collects the `Decision`s of the gmms lowered inside the block."""
   decisions: list[Decision] = []
   _RECORDERS.append(decisions)
   try:
@@ -75,14 +82,15 @@ def record():
     _RECORDERS.remove(decisions)
 
 
-def recording() -> bool:
-  return bool(_RECORDERS)
-
-
 def register(backend: Backend) -> None:
   if backend.name in _REGISTRY:
     raise ValueError(f"a gmm implementation named {backend.name!r} is already registered")
   _REGISTRY[backend.name] = backend
+
+
+def set_chain(platform: str, names: tuple[str, ...]) -> None:
+  """The implementations `implementation=None` tries on `platform`, in order."""
+  _CHAINS[platform] = tuple(names)
 
 
 def implementations() -> tuple[str, ...]:
@@ -90,9 +98,54 @@ def implementations() -> tuple[str, ...]:
   return tuple(_REGISTRY)
 
 
-def current_platform() -> str:
-  platform = jax.default_backend()
+# jax's lowering platforms and the gmm_jax platform of each.
+JAX_PLATFORMS = (("cpu", "cpu"), ("cuda", "gpu"), ("rocm", "gpu"), ("tpu", "tpu"))
+
+
+def normalize_platform(platform: str) -> str:
+  """jax's platform names ("cuda", "rocm", ...) as gmm_jax's ("cpu", "gpu", "tpu")."""
+  platform = str(platform).lower()
   return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+def on_lowering_platform(fn: Callable, platform: str | None, *args):
+  """``fn(platform, *args)`` for the platform the program is lowered for.
+
+  With `platform` given (``GmmConfig.platform``, an explicit override) it is called once.
+  Otherwise every platform's branch is traced and `jax.lax.platform_dependent` lowers only
+  the one of the lowering platform, so a program lowered for a GPU or TPU (a deviceless
+  compile on a CPU host included) takes their path. Callers skip this when every platform
+  would decide the same way.
+  """
+  if platform is not None:
+    return fn(platform, *args)
+  branches = {jax_name: functools.partial(fn, ours) for jax_name, ours in JAX_PLATFORMS}
+  return jax.lax.platform_dependent(*args, default=functools.partial(fn, "cpu"), **branches)
+
+
+def check_implementation(implementation) -> tuple[str, ...] | None:
+  """The names a user's ``implementation=`` stands for (None: the platform's chain).
+
+  Raises:
+    ValueError: an unknown name, an empty sequence or something that is not a name.
+  """
+  if implementation is None or implementation == "auto":
+    return None
+  names = (implementation,) if isinstance(implementation, str) else implementation
+  try:
+    names = tuple(names)
+  except TypeError:
+    names = None
+  if not names or not all(isinstance(name, str) for name in names):
+    raise ValueError(
+        f"implementation must be None, 'auto', a name or a sequence of names of "
+        f"{implementations()}, got {implementation!r}")
+  for name in names:
+    if name not in _REGISTRY:
+      raise ValueError(
+          f"unknown implementation {name!r}; registered: {implementations()} (or "
+          "None/'auto', or a sequence of names tried in order)")
+  return names
 
 
 def _check_support(backend: Backend, cfg: GmmConfig, quant_mode: str, platform: str) -> None:
@@ -107,73 +160,52 @@ def _check_support(backend: Backend, cfg: GmmConfig, quant_mode: str, platform: 
         f"{backend.name} runs on {backend.platforms}, not on {platform!r}")
 
 
-def candidates(cfg: GmmConfig, platform: str | None = None) -> tuple[str, ...]:
-  """The implementations a call would try, in order."""
-  platform = platform or current_platform()
-  if cfg.implementation not in (None, "auto"):
-    if cfg.implementation not in _REGISTRY:
-      raise ValueError(
-          f"unknown implementation {cfg.implementation!r}; registered: {implementations()} "
-          "(or None/'auto')"
-      )
-    return (cfg.implementation,)
-  chain = _CHAINS.get(platform, ("xla", "reference"))
+def candidates(cfg: GmmConfig, platform: str) -> tuple[str, ...]:
+  """The registered implementations a call would try, in order."""
+  if cfg.implementation is not None:
+    return tuple(name for name in cfg.implementation if name in _REGISTRY)
+  chain = _CHAINS.get(platform, _CHAINS.get(_DEFAULT_CHAIN_PLATFORM, ()))
   return tuple(name for name in chain if name in _REGISTRY)
 
 
-def serves(cfg: GmmConfig, quant_mode: str, platform: str | None = None) -> bool:
-  """Whether some implementation the call would try declares support for `quant_mode`."""
-  platform = platform or current_platform()
+def serves(lhs, rhs, cfg: GmmConfig, platform: str) -> bool:
+  """Whether some implementation the call would try serves these operands' quantization
+  mode (declared support, and its static `check` of shapes and dtypes)."""
+  mode = _quant_mode(lhs, rhs, cfg)
   for name in candidates(cfg, platform):
+    backend = _REGISTRY[name]
     try:
-      _check_support(_REGISTRY[name], cfg, quant_mode, platform)
+      _check_support(backend, cfg, mode, platform)
+      if backend.check is not None:
+        backend.check(lhs, rhs, cfg)
       return True
     except NotImplementedError:
       pass
   return False
 
 
-def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, quant_mode: str | None = None,
-        platform: str | None = None):
-  """Runs the first implementation that serves this call (lhs/rhs may be QArrays; the
-  quantization mode then follows from them)."""
-  if quant_mode is None:
-    from gmm_jax._src import quant
-    quant_mode = quant.quant_mode(lhs, rhs, cfg)
-  platform = platform or current_platform()
+def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, platform: str):
+  """Runs the first implementation that serves this call on `platform` (lhs/rhs may be
+  QArrays; the quantization mode then follows from them).
+
+  Raises:
+    NotImplementedError: no implementation serves it; the message lists each reason.
+  """
+  mode = _quant_mode(lhs, rhs, cfg)
   reasons = []
   for name in candidates(cfg, platform):
     backend = _REGISTRY[name]
     try:
-      _check_support(backend, cfg, quant_mode, platform)
+      _check_support(backend, cfg, mode, platform)
       out = backend.fn(lhs, rhs, counts, group_offset, bias, cfg)
     except NotImplementedError as err:
       reasons.append(f"{name}: {err}")
     else:
       for recorder in _RECORDERS:
-        recorder.append(Decision(cfg, quant_mode, platform, name, tuple(reasons)))
+        recorder.append(Decision(cfg, mode, platform, name, tuple(reasons)))
       return out
   raise NotImplementedError(
       f"no gmm implementation serves group_type={cfg.group_type!r}, quantization "
-      f"{quant_mode!r} on {platform!r}: " + "; ".join(reasons or ["none registered"])
+      f"{mode!r} on {platform!r}: " + "; ".join(reasons or ["none registered"])
   )
 
-
-def _register_builtin() -> None:
-  from gmm_jax._src.reference import gmm_reference
-  from gmm_jax._src.xla import gmm_xla
-
-  register(Backend("reference", gmm_reference, platforms=("cpu", "gpu", "tpu")))
-  register(Backend("xla", lambda *args: gmm_xla(*args), platforms=("cpu", "gpu", "tpu")))
-  # The Pallas kernels, where this jax has the backend (else the chains fall through).
-  kernels = (("pallas_tpu", "gmm_jax.pallas.tpu", "gmm_tpu", "tpu"),
-             ("pallas_triton", "gmm_jax.pallas.gpu", "gmm_triton", "gpu"))
-  for name, module_name, function, platform in kernels:
-    try:
-      fn = getattr(importlib.import_module(module_name), function)
-    except ImportError:
-      continue
-    register(Backend(name, lambda *args, fn=fn: fn(*args), platforms=(platform,),
-                     quant_modes=("none", "weight_only", "scaled")))
-
-_register_builtin()

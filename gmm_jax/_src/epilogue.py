@@ -1,4 +1,8 @@
-"""The fused epilogue: bias in the accumulator, activation, cast to the output dtype."""
+"""The fused epilogue: bias in the accumulator, activation, output scale, cast.
+
+Floor 0: imports nothing from gmm_jax. The same functions serve the kernels (on a tile of
+the accumulator) and the layers above the op (on a whole pre-activation).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _fast_gelu(x):
@@ -56,3 +61,34 @@ def apply_epilogue(acc: jax.Array, bias, activation, out_dtype) -> jax.Array:
   if fn is not None:
     acc = fn(acc)
   return acc.astype(out_dtype)
+
+
+def finish(z: jax.Array, activation, out_dtype, *, row_mask=None, output_scale=None,
+           output_offset=None) -> jax.Array:
+  """A float pre-activation (bias already added) -> the result.
+
+  ``activation(z) * output_scale + output_offset``, then the cast; an integer `out_dtype`
+  means requantization (rounded to nearest even and saturated). Rows where `row_mask`
+  (bool ``[M]``, m-grouping) is False are exactly 0.
+
+  Args:
+    z: ``[M, N]`` or ``[L, M, N]`` float pre-activation.
+    activation: a name, callable or None.
+    out_dtype: the dtype of the result.
+    row_mask: None or bool ``[M]``.
+    output_scale, output_offset: None or arrays broadcasting against `z`.
+  """
+  fn = resolve_activation(activation)
+  y = z if fn is None else fn(z)
+  if output_scale is not None:
+    y = y * output_scale
+  if output_offset is not None:
+    y = y + output_offset
+  out_dtype = np.dtype(out_dtype)
+  if jnp.issubdtype(out_dtype, jnp.integer):
+    info = jnp.iinfo(out_dtype)
+    y = jnp.clip(jnp.round(y), info.min, info.max)
+  y = y.astype(out_dtype)
+  if row_mask is not None:
+    y = jnp.where(row_mask[:, None], y, jnp.zeros((), y.dtype))
+  return y

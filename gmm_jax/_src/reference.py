@@ -1,7 +1,7 @@
 """The obviously-correct jax.numpy gmm: one masked dense product per local group.
 
-It does G times the work of the fast paths and exists to be read and trusted: tests compare
-the other implementations against it, and its autodiff checks the shared VJP.
+Floor 2 (a backend). It does G times the work of the fast paths and exists to be read and
+trusted: tests compare the other implementations against it.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gmm_jax._src import layout
+from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig, accumulator_dtype
 from gmm_jax._src.epilogue import apply_epilogue
 
@@ -31,7 +31,7 @@ def gmm_reference(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig) -> jax.A
   n = rhs.shape[-1]
   zero_lhs = jnp.zeros((), lhs.dtype)
   if cfg.group_type == "m":
-    group_of_row = layout.row_group_ids(counts, m, group_offset, cfg.num_local)
+    group_of_row = metadata.row_group_ids(counts, m, group_offset, cfg.num_local)
     out = jnp.zeros((m, n), cfg.out_dtype)
     for g in range(cfg.num_local):
       rows = (group_of_row == g)[:, None]
@@ -39,7 +39,7 @@ def gmm_reference(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig) -> jax.A
       y = apply_epilogue(acc, None if bias is None else bias[g], cfg.activation, cfg.out_dtype)
       out = jnp.where(rows, y, out)
     return out
-  group_of_col = layout.row_group_ids(counts, k, group_offset, cfg.num_local)
+  group_of_col = metadata.row_group_ids(counts, k, group_offset, cfg.num_local)
   outs = []
   for g in range(cfg.num_local):
     cols = group_of_col == g

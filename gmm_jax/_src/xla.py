@@ -1,11 +1,13 @@
-"""The fast jax.numpy/XLA gmm: loops over the layout module's work items.
+"""The fast jax.numpy/XLA gmm: loops over the work items of the metadata module.
 
-Work is proportional to the rows actually grouped, not to G: each work item (a tile of rows
-x one group it touches, from `layout.make_tile_metadata`) does one dot of its rows with its
-group's weights. A partial item of L rows runs in the smallest power-of-two window >= L
-(one while loop per window size, so no `lax.cond`/`lax.switch`, which copies the output on
-XLA:CPU), so the waste per item is under 2x its own rows. Rows are written with a select,
-leaving exact zeros past the group total and in groups that are not local.
+Floor 2 (a backend). Work is proportional to the rows actually grouped, not to G: each work
+item (a window of at most a tile of rows inside one group, from
+`metadata.make_tile_metadata(align="group")`) does one dot of its rows with its group's
+weights. A partial item of L rows runs in the smallest window of `metadata.size_classes`
+that holds it (8, 16, 32, 64, then steps of ~1.5x; one while loop per class, so no
+`lax.cond`/`lax.switch`, which copies the output on XLA:CPU), so the waste per item is under
+2x its own rows. Rows are written with a select, leaving exact zeros past the group total
+and in groups that are not local.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmm_jax._src import layout
+from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_dims
 from gmm_jax._src.epilogue import apply_epilogue
 
@@ -57,7 +59,7 @@ def _as_bits(x):
 
 def _for_each_item(meta, classes, body, carry):
   """Runs ``body(window, start, end, group, carry)`` for every active work item."""
-  order, class_start, class_count = layout.items_by_size_class(meta, classes)
+  order, class_start, class_count = metadata.items_by_size_class(meta, classes)
   for index, window in enumerate(classes):
 
     def step(j, carry, index=index, window=window):
@@ -84,7 +86,7 @@ def head_capacity(m: int, num_local: int, tile_m: int, dtype) -> int:
   if num_local == 0 or m == 0:
     return 0
   mean = -(-m // num_local)
-  classes = layout.size_classes(tile_m, m)
+  classes = metadata.size_classes(tile_m, m)
   capacity = next((c for c in classes if c >= mean), classes[-1])
   return capacity if capacity * 2 <= tile_m else 0
 
@@ -93,8 +95,8 @@ def _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, capacity, acc_dtype)
   """The first `capacity` rows of every local group, by one batched dot; other rows 0."""
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
   num_total, num_local = counts.shape[0], cfg.num_local
-  bounds = layout.bounds_from_counts(counts, m)
-  first, _ = layout.local_group_range(group_offset, num_local, num_total)
+  bounds = metadata.bounds_from_counts(counts, m)
+  first, _ = metadata.local_group_range(group_offset, num_local, num_total)
   group = first + jnp.arange(num_local, dtype=jnp.int32)
   exists = group < num_total
   group = jnp.minimum(group, num_total - 1)
@@ -111,7 +113,7 @@ def _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, capacity, acc_dtype)
   acc = jnp.einsum(spec, x, rhs, precision=cfg.precision, preferred_element_type=acc_dtype)
   y = apply_epilogue(acc, None if bias is None else bias[:, None, :], cfg.activation,
                      cfg.out_dtype).reshape(num_local * capacity, n)
-  local = layout.row_group_ids(counts, m, group_offset, num_local)
+  local = metadata.row_group_ids(counts, m, group_offset, num_local)
   offset = jnp.arange(m, dtype=jnp.int32) - starts[jnp.maximum(local, 0)]
   in_head = (local >= 0) & (offset < capacity)
   source = jnp.where(in_head, local * capacity + offset, 0)
@@ -132,7 +134,7 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
   if cfg.group_type == "m":
     storage = _storage_dtype(cfg.out_dtype)
     head = head_capacity(m, cfg.num_local, tiling.tile_m, lhs.dtype)
-    meta = layout.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
+    meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
                                       ALIGN, skip=head)
 
     def run_items(out):
@@ -152,7 +154,7 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
         old = lax.dynamic_slice_in_dim(out, first, window, axis=0)
         return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), first, axis=0)
 
-      return _for_each_item(meta, layout.size_classes(tiling.tile_m, m), body, out)
+      return _for_each_item(meta, metadata.size_classes(tiling.tile_m, m), body, out)
 
     if head:
       out = _to_storage(
@@ -166,7 +168,7 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
 
   lhs, lhs_view = _as_bits(lhs)
   rhs, rhs_view = _as_bits(rhs)
-  meta = layout.make_tile_metadata(counts, k, tiling.tile_k, group_offset, cfg.num_local, ALIGN)
+  meta = metadata.make_tile_metadata(counts, k, tiling.tile_k, group_offset, cfg.num_local, ALIGN)
   rhs_row_axis = 1 if cfg.transpose_rhs else 0
 
   def body(window, start, end, group, acc):
@@ -184,6 +186,6 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
     return lax.dynamic_update_index_in_dim(acc, old + part, group, 0)
 
   acc = jnp.zeros((cfg.num_local, m, n), acc_dtype)
-  acc = _for_each_item(meta, layout.size_classes(tiling.tile_k, k), body, acc)
+  acc = _for_each_item(meta, metadata.size_classes(tiling.tile_k, k), body, acc)
   return apply_epilogue(acc, None if bias is None else bias[:, None, :], cfg.activation,
                         cfg.out_dtype)

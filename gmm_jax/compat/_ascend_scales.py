@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import layout
+from gmm_jax._src import metadata
 
 PACKED_DTYPES = (np.dtype(np.uint64), np.dtype(np.int64))
 _SCALE_MASK = 0xFFFFE000
@@ -147,8 +147,8 @@ def column_groups(sizes, k: int):
   """For each of the K columns of a k-grouped problem: its group (clamped to 0 past the
   total, where gmm ignores the column) and its offset from its group's first column, plus
   each group's first column."""
-  bounds = layout.bounds_from_counts(sizes, k)
-  ids = jnp.maximum(layout.row_group_ids(sizes, k), 0)
+  bounds = metadata.bounds_from_counts(sizes, k)
+  ids = jnp.maximum(metadata.row_group_ids(sizes, k), 0)
   local = jnp.arange(k, dtype=jnp.int32) - bounds[ids]
   return ids, local, bounds[:-1]
 

@@ -49,9 +49,10 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import layout, quant
+from gmm_jax._src import metadata
 from gmm_jax._src.api import gmm
 from gmm_jax._src.epilogue import resolve_activation
+from gmm_jax._src.qarray import QArray
 from gmm_jax.compat import _ascend_scales as scales
 from gmm_jax.compat._ascend_rules import (ACT_TYPES, as_list, check_arguments, check_bias,
                                           check_scenario, check_structure, concrete, counts,
@@ -205,7 +206,7 @@ def _weight_qarray(weight, antiquant_scale, antiquant_offset):
     raise ValueError(f"per-group antiquant_scale {list(scale.shape)}: K={k} must split into "
                      f"{scale.shape[1]} equal groups")
   try:
-    return quant.QArray(weight, scale, zero_point)
+    return QArray(weight, scale, zero_point)
   except ValueError as err:
     raise ValueError(f"antiquant_scale {list(scale.shape)} does not fit weight "
                      f"{list(weight.shape)}: {err}") from None
@@ -325,7 +326,7 @@ def _m_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
     per_expert = {name: None if value is None else value[index]
                   for name, value in per_expert.items()}
   if "tensor_scale" in per_expert:  # FP8 per-tensor x scale: each row takes its group's
-    ids = jnp.maximum(layout.row_group_ids(sizes, m), 0)
+    ids = jnp.maximum(metadata.row_group_ids(sizes, m), 0)
     per_row["token_scale"] = per_expert.pop("tensor_scale")[ids][:, None]
   return [_m_gmm(kind, x2, sizes, per_expert, per_row, activation, out_dtype)]
 
@@ -356,10 +357,10 @@ def _m_gmm(kind, x, sizes, per_expert, per_row, activation, out_dtype):
   if kind in ("gb", "mx"):
     block = scales.GB_BLOCK if kind == "gb" else scales.MX_BLOCK
     rhs_tile = (1, block, scales.GB_BLOCK) if kind == "gb" else (1, block, 1)
-    lhs = quant.QArray(x, token, tile=(1, block))
-    rhs = quant.QArray(w, per_expert["scale"], tile=rhs_tile)
+    lhs = QArray(x, token, tile=(1, block))
+    rhs = QArray(w, per_expert["scale"], tile=rhs_tile)
     return gmm(lhs, rhs, sizes, **call)
   # Scaled: exact products, then the row (token/tensor) scale x column scale.
-  lhs = quant.QArray(x, jnp.ones((1, 1), jnp.float32) if token is None else token)
-  rhs = quant.QArray(w, per_expert["scale"])
+  lhs = QArray(x, jnp.ones((1, 1), jnp.float32) if token is None else token)
+  rhs = QArray(w, per_expert["scale"])
   return gmm(lhs, rhs, sizes, output_offset=per_expert.get("output_offset"), **call)

@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import layout, quant
+from gmm_jax._src import group_list, metadata
 from gmm_jax._src.api import gmm
+from gmm_jax._src.grouped_array import GroupedDesc, grouped_desc
+from gmm_jax._src.qarray import QArray
 
 DATA_TYPES = {
     "f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "s32": jnp.int32,
@@ -54,7 +56,7 @@ def data_type(dtype) -> np.dtype:
 class MemoryDesc:
   """``memory::desc::grouped``: a 2-D tensor with one dimension split into groups."""
 
-  desc: layout.GroupedDesc
+  desc: GroupedDesc
 
   dims = property(lambda self: self.desc.dims)
   data_type = property(lambda self: self.desc.dtype)
@@ -73,14 +75,15 @@ def memory_desc_grouped(dims: Sequence[int], dtype, variable_dim_idx: int, num_g
   Raises:
     NotImplementedError: not 2-D (oneDNN: unimplemented).
     ValueError: group_count <= 0, offsets type other than s32, variable_dim_idx outside
-      [0, 2), or a dimension <= 0 (oneDNN: invalid_arguments).
+      [0, 2), or a negative dimension (oneDNN: invalid_arguments; a dimension of 0 is a
+      valid zero-volume memory).
   """
   if len(tuple(dims)) != 2:
     raise NotImplementedError(f"grouped memory is 2-D only (oneDNN: unimplemented), got "
                               f"dims {tuple(dims)}")
   if data_type(offsets_dtype) != np.dtype(np.int32):
     raise ValueError(f"grouped offsets must be s32, got {offsets_dtype!r}")
-  return MemoryDesc(layout.grouped_desc(dims, data_type(dtype), variable_dim_idx, num_groups))
+  return MemoryDesc(grouped_desc(dims, data_type(dtype), variable_dim_idx, num_groups))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -177,7 +180,7 @@ def _scale_operand(values, scales, zero_points, name):
   if zero is not None and zero.shape != scales.shape:
     raise ValueError(f"{name} zero points {zero.shape} must match the scales {scales.shape}")
   try:
-    return quant.QArray(values, scales, zero)
+    return QArray(values, scales, zero)
   except ValueError as err:
     raise ValueError(f"{name} scales {scales.shape} do not fit {name} {values.shape}: "
                      f"{err}") from None
@@ -286,10 +289,10 @@ def matmul(src: Memory, weights, bias=None, *, src_scales=None, wei_scales=None,
   if src_type in _INTS + _FP_LOW:
     # Low-precision src: both sides are quantized operands; a missing scale is 1 (the
     # stored values are the numbers).
-    if not isinstance(lhs, quant.QArray):
-      lhs = quant.QArray(src.values, jnp.ones((1, 1), jnp.float32))
-    if not isinstance(rhs, quant.QArray):
-      rhs = quant.QArray(weights, jnp.ones((1, 1, 1), jnp.float32))
+    if not isinstance(lhs, QArray):
+      lhs = QArray(src.values, jnp.ones((1, 1), jnp.float32))
+    if not isinstance(rhs, QArray):
+      rhs = QArray(weights, jnp.ones((1, 1, 1), jnp.float32))
 
   eltwise_first = bool(post_ops) and post_ops[0][0] == "eltwise"
   activation = None
@@ -302,7 +305,7 @@ def matmul(src: Memory, weights, bias=None, *, src_scales=None, wei_scales=None,
             transpose_rhs=transposed,
             preferred_element_type=jnp.float32 if rest else dst_dtype)
   if rest:
-    group_of_row = layout.row_group_ids(layout.to_counts(offsets, "cumsum", num_groups),
+    group_of_row = metadata.row_group_ids(group_list.to_counts(offsets, "cumsum", num_groups),
                                         total_m)
     for op in rest:
       if op[0] == "eltwise":

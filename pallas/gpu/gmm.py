@@ -1,7 +1,7 @@
 """Pallas GPU (Triton backend) gmm kernels.
 
 m-grouping: one program per (work item, N tile). The work items come from
-`layout.make_tile_metadata(..., align="group")`: a window of at most ``tile_m`` rows that
+`metadata.make_tile_metadata(..., align="group")`: a window of at most ``tile_m`` rows that
 starts at any row and belongs to one local group. A program loads its rows with a mask
 (any offset, any M), loops over K in ``tile_k`` steps accumulating in f32 (int32 for int8
 operands), applies the fused epilogue to the accumulator and stores only its own rows. The
@@ -29,11 +29,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gmm_jax._src import layout
-from gmm_jax._src.config import GmmConfig, Tiling, problem_dims
+from gmm_jax._src import metadata
+from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
 from gmm_jax.pallas import common
-from gmm_jax.pallas.common import edge_mask, local_group_bounds, power_of_2_tile
+from gmm_jax.pallas.common import edge_mask, power_of_2_tile
 
 ALIGN = "group"  # work items may start at any row: loads are masked, not Blocked
 SMALLEST_TILE = 16  # tl.dot needs every dimension >= 16
@@ -56,6 +56,16 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
     tile_m = power_of_2_tile(m, SMALLEST_TILE, 128)
     tile_k = power_of_2_tile(max(1, k // groups), smallest_k, largest_k)
   return Tiling(tile_m=tile_m, tile_k=tile_k, tile_n=power_of_2_tile(n, SMALLEST_TILE, 128))
+
+
+def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig) -> None:
+  """Raises NotImplementedError for tiles Triton cannot use: each a power of 2 >= 16."""
+  del m, k, n, cfg
+  for name in ("tile_m", "tile_k", "tile_n"):
+    value = getattr(tiling, name)
+    if value < SMALLEST_TILE or value & (value - 1):
+      raise NotImplementedError(
+          f"the Triton kernels need power-of-2 tiles >= {SMALLEST_TILE}, got {name}={value}")
 
 
 def compiler_params(tiling: Tiling, itemsize: int) -> plgpu.CompilerParams:
@@ -258,36 +268,17 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     NotImplementedError: an activation with a primitive Triton cannot lower (compiled mode
       only), or a tile that is not a power of 2 >= 16.
   """
-  m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
-  lhs, rhs, quant = common.prepare_quant(lhs, rhs, cfg, m, k, n)
-  dot_dtype, acc_dtype = common.kernel_dtypes(lhs, rhs, quant)
-  tiling = common.with_quant_k_step(
-      tiling or cfg.tiling or default_tiling(m, k, n, cfg, dot_dtype.itemsize), quant, k)
-  for name in ("tile_m", "tile_k", "tile_n"):
-    value = getattr(tiling, name)
-    if value < SMALLEST_TILE or value & (value - 1):
-      raise NotImplementedError(
-          f"the Triton kernels need power-of-2 tiles >= {SMALLEST_TILE}, got {name}={value}")
-  if jnp.dtype(dot_dtype).itemsize == 1 and tiling.tile_k < 32:
-    raise NotImplementedError(f"8-bit Triton dots need tile_k >= 32, got {tiling.tile_k}")
-  if not cfg.interpret:
-    missing = unsupported_primitives(cfg.activation)
-    if missing:
-      raise NotImplementedError(
-          f"activation {cfg.activation!r} uses {sorted(missing)}, which the Pallas Triton "
-          "lowering does not support")
-
-  out_shape = (m, n) if cfg.group_type == "m" else (cfg.num_local, m, n)
-  if cfg.num_local == 0 or counts.shape[0] == 0 or m == 0 or n == 0:
-    # No group or an empty output: nothing is written (as the XLA path), and Triton gets
-    # no zero-sized grid.
-    return jnp.zeros(out_shape, cfg.out_dtype)
-  if k == 0:
-    # An empty contraction is a zero accumulator: one zero column each (kernels get no
-    # zero-sized operand; the group bounds below still see K = 0).
-    lhs = jnp.zeros((1, m) if cfg.transpose_lhs else (m, 1), lhs.dtype)
-    rhs = jnp.zeros(rhs.shape[:-2] + ((n, 1) if cfg.transpose_rhs else (1, n)), rhs.dtype)
-
+  prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
+                             check_tiling=check_tiling, unsupported=unsupported_primitives,
+                             backend="Pallas Triton")
+  if prepared.dot_dtype.itemsize == 1 and prepared.tiling.tile_k < 32:
+    raise NotImplementedError(
+        f"8-bit Triton dots need tile_k >= 32, got {prepared.tiling.tile_k}")
+  if prepared.empty:
+    return jnp.zeros(prepared.out_shape, cfg.out_dtype)
+  lhs, rhs, quant, tiling = prepared.lhs, prepared.rhs, prepared.quant, prepared.tiling
+  m, k, n = prepared.dims
+  dot_dtype, acc_dtype, out_shape = prepared.dot_dtype, prepared.acc_dtype, prepared.out_shape
   kernel_options = dict(dims=(m, k, n), tiling=tiling, cfg=cfg, dot_dtype=dot_dtype,
                         acc_dtype=acc_dtype)
   biases = [] if bias is None else [bias]
@@ -302,8 +293,8 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       compiler_params=compiler_params(tiling, jnp.dtype(dot_dtype).itemsize),
   )
   if cfg.group_type == "m":
-    meta = layout.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
-                                      ALIGN)
+    meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
+                                        ALIGN)
     operands = [meta.group_ids, meta.item_start, meta.item_end, lhs, rhs, *biases,
                 *quant_operands, jnp.zeros(out_shape, cfg.out_dtype)]
     return pl.pallas_call(
@@ -315,7 +306,7 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
         **call_options,
     )(*operands)
 
-  group_start, group_end = local_group_bounds(counts, k, group_offset, cfg.num_local)
+  group_start, group_end = metadata.local_group_bounds(counts, k, group_offset, cfg.num_local)
   return pl.pallas_call(
       functools.partial(_k_kernel, **kernel_options),
       grid=(cfg.num_local, pl.cdiv(m, tiling.tile_m), pl.cdiv(n, tiling.tile_n)),

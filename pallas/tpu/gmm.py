@@ -1,6 +1,6 @@
 """Pallas TPU (Mosaic) gmm kernels.
 
-Both kernels run a grid over the work items of `layout.make_tile_metadata(align="tile")`
+Both kernels run a grid over the work items of `metadata.make_tile_metadata(align="tile")`
 (a tile of the grouped dimension x one local group it touches; at most ``num_tiles +
 num_local - 1`` of them, so the cost does not grow with empty or remote groups). The item
 arrays are scalar-prefetched into SMEM and drive the BlockSpec index maps; the grid has the
@@ -37,8 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gmm_jax._src import layout
-from gmm_jax._src.config import GmmConfig, Tiling, problem_dims
+from gmm_jax._src import metadata
+from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
 from gmm_jax.pallas import common
 
@@ -111,7 +111,7 @@ def unsupported_primitives(activation) -> set[str]:
   return common.unsupported_primitives(resolve_activation(kernel_activation(activation)), rules)
 
 
-def _padded_items(meta: layout.TileMetadata):
+def _padded_items(meta: metadata.TileMetadata):
   """The item arrays with the padding items repeating the last active item's indices."""
   item = jnp.arange(meta.item_start.shape[0], dtype=jnp.int32)
   source = jnp.where(item < meta.num_items, item, jnp.maximum(meta.num_items - 1, 0))
@@ -235,25 +235,14 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     NotImplementedError: a tile Mosaic cannot block (see `check_tiling`), or an activation
       with a primitive Mosaic cannot lower (compiled mode only).
   """
-  m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
-  lhs, rhs, quant = common.prepare_quant(lhs, rhs, cfg, m, k, n)
-  dot_dtype, acc_dtype = common.kernel_dtypes(lhs, rhs, quant)
-  tiling = common.with_quant_k_step(
-      tiling or cfg.tiling or default_tiling(m, k, n, cfg, dot_dtype.itemsize), quant, k)
-  check_tiling(tiling, m, k, n, cfg)
-  if not cfg.interpret:
-    missing = unsupported_primitives(cfg.activation)
-    if missing:
-      raise NotImplementedError(
-          f"activation {cfg.activation!r} uses {sorted(missing)}, which the Mosaic TPU "
-          "lowering does not support")
-
-  out_shape = (m, n) if cfg.group_type == "m" else (cfg.num_local, m, n)
-  if cfg.num_local == 0 or counts.shape[0] == 0 or m == 0 or n == 0:
-    return jnp.zeros(out_shape, cfg.out_dtype)  # nothing is written (as the XLA path)
-  if k == 0:  # an empty contraction: one zero column (kernels get no zero-sized block)
-    lhs = jnp.zeros((1, m) if cfg.transpose_lhs else (m, 1), lhs.dtype)
-    rhs = jnp.zeros(rhs.shape[:-2] + ((n, 1) if cfg.transpose_rhs else (1, n)), rhs.dtype)
+  prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
+                             check_tiling=check_tiling, unsupported=unsupported_primitives,
+                             backend="Mosaic TPU")
+  if prepared.empty:
+    return jnp.zeros(prepared.out_shape, cfg.out_dtype)
+  lhs, rhs, quant, tiling = prepared.lhs, prepared.rhs, prepared.quant, prepared.tiling
+  m, k, n = prepared.dims
+  dot_dtype, acc_dtype, out_shape = prepared.dot_dtype, prepared.acc_dtype, prepared.out_shape
   k_blocks = max(k, 1)
   tile_m, tile_k, tile_n = _fit(tiling.tile_m, m), _fit(tiling.tile_k, k_blocks), _fit(
       tiling.tile_n, n)
@@ -268,7 +257,7 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   num_m_tiles, num_n_tiles = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n)
 
   if cfg.group_type == "m":
-    meta = layout.make_tile_metadata(counts, m, tile_m, group_offset, cfg.num_local, ALIGN)
+    meta = metadata.make_tile_metadata(counts, m, tile_m, group_offset, cfg.num_local, ALIGN)
     scalars = _padded_items(meta)
 
     def lhs_map(n_i, i, k_i, groups, tiles, *_):
@@ -322,10 +311,10 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
         name="gmm_m_tpu",
     )(*scalars, lhs, rhs, *biases, *quant_operands)
     # Rows that no item owns were never written (or hold another tile's leftovers).
-    owned = layout.row_group_ids(counts, m, group_offset, cfg.num_local) >= 0
+    owned = metadata.row_group_ids(counts, m, group_offset, cfg.num_local) >= 0
     return jnp.where(owned[:, None], out, jnp.zeros((), out.dtype))
 
-  meta = layout.make_tile_metadata(counts, k_blocks if k else 0, tile_k, group_offset,
+  meta = metadata.make_tile_metadata(counts, k_blocks if k else 0, tile_k, group_offset,
                                     cfg.num_local, ALIGN, cover=True)
   scalars = _padded_items(meta)
 

@@ -1,0 +1,48 @@
+"""Registers the gmm implementations with the dispatcher, and each platform's chain.
+
+Floor 3. The Pallas kernels register where this jax can import their backend (else the
+chains fall through to "xla").
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from gmm_jax._src import dispatch
+from gmm_jax._src.reference import gmm_reference
+from gmm_jax._src.xla import gmm_xla
+
+# Preference order per platform; names that did not register are skipped.
+CHAINS = {
+    "cpu": ("xla", "reference"),
+    "gpu": ("pallas_triton", "xla"),
+    "tpu": ("pallas_tpu", "xla"),
+}
+# (name, module, function, platform) of each kernel family. They dequantize in-kernel;
+# the module's `check_operands` says which quantized layouts they take.
+KERNELS = (
+    ("pallas_tpu", "gmm_jax.pallas.tpu", "gmm_tpu", "tpu"),
+    ("pallas_triton", "gmm_jax.pallas.gpu", "gmm_triton", "gpu"),
+)
+
+
+def _register() -> None:
+  every_platform = tuple(CHAINS)
+  dispatch.register(dispatch.Backend("reference", gmm_reference, platforms=every_platform))
+  dispatch.register(dispatch.Backend("xla", lambda *args: gmm_xla(*args),
+                                     platforms=every_platform))
+  for name, module_name, function, platform in KERNELS:
+    try:  # an optional dependency: this jax's Pallas backend for the platform
+      module = importlib.import_module(module_name)
+    except ImportError:
+      continue
+    fn = getattr(module, function)
+    dispatch.register(dispatch.Backend(name, lambda *args, fn=fn: fn(*args),
+                                       platforms=(platform,),
+                                       quant_modes=("none", "weight_only", "scaled"),
+                                       check=module.check_operands))
+  for platform, chain in CHAINS.items():
+    dispatch.set_chain(platform, chain)
+
+
+_register()

@@ -1,0 +1,230 @@
+"""Group metadata: everything derived from int32 group sizes along a grouped dimension.
+
+Floor 0: imports nothing from gmm_jax. Only this module derives group bounds, per-row group
+ids, local group bounds and the work items (a tile of rows x one group it touches) that the
+XLA path and the Pallas kernels consume; nobody re-derives them.
+
+Conventions: ``counts`` is an int32 ``[G]`` vector of group sizes that fits the grouped
+dimension (as `group_list.to_counts` returns it); ``bounds`` are ``[G + 1]`` start offsets
+with the total appended. Counts may be traced: nothing here syncs with the host.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+def bounds_from_counts(counts: jax.Array, dim_size: int) -> jax.Array:
+  """``[G + 1]`` group start offsets (the last entry is the total), clipped to `dim_size`."""
+  ends = jnp.cumsum(counts.astype(jnp.int32))
+  bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+  return jnp.clip(bounds, 0, dim_size)
+
+
+def local_group_range(group_offset, num_local: int, num_total: int) -> tuple[jax.Array, jax.Array]:
+  """First and one-past-last global group held locally (``rhs`` groups), clipped to G."""
+  first = jnp.clip(jnp.asarray(group_offset, jnp.int32), 0, num_total)
+  return first, jnp.minimum(first + num_local, num_total)
+
+
+def row_group_ids(
+    counts: jax.Array, dim_size: int, group_offset=0, num_local: int | None = None
+) -> jax.Array:
+  """Local group id of every row (or column) of the grouped dimension, -1 where none.
+
+  Rows at or past the total, and rows of groups outside ``[group_offset, group_offset +
+  num_local)``, get -1.
+  """
+  num_total = counts.shape[0]
+  num_local = num_total if num_local is None else num_local
+  bounds = bounds_from_counts(counts, dim_size)
+  rows = jnp.arange(dim_size, dtype=jnp.int32)
+  global_ids = jnp.searchsorted(bounds[1:], rows, side="right").astype(jnp.int32)
+  first, end = local_group_range(group_offset, num_local, num_total)
+  local = (global_ids >= first) & (global_ids < end)
+  return jnp.where(local, global_ids - first, -1)
+
+
+def local_group_bounds(counts: jax.Array, dim_size: int, group_offset,
+                       num_local: int) -> tuple[jax.Array, jax.Array]:
+  """int32 ``[num_local]`` start and end of each local group along the grouped dimension.
+
+  Local group ``g`` is global group ``group_offset + g``; one past the last global group it
+  is empty (start == end == 0), so a kernel that loops over ``[start, end)`` does nothing.
+  """
+  bounds = bounds_from_counts(counts, dim_size)
+  first, end = local_group_range(group_offset, num_local, counts.shape[0])
+  global_ids = first + jnp.arange(num_local, dtype=jnp.int32)
+  held = global_ids < end
+  index = jnp.where(held, global_ids, 0)
+  starts = jnp.where(held, bounds[index], 0)
+  ends = jnp.where(held, bounds[index + 1], 0)
+  return starts.astype(jnp.int32), ends.astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- tile metadata
+
+
+class TileMetadata(NamedTuple):
+  """Work items of a tiling of the grouped dimension: (row tile) x (a group it touches).
+
+  Tiles are aligned to multiples of ``tile`` (what a BlockSpec index map addresses); a
+  group that straddles a tile boundary yields one item per tile it touches, and a tile that
+  holds several groups yields one item per group. Only groups held locally (group_offset)
+  produce items, so the work never grows with empty or remote groups. At most
+  ``num_tiles + num_local - 1`` items exist; the arrays are padded to that static length
+  and items past ``num_items`` are empty (``item_start == item_end``).
+
+  Fields:
+    bounds: int32 ``[G + 1]`` global group start offsets (last = total).
+    group_ids: int32 ``[max_items]`` local group id (global id - group_offset) per item.
+    tile_ids: int32 ``[max_items]`` tile index per item.
+    item_start, item_end: int32 ``[max_items]`` the rows ``[start, end)`` the item owns
+      (the tile intersected with the group).
+    num_items: int32 scalar, the number of active items.
+  """
+
+  bounds: jax.Array
+  group_ids: jax.Array
+  tile_ids: jax.Array
+  item_start: jax.Array
+  item_end: jax.Array
+  num_items: jax.Array
+
+
+ALIGNMENTS = ("tile", "group")
+
+
+def max_work_items(dim_size: int, tile: int, num_local: int, align: str = "tile",
+                   cover: bool = False) -> int:
+  """Static bound on the number of work items (the length of the metadata arrays)."""
+  num_tiles = max(1, math.ceil(dim_size / tile))
+  # With `cover`, every local group has an item, even an empty one.
+  groups = max(1, num_local if cover else min(num_local, dim_size))
+  # Tile-aligned: consecutive groups share at most one tile. Group-aligned: each group adds
+  # at most one partial window.
+  return num_tiles + groups - 1 if align == "tile" else num_tiles + groups
+
+
+def make_tile_metadata(
+    counts: jax.Array, dim_size: int, tile: int, group_offset=0, num_local: int | None = None,
+    align: str = "tile", skip: int = 0, cover: bool = False,
+) -> TileMetadata:
+  """Builds the work items for tiles of `tile` rows over a grouped dimension of `dim_size`.
+
+  Args:
+    counts: int32 ``[G]`` group sizes (global groups), possibly traced.
+    dim_size: size of the grouped dimension (M for m-grouping, K for k-grouping).
+    tile: rows per tile (> 0).
+    group_offset: first global group held locally (int or traced int32 scalar).
+    num_local: groups held locally (``rhs.shape[0]`` for m-grouping); default G.
+    align: "tile" (megablox-style: tiles start at multiples of `tile`, what a BlockSpec
+      index map addresses; at most ``num_tiles + num_local - 1`` items) or "group" (each
+      group is cut into windows of `tile` rows starting at its first row, so only its last
+      window is partial; at most ``num_tiles + num_local`` items; for kernels and loops that
+      can start a block at any row). ``tile_ids`` is the tile holding an item's first row.
+    skip: with align="group", the first `skip` rows of every group get no item (another
+      pass computed them); groups of at most `skip` rows get none.
+    cover: every local group gets at least one item: an empty one (or one not in the list,
+      past G) gets a single zero-row item at its start (``item_start == item_end``, tile
+      clamped into range). For kernels that must write every group's output once (the
+      k-grouped ``activation(bias)`` of an empty group). Items stay in group order and
+      within the same bound.
+
+  Returns:
+    A `TileMetadata`.
+  """
+  if tile <= 0:
+    raise ValueError(f"tile must be positive, got {tile}")
+  if align not in ALIGNMENTS:
+    raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+  if skip < 0 or (skip and align != "group"):
+    raise ValueError(f"skip must be >= 0 and needs align='group', got {skip} with {align!r}")
+  num_total = counts.shape[0]
+  num_local = num_total if num_local is None else num_local
+  bounds = bounds_from_counts(counts, dim_size)
+  max_items = max_work_items(dim_size, tile, num_local, align, cover)
+  if num_local == 0 or (num_total == 0 and not cover):  # no group, no work
+    empty = jnp.zeros((max_items,), jnp.int32)
+    return TileMetadata(bounds, empty, empty, empty, empty, jnp.int32(0))
+  # Everything below is per local group g (global group first + g).
+  first, end = local_group_range(group_offset, num_local, num_total)
+  global_ids = first + jnp.arange(num_local, dtype=jnp.int32)
+  held = global_ids < end
+  index = jnp.minimum(global_ids, max(num_total - 1, 0))
+  if num_total:
+    starts = jnp.where(held, bounds[index], dim_size)
+    ends = jnp.where(held, bounds[index + 1], dim_size)
+  else:
+    starts = ends = jnp.full((num_local,), dim_size, jnp.int32)
+  starts = jnp.minimum(starts + skip, ends)
+  active = ends > starts
+  num_tiles = max(1, math.ceil(dim_size / tile))
+  if align == "tile":
+    first_tile = jnp.minimum(starts // tile, num_tiles - 1)
+    spans = (ends - 1) // tile - first_tile + 1
+  else:
+    spans = (ends - starts + tile - 1) // tile
+  tiles_per_group = jnp.where(active, spans, 1 if cover else 0)
+  items_end = jnp.cumsum(tiles_per_group)
+  num_items = items_end[-1]
+
+  item = jnp.arange(max_items, dtype=jnp.int32)
+  group = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
+  group = jnp.minimum(group, num_local - 1)
+  index_in_group = item - (items_end[group] - tiles_per_group[group])
+  valid = item < num_items
+  if align == "tile":
+    tile_ids = first_tile[group] + index_in_group
+    item_start = jnp.maximum(tile_ids * tile, starts[group])
+    item_end = jnp.minimum((tile_ids + 1) * tile, ends[group])
+    item_end = jnp.maximum(item_end, item_start)  # a covering item of an empty group
+  else:
+    item_start = starts[group] + index_in_group * tile
+    item_end = jnp.minimum(item_start + tile, ends[group])
+    tile_ids = jnp.minimum(item_start // tile, num_tiles - 1)
+  item_start = jnp.where(valid, item_start, 0)
+  item_end = jnp.where(valid, item_end, 0)
+  tile_ids = jnp.where(valid, tile_ids, 0)
+  group_ids = group
+  return TileMetadata(bounds, group_ids, tile_ids, item_start, item_end, num_items)
+
+
+def size_classes(tile: int, dim_size: int, smallest: int = 8) -> tuple[int, ...]:
+  """Window sizes for partial work items: 8, 16, 32, 64, then steps of ~1.5x up to `tile`.
+
+  A partial item of L rows is computed in the smallest class >= L, so its wasted work is
+  under 2x its own rows for tiny items and under 1.5x from 64 rows on, rather than a whole
+  tile. No class exceeds `dim_size` (the window must fit in the array).
+  """
+  classes = {min(tile, dim_size)}
+  size = smallest
+  while size < tile:
+    classes.add(min(size, dim_size))
+    if size >= 64 and size * 3 // 2 < tile:
+      classes.add(min(size * 3 // 2, dim_size))
+    size *= 2
+  return tuple(sorted(c for c in classes if c > 0))
+
+
+def items_by_size_class(meta: TileMetadata, classes: Sequence[int]):
+  """Orders the active items by the smallest class that holds them.
+
+  Returns:
+    (order, class_start, class_count): ``order`` lists item indices grouped by class
+    (inactive items last); class k owns ``order[class_start[k] : class_start[k] +
+    class_count[k]]``.
+  """
+  length = meta.item_end - meta.item_start
+  class_sizes = jnp.asarray(classes, jnp.int32)
+  key = jnp.searchsorted(class_sizes, length, side="left").astype(jnp.int32)
+  key = jnp.where(length > 0, key, len(classes))
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  class_count = jnp.sum(key[None, :] == jnp.arange(len(classes))[:, None], axis=1)
+  class_count = class_count.astype(jnp.int32)
+  class_start = jnp.cumsum(class_count) - class_count
+  return order, class_start, class_count

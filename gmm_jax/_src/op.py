@@ -1,0 +1,437 @@
+"""The differentiable gmm op: one JAX primitive with jvp, transpose, batching and lowering
+rules, like `jax.lax.ragged_dot_general_p`.
+
+Floor 2: below it only the dispatcher, the metadata and the data modules. Every derivative
+is another gmm, so backends implement forwards only.
+
+For m-grouping, y = act(z), z[rows of g] = lhs[rows of g] @ rhs[g] + bias[g]:
+  tangent    dz = gmm_m(dlhs, rhs) + gmm_m(lhs, drhs) + dbias[group of each row]
+  transpose  dlhs = gmm_m(ct, rhs^T)      (the same group list and group_offset)
+             drhs[g] = lhs[rows of g]^T @ ct[rows of g] = gmm_k over the rows
+             dbias[g] = sum of ct over the rows of g
+For k-grouping, out[g] = act(lhs[:, cols of g] @ rhs[cols of g] + bias[g]):
+  transpose  dlhs^T = gmm_m(rhs, ct^T)    (rows of rhs grouped like the columns of lhs)
+             drhs = gmm_m(lhs^T, ct)
+             dbias[g] = sum of ct[g] over M
+The family {gmm_m, gmm_k} x transposes is closed under transposition, so derivatives of
+any order are gmms. An activation makes the op nonlinear: its jvp computes the f32
+pre-activation z with a gmm and applies the activation's own jvp; the tangent gmms carry no
+activation, so only linear gmms are ever transposed. Rows and groups that are not local get
+zero derivatives because the forward gmms never write them.
+
+Why a primitive and not a `jax.custom_vjp`: a custom_vjp function cannot be
+forward-differentiated (jax.jvp, jax.linearize, hessians by forward-over-reverse), its
+backward cannot be differentiated again when the forward is a while loop, and its static
+options travel as nondiff_argnums. A primitive composes with every transformation, and
+its lowering is where the platform of a call is known: the lowering rule asks the
+dispatcher for the platform the program is lowered for (a deviceless compile for a GPU
+or TPU picks their kernels).
+
+Operands: the leaves of lhs and rhs (each an array or a `QArray`, whose tree structures
+are parameters), counts, group_offset, and bias when present. QArray operands are
+differentiable in their float leaves (scale, zero point, float values) through
+`dequantize`; their integer values get float0 tangents.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from gmm_jax._src import dispatch, group_list, metadata
+from gmm_jax._src.config import GmmConfig, output_shape, preactivation_dtype
+from gmm_jax._src.epilogue import finish, resolve_activation
+from gmm_jax._src.qarray import QArray, dequantize, quant_mode
+
+gmm_p = Primitive("gmm_jax_gmm")
+
+
+# ----------------------------------------------------------------------------- binding
+
+
+def _same_vma(operands):
+  """Inside `shard_map` (check_vma=True), the operands cast to one set of varying mesh
+  axes, so that the output is typed with it."""
+  try:
+    sets = [jax.typeof(x).mat.varying for x in operands]
+  except AttributeError:  # a jax without varying manual axes
+    return operands
+  union = frozenset().union(*sets)
+  if not union:
+    return operands
+  return [lax.pcast(x, tuple(sorted(union - v)), to="varying") if union - v else x
+          for x, v in zip(operands, sets)]
+
+
+def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig) -> jax.Array:
+  """The differentiable gmm on canonical operands (see `GmmConfig`).
+
+  Args:
+    lhs, rhs: arrays, or `QArray`s for a quantized mode that some backend serves (the
+      lowering dequantizes when none does on the platform it lowers for).
+    counts: int32 ``[G]`` sizes that fit the grouped dimension (`group_list.to_counts`).
+    group_offset: int32 scalar.
+    bias: None or ``[num_local, N]``.
+    cfg: the static options.
+  """
+  lhs_leaves, lhs_tree = jax.tree.flatten(lhs)
+  rhs_leaves, rhs_tree = jax.tree.flatten(rhs)
+  operands = [*lhs_leaves, *rhs_leaves, counts, group_offset]
+  if bias is not None:
+    operands.append(bias)
+  operands = _same_vma([jnp.asarray(x) for x in operands])
+  return gmm_p.bind(*operands, cfg=cfg, trees=(lhs_tree, rhs_tree), has_bias=bias is not None)
+
+
+def _bind(lhs, rhs, counts, group_offset, bias, cfg):
+  """`gmm` for the rules below (operands are already canonical)."""
+  return gmm(lhs, rhs, counts, group_offset, bias, cfg)
+
+
+def _unpack(operands, trees, has_bias):
+  """(lhs, rhs, counts, group_offset, bias) from the flat operands (or their avals,
+  tangents, batch dims: anything with one entry per operand)."""
+  lhs_tree, rhs_tree = trees
+  num_lhs, num_rhs = lhs_tree.num_leaves, rhs_tree.num_leaves
+  lhs = jax.tree.unflatten(lhs_tree, operands[:num_lhs])
+  rhs = jax.tree.unflatten(rhs_tree, operands[num_lhs:num_lhs + num_rhs])
+  rest = operands[num_lhs + num_rhs:]
+  return lhs, rhs, rest[0], rest[1], rest[2] if has_bias else None
+
+
+def _is_plain(tree) -> bool:
+  return jax.tree_util.treedef_is_leaf(tree)
+
+
+# ---------------------------------------------------------------------- abstract eval
+
+
+def _abstract_eval(*avals, cfg, trees, has_bias):
+  lhs, rhs, _, _, _ = _unpack(avals, trees, has_bias)
+  shape = output_shape(lhs.shape, rhs.shape, cfg)
+  mesh = avals[0].sharding.mesh
+  if mesh.empty:
+    return jax.core.ShapedArray(shape, cfg.out_dtype)
+  # Inside shard_map the result varies over the mesh axes its (cast) operands vary over.
+  return jax.core.ShapedArray(shape, cfg.out_dtype,
+                              sharding=NamedSharding(mesh, P(*[None] * len(shape))),
+                              manual_axis_type=avals[0].mat)
+
+
+gmm_p.def_abstract_eval(_abstract_eval)
+
+
+# ----------------------------------------------------------------------- eager and lowering
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "trees", "has_bias"))
+def _compiled(*operands, cfg, trees, has_bias):
+  # One compilation per (shapes, parameters): eager calls do not re-trace the kernels.
+  return gmm_p.bind(*operands, cfg=cfg, trees=trees, has_bias=has_bias)
+
+
+gmm_p.def_impl(lambda *operands, **params: _compiled(*operands, **params))
+
+
+def _as_float(x, dtype=jnp.float32):
+  return dequantize(x, dtype) if isinstance(x, QArray) else x
+
+
+def _implementation(*operands, platform, cfg, trees, has_bias):
+  lhs, rhs, counts, group_offset, bias = _unpack(operands, trees, has_bias)
+  try:
+    return dispatch.run(lhs, rhs, counts, group_offset, bias, cfg, platform)
+  except NotImplementedError as err:
+    if quant_mode(lhs, rhs, cfg) == "none":
+      raise
+    # No implementation on this platform serves the quantized mode: the float gmm of the
+    # values the QArrays stand for (weight-only keeps the activations' dtype).
+    lhs_float = _as_float(lhs)
+    rhs_float = _as_float(rhs, lhs_float.dtype if jnp.issubdtype(lhs_float.dtype, jnp.floating)
+                          else jnp.float32)
+    try:
+      return dispatch.run(lhs_float, rhs_float, counts, group_offset, bias, cfg, platform)
+    except NotImplementedError as float_err:
+      raise NotImplementedError(f"{err}; dequantized: {float_err}") from None
+
+
+def _lowering(ctx, *operands, platform, **params):
+  # The implementation is traced on plain types: mesh-typed or varying avals would make
+  # its slicing and while loops sharding-typed.
+  ctx = ctx.replace(avals_in=[jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in],
+                    avals_out=[jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out])
+  if params["cfg"].platform is not None:
+    platform = params["cfg"].platform
+  elif platform is None:
+    platform = dispatch.normalize_platform(ctx.module_context.platforms[0])
+  return mlir.lower_fun(functools.partial(_implementation, platform=platform, **params),
+                        multiple_results=False)(ctx, *operands)
+
+
+mlir.register_lowering(gmm_p, functools.partial(_lowering, platform=None))
+for _jax_platform, _platform in dispatch.JAX_PLATFORMS:
+  mlir.register_lowering(gmm_p, functools.partial(_lowering, platform=_platform),
+                         platform=_jax_platform)
+
+
+# --------------------------------------------------------------------------------- jvp
+
+
+def _is_zero(tangent) -> bool:
+  return type(tangent) is ad.Zero
+
+
+def _has_tangent(tangent) -> bool:
+  return not all(_is_zero(t) for t in jax.tree.leaves(tangent, is_leaf=_is_zero))
+
+
+def _dequantized_tangent(q: QArray, tangent) -> jax.Array:
+  """The tangent of ``dequantize(q)`` (f32) for tangents of q's leaves."""
+  leaves, tree = jax.tree.flatten(q)
+  tangents = [ad.instantiate_zeros(t) for t in jax.tree.leaves(tangent, is_leaf=_is_zero)]
+  return jax.jvp(lambda *xs: dequantize(jax.tree.unflatten(tree, xs)), leaves, tangents)[1]
+
+
+def _row_mask(counts, group_offset, cfg: GmmConfig, m: int):
+  if cfg.group_type != "m":
+    return None
+  return metadata.row_group_ids(counts, m, group_offset, cfg.num_local) >= 0
+
+
+def _bias_term(bias, counts, group_offset, cfg: GmmConfig, out_shape, dtype):
+  """The bias as it enters the pre-activation: ``[M, N]`` rows of their group's bias (0 on
+  rows of no local group) or ``[L, M, N]``."""
+  bias = bias.astype(dtype)
+  if cfg.group_type == "k":
+    return jnp.broadcast_to(bias[:, None, :], out_shape)
+  ids = metadata.row_group_ids(counts, out_shape[0], group_offset, cfg.num_local)
+  return jnp.where((ids >= 0)[:, None], bias[jnp.maximum(ids, 0)], jnp.zeros((), dtype))
+
+
+def _tangent(lhs, rhs, counts, group_offset, tangents, cfg: GmmConfig, out_shape):
+  """The linear part: gmm(dlhs, rhs) + gmm(lhs, drhs) + bias(dbias), or None when every
+  tangent is zero. `cfg` has no activation; its out_dtype is the tangent's dtype."""
+  t_lhs, t_rhs, t_bias = tangents
+  terms = []
+  if _has_tangent(t_lhs):
+    if isinstance(lhs, QArray):
+      terms.append(_bind(_dequantized_tangent(lhs, t_lhs), _as_float(rhs), counts,
+                         group_offset, None, cfg))
+    else:
+      terms.append(_bind(ad.instantiate_zeros(t_lhs), rhs, counts, group_offset, None, cfg))
+  if _has_tangent(t_rhs):
+    if isinstance(rhs, QArray):
+      t_rhs = _dequantized_tangent(rhs, t_rhs)
+    terms.append(_bind(_as_float(lhs), ad.instantiate_zeros(t_rhs), counts, group_offset, None,
+                       cfg))
+  if t_bias is not None and not _is_zero(t_bias):
+    terms.append(_bias_term(t_bias, counts, group_offset, cfg, out_shape, cfg.out_dtype))
+  if not terms:
+    return None
+  return functools.reduce(jnp.add, [t.astype(cfg.out_dtype) for t in terms])
+
+
+def _value_dtype(x):
+  return np.dtype(jnp.float32) if isinstance(x, QArray) else np.dtype(x.dtype)
+
+
+def _jvp(primals, tangents, *, cfg, trees, has_bias):
+  lhs, rhs, counts, group_offset, bias = _unpack(primals, trees, has_bias)
+  t_lhs, t_rhs, _, _, t_bias = _unpack(tangents, trees, has_bias)
+  if cfg.activation is None:
+    linear_cfg = cfg
+    out = _bind(lhs, rhs, counts, group_offset, bias, cfg)
+    z = None
+  else:
+    # The f32 pre-activation, for the activation's derivative.
+    linear_cfg = cfg.replace(activation=None,
+                             out_dtype=preactivation_dtype(_value_dtype(lhs), _value_dtype(rhs)))
+    z = _bind(lhs, rhs, counts, group_offset, bias, linear_cfg)
+    mask = _row_mask(counts, group_offset, cfg, z.shape[0])
+    out = finish(z, cfg.activation, cfg.out_dtype, row_mask=mask)
+  zero = ad.Zero(jax.typeof(out).to_tangent_aval())
+  if not jnp.issubdtype(cfg.out_dtype, jnp.inexact):
+    return out, zero
+  dz = _tangent(lhs, rhs, counts, group_offset, (t_lhs, t_rhs, t_bias), linear_cfg,
+                out.shape)
+  if dz is None:
+    return out, zero
+  if z is None:
+    return out, dz
+  _, dy = jax.jvp(resolve_activation(cfg.activation), (z,), (dz,))
+  mask = _row_mask(counts, group_offset, cfg, z.shape[0])
+  if mask is not None:
+    dy = jnp.where(mask[:, None], dy, jnp.zeros((), dy.dtype))
+  return out, dy.astype(cfg.out_dtype)
+
+
+ad.primitive_jvps[gmm_p] = _jvp
+
+
+# --------------------------------------------------------------------------- transpose
+
+
+def _undefined(x) -> bool:
+  return any(ad.is_undefined_primal(leaf)
+             for leaf in jax.tree.leaves(x, is_leaf=ad.is_undefined_primal))
+
+
+def _transpose(ct, *operands, cfg, trees, has_bias):
+  if cfg.activation is not None:
+    raise ValueError("a gmm with an activation is not linear; only its tangent gmms (which "
+                     "carry no activation) are transposed")
+  lhs, rhs, counts, group_offset, bias = _unpack(operands, trees, has_bias)
+  if ad.is_undefined_primal(counts) or ad.is_undefined_primal(group_offset):
+    raise ValueError("gmm is not linear in its group sizes or group_offset")
+  results = [None] * len(operands)
+  if _is_zero(ct):
+    return results
+  for name, x, tree in (("lhs", lhs, trees[0]), ("rhs", rhs, trees[1])):
+    if _undefined(x) and not _is_plain(tree):
+      raise NotImplementedError(
+          f"transposing gmm with respect to the components of a QArray {name} is not "
+          "supported; transpose with respect to a float operand (or dequantize it first)")
+  # A user's tiling was chosen for the forward's shapes; transposed gmms use heuristics.
+  base = cfg.replace(tiling=None)
+  tl, tr = cfg.transpose_lhs, cfg.transpose_rhs
+  ct_lhs = ct_rhs = ct_bias = None
+  if cfg.group_type == "m":
+    if ad.is_undefined_primal(lhs):
+      ct_lhs = _bind(ct, rhs, counts, group_offset, None,
+                     base.replace(transpose_lhs=False, transpose_rhs=not tr,
+                                  out_dtype=lhs.aval.dtype))  # [M, K]
+      ct_lhs = ct_lhs.T if tl else ct_lhs
+    if ad.is_undefined_primal(rhs):
+      k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype)
+      if tr:  # [L, N, K] = ct_g^T lhs_g
+        ct_rhs = _bind(ct, _as_float(lhs), counts, group_offset, None,
+                       k_cfg.replace(transpose_lhs=True, transpose_rhs=tl))
+      else:  # [L, K, N] = lhs_g^T ct_g
+        ct_rhs = _bind(_as_float(lhs), ct, counts, group_offset, None,
+                       k_cfg.replace(transpose_lhs=not tl, transpose_rhs=False))
+    if bias is not None and ad.is_undefined_primal(bias):
+      ids = metadata.row_group_ids(counts, ct.shape[0], group_offset, cfg.num_local)
+      ids = jnp.where(ids >= 0, ids, cfg.num_local)  # rows of no local group are dropped
+      ct_bias = jax.ops.segment_sum(ct.astype(jnp.float32), ids, cfg.num_local + 1)
+      ct_bias = ct_bias[:cfg.num_local].astype(bias.aval.dtype)
+  else:
+    m_cfg = base.replace(group_type="m")
+    if ad.is_undefined_primal(lhs):
+      ct_lhs_t = _bind(_as_float(rhs), ct, counts, group_offset, None,
+                       m_cfg.replace(transpose_lhs=tr, transpose_rhs=True,
+                                     out_dtype=lhs.aval.dtype))  # [K, M]
+      ct_lhs = ct_lhs_t if tl else ct_lhs_t.T
+    if ad.is_undefined_primal(rhs):
+      ct_rhs = _bind(_as_float(lhs), ct, counts, group_offset, None,
+                     m_cfg.replace(transpose_lhs=not tl, transpose_rhs=False,
+                                   out_dtype=rhs.aval.dtype))  # [K, N]
+      ct_rhs = ct_rhs.T if tr else ct_rhs
+    if bias is not None and ad.is_undefined_primal(bias):
+      ct_bias = jnp.sum(ct.astype(jnp.float32), axis=1).astype(bias.aval.dtype)
+  num_lhs, num_rhs = trees[0].num_leaves, trees[1].num_leaves
+  if ct_lhs is not None:
+    results[0] = ct_lhs
+  if ct_rhs is not None:
+    results[num_lhs] = ct_rhs
+  if ct_bias is not None:
+    results[num_lhs + num_rhs + 2] = ct_bias
+  return results
+
+
+ad.primitive_transposes[gmm_p] = _transpose
+
+
+# ---------------------------------------------------------------------------- batching
+
+
+def _moved(x, dim, to):
+  return jnp.moveaxis(x, dim, to)
+
+
+def _fold_into_rows(lhs, dim, size, rhs, counts, group_offset, bias, cfg):
+  """Only lhs is batched: the batch becomes more rows of the same groups."""
+  if cfg.group_type == "m":
+    # Row r*B + b is row r of example b, so every group stays contiguous with B times as
+    # many rows.
+    if cfg.transpose_lhs:  # [K, M, B] -> [K, M*B]
+      moved = _moved(lhs, dim, 2)
+      m = moved.shape[1]
+      folded = moved.reshape(moved.shape[0], m * size)
+    else:  # [M, B, K] -> [M*B, K]
+      moved = _moved(lhs, dim, 1)
+      m = moved.shape[0]
+      folded = moved.reshape(m * size, moved.shape[-1])
+    sizes = group_list.clamp_counts(counts, m) * size
+    out = _bind(folded, rhs, sizes, group_offset, bias, cfg)  # [M*B, N]
+    return out.reshape(m, size, -1), 1
+  # k-grouping: M is not grouped, so the examples are stacked along it.
+  if cfg.transpose_lhs:  # [K, B, M] -> [K, B*M]
+    moved = _moved(lhs, dim, 1)
+    folded = moved.reshape(moved.shape[0], -1)
+  else:  # [B, M, K] -> [B*M, K]
+    moved = _moved(lhs, dim, 0)
+    folded = moved.reshape(-1, moved.shape[-1])
+  out = _bind(folded, rhs, counts, group_offset, bias, cfg)  # [L, B*M, N]
+  return out.reshape(out.shape[0], size, -1, out.shape[-1]), 1
+
+
+def _fold_into_columns(lhs, rhs, dim, size, counts, group_offset, bias, bias_dim, cfg):
+  """Only rhs (and the bias) are batched: the batch becomes more output columns."""
+  if cfg.group_type == "m":
+    if cfg.transpose_rhs:  # [G, B, N, K] -> [G, B*N, K]
+      folded = _moved(rhs, dim, 1)
+      folded = folded.reshape(folded.shape[0], -1, folded.shape[-1])
+    else:  # [G, K, B, N] -> [G, K, B*N]
+      folded = _moved(rhs, dim, 2)
+      folded = folded.reshape(folded.shape[0], folded.shape[1], -1)
+  elif cfg.transpose_rhs:  # [B, N, K] -> [B*N, K]
+    folded = _moved(rhs, dim, 0)
+    folded = folded.reshape(-1, folded.shape[-1])
+  else:  # [K, B, N] -> [K, B*N]
+    folded = _moved(rhs, dim, 1)
+    folded = folded.reshape(folded.shape[0], -1)
+  if bias is not None:
+    if bias_dim is None:
+      bias = jnp.broadcast_to(bias[:, None, :], (bias.shape[0], size, bias.shape[-1]))
+    else:
+      bias = _moved(bias, bias_dim, 1)
+    bias = bias.reshape(bias.shape[0], -1)
+  out = _bind(lhs, folded, counts, group_offset, bias, cfg)  # [M, B*N] / [L, M, B*N]
+  return out.reshape(*out.shape[:-1], size, -1), out.ndim - 1
+
+
+def _batch(operands, dims, *, cfg, trees, has_bias):
+  size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
+  dims = [d for d in dims]
+  lhs, rhs, counts, group_offset, bias = _unpack(operands, trees, has_bias)
+  lhs_dims, rhs_dims, counts_dim, offset_dim, bias_dim = _unpack(dims, trees, has_bias)
+  lhs_batched = any(d is not None for d in jax.tree.leaves(lhs_dims))
+  rhs_batched = any(d is not None for d in jax.tree.leaves(rhs_dims))
+  shared_groups = counts_dim is None and offset_dim is None
+  if shared_groups and _is_plain(trees[0]) and lhs_batched and not rhs_batched and (
+      bias_dim is None):
+    return _fold_into_rows(lhs, lhs_dims, size, rhs, counts, group_offset, bias, cfg)
+  if shared_groups and _is_plain(trees[1]) and rhs_batched and not lhs_batched:
+    return _fold_into_columns(lhs, rhs, rhs_dims, size, counts, group_offset, bias, bias_dim,
+                              cfg)
+  # A batch of problems (each with its own weights or group sizes): one gmm per example.
+  batched = [i for i, d in enumerate(dims) if d is not None]
+  stacked = tuple(_moved(operands[i], dims[i], 0) for i in batched)
+
+  def one(slices):
+    example = list(operands)
+    for i, x in zip(batched, slices):
+      example[i] = x
+    return gmm_p.bind(*example, cfg=cfg, trees=trees, has_bias=has_bias)
+
+  return lax.map(one, stacked), 0
+
+
+batching.primitive_batchers[gmm_p] = _batch

@@ -1,0 +1,378 @@
+"""Quantized operands as data: `QArray`, `quantize`/`dequantize`, `QuantSpec`, `quant_mode`.
+
+Floor 0: imports nothing from gmm_jax. How gmm computes with QArrays lives in
+`quantized.py` (composed above the op) and in the kernels that dequantize in-kernel.
+
+Conventions follow qwix: a `QArray` holds ``qvalue`` (the quantized values, the logical
+shape), ``scale`` of the same rank, and an optional ``zero_point`` of the scale's shape, with
+
+    value ~= (qvalue - zero_point) * broadcast(scale)
+
+where along each axis the scale has the full size (channelwise: one scale per index), size 1
+(shared by the whole axis) or ``ceil(size / tile)`` (tiled: one scale per tile of `tile`
+consecutive indices; the last tile may be shorter). Per-tensor, per-channel, per-token,
+per-group along K (32..256) and 2-D blocks such as 128 x 128 are all such layouts.
+
+How gmm uses them (the "mode" follows from which side is quantized and how):
+  weight_only  float lhs x QArray rhs:  x @ ((W - zp) * scale) + bias
+  scaled       QArray lhs x QArray rhs, scales constant along K (per-tensor / per-token lhs,
+               per-tensor / per-channel rhs): (xq @ wq) accumulated exactly (int32 for
+               integers) [+ int32 bias], then * lhs_scale * rhs_scale [+ float bias]
+  blocked      QArray lhs x QArray rhs with a scale that varies along K (MX blocks of 32,
+               G-B 1x128 x 128x128, per-group int4 weights of A8W4):
+               sum over K blocks of (xq_j @ wq_j) * lhs_scale_j * rhs_scale_j [+ bias]
+then the activation, an optional output scale and offset (requantization), and the cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+QTYPES = tuple(np.dtype(t) for t in (jnp.int8, jnp.int4, jnp.float8_e4m3fn, jnp.float8_e5m2,
+                                     jnp.float4_e2m1fn))
+SCALE_DTYPES = tuple(np.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16,
+                                           jnp.float8_e8m0fnu))
+E8M0 = np.dtype(jnp.float8_e8m0fnu)
+
+
+def _is_int(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.integer)
+
+
+def _is_qtype(dtype) -> bool:
+  """Integers, or floats of at most 8 bits (fp8, fp4): what a QArray's values may be."""
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return False
+  return _is_int(dtype) or (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1)
+
+
+def _qrange(dtype) -> tuple[float, float]:
+  if _is_int(dtype):
+    info = jnp.iinfo(dtype)
+    return float(info.min), float(info.max)
+  top = float(jnp.finfo(dtype).max)
+  return -top, top
+
+
+@jax.tree_util.register_pytree_node_class
+class QArray:
+  """A quantized array (qwix conventions; see the module docstring).
+
+  Args:
+    qvalue: the quantized values, of a dtype in `QTYPES` (or any integer/float8 dtype).
+    scale: same rank as qvalue; along each axis the full size, 1, or ``ceil(size / tile)``.
+    zero_point: None (symmetric) or an array of the scale's shape (integer qvalues only).
+    tile: optional static tile size per axis (None entries are inferred as ``size //
+      scale_size``, which must then divide exactly, as in qwix).
+  """
+
+  def __init__(self, qvalue, scale, zero_point=None, tile: Sequence[int | None] | None = None):
+    for name, value in (("qvalue", qvalue), ("scale", scale)):
+      if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise ValueError(f"QArray {name} must be an array, got {value!r}")
+    if not _is_qtype(qvalue.dtype):
+      raise ValueError(
+          f"QArray qvalue must hold quantized values: an integer dtype (int8, int4, uint8, "
+          f"...) or an 8/4-bit float (float8_e4m3fn, float8_e5m2, float4_e2m1fn, ...), got "
+          f"{np.dtype(qvalue.dtype)}; use gmm_jax.quantize to make one from a float array")
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+      raise ValueError(f"QArray scale must be floating, got {np.dtype(scale.dtype)}")
+    if zero_point is not None and not hasattr(zero_point, "shape"):
+      raise ValueError(f"QArray zero_point must be None or an array, got {zero_point!r}")
+    self.qvalue, self.scale, self.zero_point = qvalue, scale, zero_point
+    shape, scale_shape = np.shape(qvalue), np.shape(scale)
+    if len(scale_shape) != len(shape):
+      raise ValueError(f"QArray scale {scale_shape} must have the rank of qvalue {shape}")
+    if zero_point is not None and np.shape(zero_point) != scale_shape:
+      raise ValueError(
+          f"QArray zero_point {np.shape(zero_point)} must have the scale's shape {scale_shape}")
+    tile = [None] * len(shape) if tile is None else list(tile)
+    if len(tile) != len(shape):
+      raise ValueError(f"QArray tile {tuple(tile)} must have one entry per axis of {shape}")
+    tiles = []
+    for axis, (size, ssize, t) in enumerate(zip(shape, scale_shape, tile)):
+      if t is None:
+        if ssize == 0 or size % ssize:
+          raise ValueError(
+              f"QArray scale {scale_shape} does not tile qvalue {shape} evenly along axis "
+              f"{axis}; pass tile= for a shorter last tile")
+        t = size // ssize if ssize else 1
+      if t <= 0 or -(-size // t) != ssize and not (ssize == 1 and t >= size):
+        raise ValueError(
+            f"QArray scale {scale_shape} does not match qvalue {shape} with tile {t} on axis "
+            f"{axis}: expected {-(-size // max(t, 1))} scales")
+      tiles.append(int(max(1, min(t, size)) if size else 1))
+    self.tile = tuple(tiles)
+
+  def tree_flatten(self):
+    return (self.qvalue, self.scale, self.zero_point), self.tile
+
+  @classmethod
+  def tree_unflatten(cls, tile, children):
+    obj = object.__new__(cls)
+    obj.qvalue, obj.scale, obj.zero_point = children
+    obj.tile = tile
+    return obj
+
+  shape = property(lambda self: tuple(np.shape(self.qvalue)))
+  ndim = property(lambda self: len(np.shape(self.qvalue)))
+  qtype = property(lambda self: np.dtype(self.qvalue.dtype))
+  dtype = property(lambda self: np.dtype(self.scale.dtype))
+
+  def scale_varies_along(self, axis: int) -> bool:
+    return np.shape(self.scale)[axis] not in (1,) and self.shape[axis] > 1
+
+  def __repr__(self):
+    return (f"QArray(qvalue={self.qtype}{list(self.shape)}, scale={self.dtype}"
+            f"{list(np.shape(self.scale))}, zero_point={self.zero_point is not None}, "
+            f"tile={self.tile})")
+
+
+def broadcast_scale(scale, shape: Sequence[int], tile: Sequence[int]) -> jax.Array:
+  """Expands a scale (or zero point) to `shape`: tiled axes repeated, size-1 axes kept."""
+  scale = jnp.asarray(scale)
+  for axis, (size, t) in enumerate(zip(shape, tile)):
+    if scale.shape[axis] not in (1, size):
+      scale = jnp.repeat(scale, t, axis=axis)
+      scale = jax.lax.slice_in_dim(scale, 0, size, axis=axis)
+  return scale
+
+
+def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
+  """``(qvalue - zero_point) * scale``, broadcast, in `dtype` (computed in f32).
+
+  Raises:
+    ValueError: `q` is not a gmm_jax (or qwix) QArray.
+  """
+  quantized = as_qarray(q)
+  if quantized is None:
+    raise ValueError(f"dequantize needs a gmm_jax.QArray (or a qwix QArray), got "
+                     f"{_describe(q)}")
+  q = quantized
+  value = q.qvalue.astype(jnp.float32)
+  if q.zero_point is not None:
+    value = value - broadcast_scale(q.zero_point.astype(jnp.float32), q.shape, q.tile)
+  return (value * broadcast_scale(q.scale.astype(jnp.float32), q.shape, q.tile)).astype(dtype)
+
+
+def _describe(x) -> str:
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return f"{np.dtype(x.dtype).name}{list(np.shape(x))}"
+  return repr(x)
+
+
+def _is_index(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _normalize_axes(axes, ndim, name):
+  if _is_index(axes):
+    axes = (axes,)
+  try:
+    axes = tuple(axes)
+  except TypeError:
+    raise ValueError(f"{name} must be an int or a sequence of ints, got {axes!r}") from None
+  out = []
+  for axis in axes:
+    if not _is_index(axis):
+      raise ValueError(f"{name} axes must be ints, got {axis!r} in {axes!r}")
+    if not -ndim <= axis < ndim:
+      raise ValueError(f"{name} axis {axis} out of range for rank {ndim}")
+    out.append(axis % ndim)
+  return out
+
+
+def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
+             tiled_axes: Mapping[int, int] | None = None, scale_dtype=None,
+             zero_point: bool = False) -> QArray:
+  """Quantizes `x` (absmax calibration, round to nearest even, saturating).
+
+  Args:
+    x: a float array.
+    dtype: int8, int4, float8_e4m3fn, float8_e5m2 or float4_e2m1fn.
+    channelwise_axes: an axis or axes with one scale per index (e.g. 0 or (0,) per token
+      of [M, K]; (0, 2) per expert and output channel of [G, K, N]).
+    tiled_axes: ``{axis: tile}``: one scale per tile of `tile` indices (per-group along K:
+      ``{1: 128}`` of [M, K]; 2-D blocks ``{1: 128, 2: 128}`` of [G, K, N]). The last tile
+      may be shorter. All other axes share a scale.
+    scale_dtype: f32 (default), bf16, f16, or float8_e8m0fnu (MX: the scale is rounded up
+      to a power of 2, so no value saturates).
+    zero_point: asymmetric quantization with an integer zero point (integer dtypes only).
+
+  Returns:
+    A `QArray`.
+  """
+  dtype = np.dtype(dtype)
+  if dtype not in QTYPES:
+    raise ValueError(f"quantize dtype must be one of {[str(t) for t in QTYPES]}, got {dtype}")
+  scale_dtype = np.dtype(jnp.float32 if scale_dtype is None else scale_dtype)
+  if scale_dtype not in SCALE_DTYPES:
+    raise ValueError(
+        f"scale_dtype must be one of {[str(t) for t in SCALE_DTYPES]}, got {scale_dtype}")
+  if zero_point and not _is_int(dtype):
+    raise ValueError(f"zero_point=True needs an integer dtype, got {dtype}")
+  if not hasattr(x, "dtype") and not isinstance(x, (list, tuple, float, int)):
+    raise ValueError(f"quantize needs a float array, got {x!r}")
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"quantize needs a float array, got {_describe(x)}")
+  ndim = x.ndim
+  channelwise = _normalize_axes(channelwise_axes, ndim, "channelwise_axes")
+  if tiled_axes is None:
+    tiled_axes = {}
+  if not isinstance(tiled_axes, Mapping):
+    raise ValueError(f"tiled_axes must be a dict {{axis: tile}}, got {tiled_axes!r}")
+  tiled = dict(zip(_normalize_axes(tuple(tiled_axes.keys()), ndim, "tiled_axes"),
+                   tiled_axes.values()))
+  if set(channelwise) & set(tiled):
+    raise ValueError(f"an axis cannot be both channelwise and tiled: {channelwise} and "
+                     f"{sorted(tiled)}")
+  for axis, t in tiled.items():
+    if not _is_index(t) or t <= 0:
+      raise ValueError(f"tiled_axes tile sizes must be positive ints, got {t!r} for axis "
+                       f"{axis}")
+
+  tile = []
+  for axis, size in enumerate(x.shape):
+    tile.append(1 if axis in channelwise else
+                min(int(tiled[axis]), max(size, 1)) if axis in tiled else max(size, 1))
+  # Reduce each tile: pad to whole tiles (edge values keep min/max), split and reduce.
+  xf = x.astype(jnp.float32)
+  pads = [(0, -size % t) for size, t in zip(x.shape, tile)]
+  padded = jnp.pad(xf, pads, mode="edge") if any(p[1] for p in pads) and xf.size else xf
+  split = []
+  for size, t in zip(padded.shape, tile):
+    split += [size // t if t else 0, t]
+  blocks = padded.reshape(split)
+  reduce_axes = tuple(range(1, 2 * ndim, 2))
+  qmin, qmax = _qrange(dtype)
+  if zero_point:
+    low = jnp.minimum(jnp.min(blocks, axis=reduce_axes), 0.0)
+    high = jnp.maximum(jnp.max(blocks, axis=reduce_axes), 0.0)
+    scale = (high - low) / (qmax - qmin)
+  else:
+    scale = jnp.max(jnp.abs(blocks), axis=reduce_axes) / qmax
+  scale = jnp.where(scale > 0, scale, 1.0)
+  if scale_dtype == E8M0:
+    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+  scale = scale.astype(scale_dtype)
+  scale_f32 = scale.astype(jnp.float32)
+  full_scale = broadcast_scale(scale_f32, x.shape, tile)
+  zp = None
+  if zero_point:
+    zp_f32 = jnp.clip(jnp.round(qmin - low / scale_f32), qmin, qmax)
+    zp = zp_f32.astype(dtype)
+    q = jnp.round(xf / full_scale) + broadcast_scale(zp_f32, x.shape, tile)
+  elif _is_int(dtype):
+    q = jnp.round(xf / full_scale)
+  else:
+    q = xf / full_scale  # the cast rounds to nearest even
+  q = jnp.clip(q, qmin, qmax).astype(dtype)
+  return QArray(q, scale, zp, tile=tile)
+
+
+def from_qwix(array) -> QArray | None:
+  """A qwix QArray as a gmm_jax `QArray` (None if `array` is not one)."""
+  cls = type(array)
+  if cls.__name__ != "QArray" or not cls.__module__.startswith("qwix"):
+    return None
+  return QArray(array.qvalue, array.scale, getattr(array, "zero_point", None))
+
+
+def as_qarray(x) -> QArray | None:
+  if isinstance(x, QArray):
+    return x
+  return from_qwix(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+  """How gmm quantizes a float operand itself (dynamic quantization): `quantize`'s
+  arguments. Hashable, so it travels in the static config."""
+
+  dtype: Any
+  channelwise_axes: tuple[int, ...] = ()
+  tiled_axes: tuple[tuple[int, int], ...] = ()
+  scale_dtype: Any = None
+  zero_point: bool = False
+
+  def __post_init__(self):
+    try:
+      dtype = np.dtype(self.dtype)
+    except TypeError:
+      dtype = None
+    if dtype not in QTYPES:
+      raise ValueError(f"QuantSpec dtype must be one of {[str(t) for t in QTYPES]}, got "
+                       f"{self.dtype!r}")
+    axes = self.channelwise_axes
+    axes = (axes,) if _is_index(axes) else axes
+    if not isinstance(axes, (tuple, list)) or not all(_is_index(a) for a in axes):
+      raise ValueError(f"QuantSpec channelwise_axes must be an int or a sequence of ints, got "
+                       f"{self.channelwise_axes!r}")
+    object.__setattr__(self, "channelwise_axes", tuple(int(a) for a in axes))
+    tiled = self.tiled_axes.items() if isinstance(self.tiled_axes, Mapping) else self.tiled_axes
+    try:
+      tiled = tuple(tiled)
+      ok = all(len(pair) == 2 and _is_index(pair[0]) and _is_index(pair[1]) and pair[1] > 0
+               for pair in tiled)
+    except TypeError:
+      ok = False
+    if not ok:
+      raise ValueError(f"QuantSpec tiled_axes must map int axes to positive int tile sizes, "
+                       f"got {self.tiled_axes!r}")
+    object.__setattr__(self, "tiled_axes", tuple(sorted((int(a), int(t)) for a, t in tiled)))
+
+  def __call__(self, x) -> QArray:
+    return quantize(x, self.dtype, channelwise_axes=self.channelwise_axes,
+                    tiled_axes=dict(self.tiled_axes), scale_dtype=self.scale_dtype,
+                    zero_point=self.zero_point)
+
+
+def compute_dtype(q: QArray):
+  """The dtype gmm multiplies `q`'s values in: int8 for integers (exact int32 accumulation),
+  bf16 for 8- and 4-bit floats (every fp8/fp4 value is exact in bf16; XLA:CPU has no fast
+  fp8 dot)."""
+  if _is_int(q.qtype):  # unsigned 8/4-bit values do not fit int8
+    signed = jnp.iinfo(q.qtype).min < 0
+    return np.dtype(jnp.int8) if signed and q.qtype.itemsize == 1 or q.qtype == np.dtype(
+        jnp.int4) else np.dtype(jnp.int32)
+  return np.dtype(jnp.bfloat16)
+
+
+MODES = ("weight_only", "scaled", "blocked")
+
+
+def k_axis(cfg, side: str) -> int:
+  """The contraction axis of the (stored) lhs or of one group's rhs matrix."""
+  if side == "lhs":
+    return 0 if cfg.transpose_lhs else 1
+  return -1 if cfg.transpose_rhs else -2
+
+
+def quant_mode(lhs, rhs, cfg) -> str:
+  """"none", or the mode of `MODES` that a (QArray or array) pair means (see module doc).
+
+  Raises:
+    NotImplementedError: a QArray lhs with a plain rhs.
+  """
+  lq, rq = isinstance(lhs, QArray), isinstance(rhs, QArray)
+  if not lq and not rq:
+    return "none"
+  if lq and not rq:
+    raise NotImplementedError(
+        "a quantized lhs needs a quantized rhs (modes: weight_only = float lhs x QArray rhs; "
+        "scaled/blocked = QArray lhs x QArray rhs); dequantize lhs or quantize rhs")
+  if not lq:
+    return "weight_only"
+  if (lhs.scale_varies_along(k_axis(cfg, "lhs")) or
+      rhs.scale_varies_along(rhs.ndim + k_axis(cfg, "rhs"))):
+    return "blocked"
+  return "scaled"
+
+

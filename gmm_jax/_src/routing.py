@@ -1,0 +1,199 @@
+"""Token routing for expert parallelism: tokens travel to the devices of their experts and
+back around any per-expert function (`routed_apply`), and `routed_gmm` on it.
+
+Floor 6: built on the public API (`gmm`, `GmmSharding`'s operand specs, `QArray`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from gmm_jax._src.api import gmm
+from gmm_jax._src.dispatch import on_lowering_platform
+from gmm_jax._src.qarray import QArray
+from gmm_jax._src.sharding import operand_spec
+
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name):
+  """`jax.lax.ragged_all_to_all`'s documented semantics (one slice per device) from
+  all_gather and scatters: XLA:CPU has no ragged-all-to-all, so CPU runs (and the tests)
+  use this; accelerators use the real collective."""
+  del recv_sizes
+  me = jax.lax.axis_index(axis_name)
+  sources = jax.lax.all_gather(operand, axis_name)  # [D, rows, ...]
+  offsets = jax.lax.all_gather(input_offsets, axis_name)  # [D, D]
+  sizes = jax.lax.all_gather(send_sizes, axis_name)
+  destinations = jax.lax.all_gather(output_offsets, axis_name)
+  rows = jnp.arange(operand.shape[0], dtype=jnp.int32)
+  result = output
+  for source in range(sources.shape[0]):
+    valid = rows < sizes[source, me]
+    target = jnp.where(valid, destinations[source, me] + rows, output.shape[0])
+    picked = jnp.take(sources[source], jnp.clip(offsets[source, me] + rows, 0,
+                                                operand.shape[0] - 1), axis=0)
+    result = result.at[target].set(picked, mode="drop")
+  return result
+
+
+def _route_dense(x, ids, *, axis, num_devices, local_experts, capacity, compute):
+  """all_to_all with [devices, capacity] buffers each way."""
+  tokens, k = x.shape
+  order = jnp.argsort(ids, stable=True)  # by destination device, then expert
+  ids_sorted = ids[order]
+  dest = ids_sorted // local_experts
+  dest_counts = jnp.bincount(dest, length=num_devices)
+  dest_start = jnp.cumsum(dest_counts) - dest_counts
+  rank = jnp.arange(tokens, dtype=jnp.int32) - dest_start[dest]
+  kept = rank < capacity
+  slot = jnp.where(kept, dest * capacity + rank, num_devices * capacity)  # spill slot
+  send = jnp.zeros((num_devices * capacity + 1, k), x.dtype).at[slot].set(x[order])
+  send_ids = jnp.full((num_devices * capacity + 1,), local_experts, jnp.int32).at[slot].set(
+      ids_sorted % local_experts)
+  send = send[:-1].reshape(num_devices, capacity, k)
+  send_ids = send_ids[:-1].reshape(num_devices, capacity)
+  recv = jax.lax.all_to_all(send, axis, 0, 0, tiled=False).reshape(-1, k)
+  recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0, tiled=False).reshape(-1)
+  y_recv = compute(recv, recv_ids)
+  back = jax.lax.all_to_all(y_recv.reshape(num_devices, capacity, -1), axis, 0, 0,
+                            tiled=False).reshape(num_devices * capacity, -1)
+  back = jnp.concatenate([back, jnp.zeros((1, back.shape[1]), back.dtype)])
+  y_sorted = back[slot]
+  return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+
+
+def _route_ragged(x, ids, *, axis, num_devices, local_experts, capacity, compute, collective):
+  """ragged_all_to_all: only the routed rows travel (buffers still sized for the worst
+  case, [devices x capacity] rows)."""
+  tokens, k = x.shape
+  order = jnp.argsort(ids, stable=True)
+  ids_sorted = ids[order]
+  dest = ids_sorted // local_experts
+  counts = jnp.bincount(dest, length=num_devices).astype(jnp.int32)
+  starts = (jnp.cumsum(counts) - counts).astype(jnp.int32)
+  send_sizes = jnp.minimum(counts, capacity)  # rows past a pair's capacity stay home
+  # matrix[s, d]: rows device s sends to device d (every device needs the whole matrix to
+  # know where its rows land on the receivers).
+  matrix = jax.lax.all_gather(send_sizes, axis)
+  me = jax.lax.axis_index(axis)
+  before = jnp.cumsum(matrix, axis=0) - matrix  # rows from lower sources, per receiver
+  output_offsets = before[me]
+  recv_sizes = matrix[:, me]
+  buffer_rows = num_devices * capacity
+  recv = collective(x[order], jnp.zeros((buffer_rows, k), x.dtype), starts, send_sizes,
+                    output_offsets, recv_sizes, axis_name=axis)
+  recv_ids = collective((ids_sorted % local_experts).astype(jnp.int32),
+                        jnp.full((buffer_rows,), local_experts, jnp.int32), starts, send_sizes,
+                        output_offsets, recv_sizes, axis_name=axis)
+  y_recv = compute(recv, recv_ids)
+  # Back: the rows received from source s (contiguous, in source order) return to where s
+  # took them from, its `starts[me]`.
+  recv_starts = (jnp.cumsum(recv_sizes) - recv_sizes).astype(jnp.int32)
+  home_offsets = jax.lax.all_gather(starts, axis)[:, me]
+  y_sorted = collective(y_recv, jnp.zeros((tokens, y_recv.shape[1]), y_recv.dtype),
+                        recv_starts, recv_sizes, home_offsets, send_sizes, axis_name=axis)
+  rank = jnp.arange(tokens, dtype=jnp.int32) - starts[dest]
+  y_sorted = jnp.where((rank < capacity)[:, None], y_sorted, jnp.zeros((), y_sorted.dtype))
+  return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+
+
+TRANSPORTS = ("auto", "all_to_all", "ragged")
+
+
+def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh, axis: str,
+                 capacity: int | None = None, transport: str = "auto"):
+  """Routes tokens to the devices of their experts, applies `fn` there, routes back.
+
+  x ``[T, K]`` and expert_ids ``[T]`` are sharded over `axis` (T/D tokens per device);
+  every leaf of `weights` (a pytree, e.g. ``(w_gate, w_up, w_down)``, QArrays allowed) has
+  the experts as its leading dimension, sharded over `axis` (G/D per device). On each
+  device, ``fn(rows, group_sizes, local_weights) -> [R, N]`` gets the rows it received
+  grouped by local expert (rows past ``sum(group_sizes)`` are padding and must come out
+  0, as gmm makes them). One dispatch and one return per call, whatever `fn` computes.
+
+  Args:
+    capacity: tokens one device may send to one other device. Default T/D (the worst case:
+      nothing is ever dropped); smaller bounds the buffers, and a token past its
+      destination's capacity gets output 0.
+    transport: "all_to_all" (fixed [devices, capacity] buffers move whole), "ragged"
+      (`jax.lax.ragged_all_to_all`: only the routed rows move; on CPU, which lacks the
+      collective, an all_gather-based emulation of its semantics), or "auto": ragged on GPU
+      and TPU, all_to_all on CPU. The platform is the one the program is lowered for.
+
+  Returns:
+    ``[T, N]``, sharded like x.
+  """
+  if transport not in TRANSPORTS:
+    raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+  num_devices = mesh.shape[axis]
+  leaves = jax.tree.leaves(weights)
+  if not leaves:
+    raise ValueError("routed_apply needs at least one expert weight")
+  num_experts = (leaves[0].shape[0])
+  if num_experts % num_devices:
+    raise ValueError(f"{num_experts} experts do not split over {num_devices} devices of "
+                     f"{axis!r}")
+  if x.shape[0] % num_devices:
+    raise ValueError(f"{x.shape[0]} tokens do not split over {num_devices} devices")
+  local_experts = num_experts // num_devices
+  local_tokens = x.shape[0] // num_devices
+  capacity = local_tokens if capacity is None else int(capacity)
+  if capacity <= 0:
+    raise ValueError(f"capacity must be positive, got {capacity}")
+  options = dict(axis=axis, num_devices=num_devices, local_experts=local_experts,
+                 capacity=capacity)
+
+  def body(x, ids, weights):
+    ids = jnp.clip(ids.astype(jnp.int32), 0, num_experts - 1)
+
+    def compute(recv, recv_ids):
+      # Group what arrived by local expert; empty slots (id = local_experts) sort last and
+      # lie past the group total.
+      order = jnp.argsort(recv_ids, stable=True)
+      sizes = jnp.bincount(recv_ids, length=local_experts + 1)[:local_experts]
+      y = fn(recv[order], sizes.astype(jnp.int32), weights)
+      return jnp.zeros_like(y).at[order].set(y)
+
+    def route(platform, x, ids):
+      kind = transport
+      if kind == "auto":
+        kind = "ragged" if platform in ("gpu", "tpu") else "all_to_all"
+      if kind == "all_to_all":
+        return _route_dense(x, ids, compute=compute, **options)
+      collective = (jax.lax.ragged_all_to_all if platform in ("gpu", "tpu")
+                    else _emulated_ragged_all_to_all)
+      return _route_ragged(x, ids, compute=compute, collective=collective, **options)
+
+    return on_lowering_platform(route, None, x, ids)
+
+  weight_specs = jax.tree.map(lambda w: operand_spec(w, P(axis), mesh), weights,
+                              is_leaf=lambda w: isinstance(w, QArray))
+  fn_sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis), weight_specs),
+                             out_specs=P(axis), check_vma=False)
+  return fn_sharded(x, expert_ids, weights)
+
+
+def routed_gmm(x, w, expert_ids, *, mesh: Mesh, axis: str, bias=None, activation=None,
+               capacity: int | None = None, transport: str = "auto", implementation=None,
+               interpret: bool = False):
+  """Expert parallelism for tokens that live on the devices of the expert axis:
+  ``y[t] = activation(x[t] @ w[expert_ids[t]] + bias[expert_ids[t]])``.
+
+  x ``[T, K]`` and expert_ids ``[T]`` sharded over `axis`, w ``[G, K, N]`` (and bias
+  ``[G, N]``) sharded over `axis` on the experts. Tokens travel to their experts' devices
+  and back (see `routed_apply` for `capacity` and `transport`); the weights never move.
+  Differentiable (the collectives transpose to themselves).
+
+  Returns:
+    y ``[T, N]``, sharded like x.
+  """
+  def fn(rows, sizes, weights):
+    w, bias = weights
+    return gmm(rows, w, sizes, bias=bias, activation=activation,
+               implementation=implementation, interpret=interpret)
+
+  return routed_apply(fn, x, expert_ids, (w, bias), mesh=mesh, axis=axis, capacity=capacity,
+                      transport=transport)
