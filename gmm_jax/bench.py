@@ -30,6 +30,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gmm_jax import GmmSharding, QuantSpec, gmm, quantize, routed_gmm
 
@@ -248,8 +249,6 @@ def run_sharding_case(devices: int, pattern: str, experts_per_device=4, tokens_p
   and `tokens_per_device` tokens. pattern "expert" (tokens replicated over the axis, rows
   combined by a psum) or "routed" (tokens sharded, all_to_all to the experts' devices).
   Returns (seconds of forward, seconds of forward+backward, bytes per device fwd, fwd+bwd)."""
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
   mesh = Mesh(np.array(jax.devices()[:devices]), ("e",))
   rng = np.random.default_rng(seed)
   num_experts = experts_per_device * devices

@@ -29,6 +29,12 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
+def ascend_act(y, act_type: int):
+  """Ascend's act_type (0 none, 1 relu, 2 gelu_tanh, 4 fast_gelu, 5 silu) in numpy."""
+  names = {1: "relu", 2: "gelu_tanh", 4: "fast_gelu", 5: "silu"}
+  return ACTIVATIONS[names[act_type]](y) if act_type in names else y
+
+
 def resolve(activation):
   """None, a name of ACTIVATIONS, or a numpy callable -> a numpy callable (or None)."""
   if activation is None or callable(activation):

@@ -8,20 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax.compat import ascend
+from oracle import ascend_act as np_act
 
 RNG = np.random.default_rng(0)
-
-
-def np_act(y, act_type):
-  if act_type == 1:
-    return np.maximum(y, 0)
-  if act_type == 2:
-    return 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
-  if act_type == 4:
-    return y / (1 + np.exp(-1.702 * y))
-  if act_type == 5:
-    return y / (1 + np.exp(-y))
-  return y
 
 
 def np_split_m(x, w, sizes, experts=None, bias=None):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax.compat import ascend
-from test_compat_ascend import np_act
+from oracle import ascend_act as np_act
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 I8, I4, I32 = jnp.int8, jnp.int4, jnp.int32

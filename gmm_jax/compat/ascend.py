@@ -201,6 +201,10 @@ def _weight_qarray(weight, antiquant_scale, antiquant_offset):
       raise ValueError(f"antiquant_offset {list(offset.shape)} must match antiquant_scale "
                        f"{list(jnp.asarray(antiquant_scale).shape)}")
     zero_point = -(offset[:, None, :] if offset.ndim == 2 else offset).astype(jnp.float32)
+  if scale.shape[0] != weight.shape[0]:
+    raise ValueError(f"antiquant_scale {list(jnp.asarray(antiquant_scale).shape)} holds "
+                     f"{scale.shape[0]} experts, the weight {list(weight.shape)} "
+                     f"{weight.shape[0]}: it must be [E, N] or [E, G, N]")
   k = weight.shape[1]
   if scale.shape[1] > 1 and k % scale.shape[1]:
     raise ValueError(f"per-group antiquant_scale {list(scale.shape)}: K={k} must split into "
@@ -322,6 +326,13 @@ def _m_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
   if experts is not None:
     # Sparse: entry i takes the next sizes[i] rows with expert experts[i]'s weights (any
     # order, stopping at the first empty entry): one gmm group per entry.
+    known_experts, known_sizes = concrete(experts), concrete(sizes)
+    if known_experts is not None and known_sizes is not None:
+      used = known_experts[known_sizes > 0]
+      if ((used < 0) | (used >= num_groups)).any():
+        raise ValueError(f"sparse group_list expert indices must lie in [0, {num_groups}), "
+                         f"got {known_experts.tolist()}")
+    # A traced index out of range reads the nearest expert (Ascend's result is undefined).
     index = jnp.clip(experts, 0, num_groups - 1)
     per_expert = {name: None if value is None else value[index]
                   for name, value in per_expert.items()}

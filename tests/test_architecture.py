@@ -1,0 +1,198 @@
+"""The layered core of ARCHITECTURE.md, read from the source: every import goes down a
+floor (never up, never in a circle), no function-level import dodges one, floor-0 modules
+import nothing from gmm_jax, the dispatcher names no backend, and test files never import
+each other."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# Module -> floor. The public package `gmm_jax` (its __init__) re-exports floors 0-6; the
+# floor-6 modules use the public API through it or through the modules below them.
+FLOORS = {
+    "gmm_jax._src.config": 0,
+    "gmm_jax._src.epilogue": 0,
+    "gmm_jax._src.qarray": 0,
+    "gmm_jax._src.group_list": 0,
+    "gmm_jax._src.metadata": 0,
+    "gmm_jax._src.grouped_array": 1,
+    "gmm_jax._src.dispatch": 1,
+    "gmm_jax._src.reference": 2,
+    "gmm_jax._src.xla": 2,
+    "gmm_jax._src.op": 2,
+    "gmm_jax.pallas": 2,
+    "gmm_jax.pallas.common": 2,
+    "gmm_jax.pallas.gpu": 2,
+    "gmm_jax.pallas.gpu.gmm": 2,
+    "gmm_jax.pallas.tpu": 2,
+    "gmm_jax.pallas.tpu.gmm": 2,
+    "gmm_jax._src.backends": 3,
+    "gmm_jax._src.quantized": 3,
+    "gmm_jax._src.sharding": 4,
+    "gmm_jax._src.api": 5,
+    "gmm_jax._src.routing": 6,
+    "gmm_jax._src.ragged_dot": 6,
+    "gmm_jax.nn": 6,
+    "gmm_jax.bench": 6,
+    "gmm_jax.demo": 6,
+    "gmm_jax.compat": 6,
+    "gmm_jax.compat.onednn": 6,
+    "gmm_jax.compat.ascend": 6,
+    "gmm_jax.compat._ascend_rules": 6,
+    "gmm_jax.compat._ascend_scales": 6,
+    "gmm_jax._src": 0,
+    "gmm_jax": 7,
+}
+PUBLIC_PACKAGE = "gmm_jax"
+# Imports between modules of one floor that are part of one unit: a kernel package and its
+# shared preamble, a package and its modules, a facade and its helper modules.
+SAME_FLOOR = {
+    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.gmm"), ("gmm_jax.pallas.gpu", "gmm_jax.pallas.common"),
+    ("gmm_jax.pallas.tpu", "gmm_jax.pallas.tpu.gmm"), ("gmm_jax.pallas.tpu", "gmm_jax.pallas.common"),
+    ("gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.common"),
+    ("gmm_jax.pallas.tpu.gmm", "gmm_jax.pallas.common"),
+    ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_rules"),
+    ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_scales"),
+    ("gmm_jax.compat._ascend_rules", "gmm_jax.compat._ascend_scales"),
+    ("gmm_jax.demo", "gmm_jax.bench"),  # the demo prints a benchmark table
+}
+# Function-level imports are for optional dependencies only.
+OPTIONAL = ("jax._src.pallas.", "flax", "tokamax", "qwix")
+
+
+def _module_name(path: pathlib.Path) -> str:
+  relative = path.relative_to(ROOT).with_suffix("")
+  parts = list(relative.parts)
+  if parts[0] == "pallas":  # installed as gmm_jax.pallas
+    parts = ["gmm_jax"] + parts
+  if parts[-1] == "__init__":
+    parts = parts[:-1]
+  return ".".join(parts)
+
+
+def _sources():
+  paths = list((ROOT / "gmm_jax").rglob("*.py")) + list((ROOT / "pallas").rglob("*.py"))
+  return {_module_name(p): ast.parse(p.read_text(), str(p)) for p in paths}
+
+
+def _imports(tree: ast.Module, known: set[str]):
+  """(target module, line, at module level) of every import of a gmm_jax module."""
+  top_level = {id(node) for node in tree.body}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      targets = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      # `from package import module` imports the module; `from module import name` the module.
+      targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known
+                 else node.module for alias in node.names]
+    else:
+      continue
+    for target in targets:
+      yield target, node.lineno, id(node) in top_level
+
+
+@pytest.fixture(scope="module")
+def graph():
+  sources = _sources()
+  edges = {}
+  for module, tree in sources.items():
+    edges[module] = [(t, line, top) for t, line, top in _imports(tree, set(sources))
+                     if t == PUBLIC_PACKAGE or t.startswith(PUBLIC_PACKAGE + ".")]
+  return sources, edges
+
+
+def test_every_module_has_a_floor(graph):
+  sources, _ = graph
+  assert set(sources) - set(FLOORS) == set(), "give new modules a floor in this test"
+
+
+def test_imports_go_down_a_floor(graph):
+  _, edges = graph
+  upward = []
+  for module, targets in edges.items():
+    for target, line, _ in targets:
+      if target == PUBLIC_PACKAGE and FLOORS[module] == 6:
+        continue  # floor 6 is built on the public API
+      if (module, target) in SAME_FLOOR:
+        continue
+      if FLOORS[target] >= FLOORS[module] and module != PUBLIC_PACKAGE:
+        upward.append(f"{module}:{line} (floor {FLOORS[module]}) imports {target} "
+                      f"(floor {FLOORS[target]})")
+  assert not upward, "\n".join(upward)
+
+
+def test_floor_0_imports_nothing_from_gmm_jax(graph):
+  _, edges = graph
+  offenders = [(m, t) for m, targets in edges.items() if FLOORS[m] == 0
+               for t, _, _ in targets]
+  assert not offenders
+
+
+def test_no_import_circle(graph):
+  _, edges = graph
+  adjacency = {m: sorted({t for t, _, _ in targets if t in edges}) for m, targets in edges.items()}
+  state, path = {}, []
+
+  def visit(module):
+    state[module] = "open"
+    path.append(module)
+    for target in adjacency[module]:
+      if state.get(target) == "open":
+        raise AssertionError("import circle: " + " -> ".join(path[path.index(target):] +
+                                                              [target]))
+      if target not in state:
+        visit(target)
+    path.pop()
+    state[module] = "done"
+
+  for module in sorted(adjacency):
+    if module not in state:
+      visit(module)
+
+
+def test_no_function_level_import_of_gmm_jax_or_a_required_dependency():
+  offenders = []
+  for module, tree in _sources().items():
+    top_level = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+      if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top_level:
+        names = [node.module] if isinstance(node, ast.ImportFrom) else [
+            a.name for a in node.names]
+        for name in names:
+          if not any(name == o.rstrip(".") or name.startswith(o) for o in OPTIONAL):
+            offenders.append(f"{module}:{node.lineno} imports {name} inside a function")
+  assert not offenders, "\n".join(offenders)
+
+
+def test_the_dispatcher_names_no_backend():
+  text = (ROOT / "gmm_jax" / "_src" / "dispatch.py").read_text()
+  for name in ("\"xla\"", "\"reference\"", "pallas_triton", "pallas_tpu", "gmm_jax.pallas"):
+    assert name not in text, name
+
+
+def test_backends_never_import_the_layers_above_them(graph):
+  _, edges = graph
+  backends = ["gmm_jax._src.reference", "gmm_jax._src.xla", "gmm_jax.pallas.common",
+              "gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.tpu.gmm"]
+  forbidden = {"gmm_jax._src.dispatch", "gmm_jax._src.op", "gmm_jax._src.quantized",
+               "gmm_jax._src.api"}
+  for module in backends:
+    assert not {t for t, _, _ in edges[module]} & forbidden, module
+
+
+def test_test_files_never_import_each_other():
+  offenders = []
+  for path in (ROOT / "tests").glob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      names = []
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module:
+        names = [node.module]
+      offenders += [f"{path.name} imports {n}" for n in names if n.startswith("test_")]
+  assert not offenders, offenders

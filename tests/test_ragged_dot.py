@@ -1,0 +1,173 @@
+"""`gmm_jax.ragged_dot` and `gmm_jax.ragged_dot_general` as drop-ins for jax's: every
+argument jax takes, the same results (jax's own function is the oracle here, itself a
+masked dense product), gradients, and group_offset where jax has none."""
+
+from __future__ import annotations
+
+import inspect
+
+import gmm_jax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from oracle import f64, gmm_oracle, tolerances
+
+Numbers = jax.lax.RaggedDotDimensionNumbers
+M, K, N, G = 12, 8, 5, 3
+SIZES = [4, 0, 6]
+
+
+def _rand(shape, seed, dtype=jnp.float32):
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+@pytest.mark.parametrize("name", ["ragged_dot", "ragged_dot_general"])
+def test_takes_every_argument_of_jax(name):
+  ours = inspect.signature(getattr(gmm_jax, name)).parameters
+  theirs = inspect.signature(getattr(jax.lax, name)).parameters
+  for position, (param, spec) in enumerate(theirs.items()):
+    assert param in ours, param
+    assert list(ours).index(param) == position, param  # positional calls match too
+    assert ours[param].default == spec.default, param
+
+
+@pytest.mark.parametrize("precision", [None, "highest", jax.lax.Precision.HIGHEST,
+                                       ("default", "highest")])
+@pytest.mark.parametrize("preferred_element_type", [None, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_ragged_dot_matches_jax(dtype, preferred_element_type, precision):
+  lhs, rhs = _rand((M, K), 1, dtype), _rand((G, K, N), 2, dtype)
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  got = gmm_jax.ragged_dot(lhs, rhs, sizes, precision, preferred_element_type)
+  want = jax.lax.ragged_dot(lhs, rhs, sizes, precision, preferred_element_type)
+  assert got.dtype == want.dtype and got.shape == want.shape
+  np.testing.assert_allclose(f64(got), f64(want), **tolerances(dtype, got.dtype, k=K))
+
+
+def test_ragged_dot_out_sharding():
+  mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+  lhs, rhs = _rand((M, K), 3), _rand((G, K, N), 4)
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  sharding = NamedSharding(mesh, P("x", None))
+  assert gmm_jax.ragged_dot(lhs, rhs, sizes, out_sharding=None).shape == (M, N)
+  for fn in (gmm_jax.ragged_dot, jax.jit(gmm_jax.ragged_dot, static_argnames="out_sharding")):
+    out = fn(lhs, rhs, sizes, out_sharding=sharding)
+    assert out.sharding.is_equivalent_to(sharding, 2)
+    np.testing.assert_allclose(out, jax.lax.ragged_dot(lhs, rhs, sizes),
+                               **tolerances(jnp.float32, k=K))
+  with jax.sharding.use_mesh(mesh) if hasattr(jax.sharding, "use_mesh") else mesh:
+    out = jax.jit(lambda l, r, s: gmm_jax.ragged_dot(l, r, s, out_sharding=P("x")))(
+        lhs, rhs, sizes)
+  assert out.sharding.is_equivalent_to(sharding, 2)
+
+
+def test_ragged_dot_group_offset_which_jax_lacks():
+  lhs, rhs = _rand((M, K), 5), _rand((G, K, N), 6)
+  sizes = jnp.asarray([4, 5, 3], jnp.int32)
+  with pytest.raises((NotImplementedError, TypeError)):  # jax: not implemented
+    jax.lax.ragged_dot(lhs, rhs[1:], sizes, group_offset=jnp.int32(1))
+  got = gmm_jax.ragged_dot(lhs, rhs[1:], sizes, group_offset=jnp.int32(1))
+  np.testing.assert_allclose(f64(got), gmm_oracle(lhs, rhs[1:], [4, 5, 3], "m", group_offset=1),
+                             **tolerances(jnp.float32, k=K))
+
+
+# ------------------------------------------------------------------------ ragged_dot_general
+
+# (lhs shape, rhs shape, group_sizes shape, dimension numbers)
+GENERAL_CASES = {
+    "basic": ((M, K), (G, K, N), (G,), Numbers((([1], [1]), ([], [])), [0], [0])),
+    "rhs_transposed": ((M, K), (G, N, K), (G,), Numbers((([1], [2]), ([], [])), [0], [0])),
+    "group_dim_last": ((M, K), (K, N, G), (G,), Numbers((([1], [0]), ([], [])), [0], [2])),
+    "batch": ((2, M, K), (2, G, K, N), (2, G),
+              Numbers((([2], [2]), ([0], [0])), [1], [1])),
+    "batch_shared_sizes": ((2, M, K), (G, 2, K, N), (G,),
+                           Numbers((([2], [2]), ([0], [1])), [1], [0])),
+    "inner_free_dim": ((M, 3, K), (G, K, N), (G,), Numbers((([2], [1]), ([], [])), [0], [0])),
+    "outer_free_dim": ((2, M, K), (G, K, N), (2, G), Numbers((([2], [1]), ([], [])), [1], [0])),
+    "two_contracting": ((M, 2, K), (G, 2, K, N), (G,),
+                        Numbers((([1, 2], [1, 2]), ([], [])), [0], [0])),
+    "contracting": ((M, K), (K, N), (G,), Numbers((([1], [0]), ([], [])), [1], [])),
+    "contracting_batch": ((2, M, K), (2, K, N), (2, G),
+                          Numbers((([2], [1]), ([0], [0])), [2], [])),
+    "contracting_outer": ((M, 2, K), (2, K, N), (2, G),
+                          Numbers((([1, 2], [0, 1]), ([], [])), [2], [])),
+    "contracting_transposed": ((K, M), (N, K), (G,), Numbers((([0], [1]), ([], [])), [0], [])),
+    "batch_ragged": ((4, M, K), (4, K, N), (G,), Numbers((([2], [1]), ([0], [0])), [0], [])),
+}
+
+
+def _sizes(shape, ragged_size, seed):
+  """Random group sizes of `shape` whose rows sum to at most `ragged_size`."""
+  rng = np.random.default_rng(seed)
+  sizes = rng.integers(0, ragged_size // shape[-1] + 2, size=shape)
+  sizes[..., 1] = 0  # an empty group
+  return np.minimum(sizes, ragged_size // shape[-1]).astype(np.int32)
+
+
+@pytest.mark.parametrize("case", list(GENERAL_CASES))
+def test_ragged_dot_general_matches_jax(case):
+  lhs_shape, rhs_shape, sizes_shape, numbers = GENERAL_CASES[case]
+  lhs, rhs = _rand(lhs_shape, 7), _rand(rhs_shape, 8)
+  ragged = numbers.lhs_ragged_dimensions[0]
+  sizes = jnp.asarray(_sizes(sizes_shape, lhs_shape[ragged], 9))
+  got = gmm_jax.ragged_dot_general(lhs, rhs, sizes, numbers)
+  want = jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  got_jit = jax.jit(gmm_jax.ragged_dot_general, static_argnums=3)(lhs, rhs, sizes, numbers)
+  np.testing.assert_allclose(got_jit, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["basic", "batch", "inner_free_dim", "contracting",
+                                  "contracting_outer"])
+def test_ragged_dot_general_derivatives_match_jax(case):
+  # Forward mode against jax's jvp; reverse mode against jax's jvp through the transpose
+  # identity <ct, J t> = <J^T ct, t> (jax has no reverse mode for a ragged contracting
+  # dimension).
+  lhs_shape, rhs_shape, sizes_shape, numbers = GENERAL_CASES[case]
+  lhs, rhs = _rand(lhs_shape, 10), _rand(rhs_shape, 11)
+  tangents = (_rand(lhs_shape, 12), _rand(rhs_shape, 13))
+  sizes = jnp.asarray(_sizes(sizes_shape, lhs_shape[numbers.lhs_ragged_dimensions[0]], 14))
+  ours = lambda l, r: gmm_jax.ragged_dot_general(l, r, sizes, numbers)  # noqa: E731
+  theirs = lambda l, r: jax.lax.ragged_dot_general(l, r, sizes, numbers)  # noqa: E731
+  out, jvp = jax.jvp(ours, (lhs, rhs), tangents)
+  _, want_jvp = jax.jvp(theirs, (lhs, rhs), tangents)
+  np.testing.assert_allclose(jvp, want_jvp, rtol=1e-5, atol=1e-5)
+  ct = _rand(out.shape, 15)
+  _, vjp = jax.vjp(ours, lhs, rhs)
+  pulled = vjp(ct)
+  np.testing.assert_allclose(sum(jnp.vdot(p, t) for p, t in zip(pulled, tangents)),
+                             jnp.vdot(ct, want_jvp), rtol=1e-4)
+
+
+def test_ragged_dot_general_group_offset():
+  lhs, rhs = _rand((M, K), 13), _rand((2, N, K), 14)
+  numbers = GENERAL_CASES["rhs_transposed"][3]
+  got = gmm_jax.ragged_dot_general(lhs, rhs, jnp.asarray([4, 5, 3]), numbers,
+                                   group_offset=jnp.int32(1))
+  want = gmm_oracle(lhs, rhs, [4, 5, 3], "m", transpose_rhs=True, group_offset=1)
+  np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=K))
+  with pytest.raises(NotImplementedError, match="group_offset"):
+    gmm_jax.ragged_dot_general(lhs, rhs[0].T, jnp.asarray([4, 5]),
+                               GENERAL_CASES["contracting"][3], group_offset=1)
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, sizes_shape, numbers, match", [
+    ((M, K), (G, K, N), (G,), Numbers((([1], [1]), ([], [])), [0, 1], [0]),
+     "exactly one lhs ragged dimension"),
+    ((M, K), (G, K, N), (G,), Numbers((([1], [1]), ([], [])), [0], []),
+     "exactly one rhs group dimension"),
+    ((M, K), (K, N), (G,), Numbers((([1], [0]), ([], [])), [1], [0]), "no rhs group"),
+    ((M, K), (G, K + 1, N), (G,), Numbers((([1], [1]), ([], [])), [0], [0]),
+     "ragged_dot_general: "),
+    ((2, M, K), (2, G, K, N), (3, G), Numbers((([2], [2]), ([0], [0])), [1], [1]),
+     r"shape \[g\] or \(2, 'g'\)"),
+    ((M, K), (G, K, N), (G + 1,), Numbers((([1], [1]), ([], [])), [0], [0]),
+     "rhs group dimension has 3 groups, group_sizes 4"),
+])
+def test_ragged_dot_general_errors(lhs_shape, rhs_shape, sizes_shape, numbers, match):
+  with pytest.raises(ValueError, match=match):
+    gmm_jax.ragged_dot_general(jnp.ones(lhs_shape), jnp.ones(rhs_shape),
+                               jnp.ones(sizes_shape, jnp.int32), numbers)
