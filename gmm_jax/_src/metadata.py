@@ -25,6 +25,15 @@ def bounds_from_counts(counts: jax.Array, dim_size: int) -> jax.Array:
   return jnp.clip(bounds, 0, dim_size)
 
 
+def counts_in_range(counts: jax.Array, start, size: int) -> jax.Array:
+  """Group sizes of the list restricted to the rows ``[start, start + size)`` of the grouped
+  dimension (a shard's local group sizes): int32 ``[G]``."""
+  ends = jnp.cumsum(counts.astype(jnp.int32))
+  bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+  clipped = jnp.clip(bounds, start, start + size)
+  return (clipped[1:] - clipped[:-1]).astype(jnp.int32)
+
+
 def local_group_range(group_offset, num_local: int, num_total: int) -> tuple[jax.Array, jax.Array]:
   """First and one-past-last global group held locally (``rhs`` groups), clipped to G."""
   first = jnp.clip(jnp.asarray(group_offset, jnp.int32), 0, num_total)

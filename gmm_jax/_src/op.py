@@ -90,11 +90,6 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig) -> jax.Array:
   return gmm_p.bind(*operands, cfg=cfg, trees=(lhs_tree, rhs_tree), has_bias=bias is not None)
 
 
-def _bind(lhs, rhs, counts, group_offset, bias, cfg):
-  """`gmm` for the rules below (operands are already canonical)."""
-  return gmm(lhs, rhs, counts, group_offset, bias, cfg)
-
-
 def _unpack(operands, trees, has_bias):
   """(lhs, rhs, counts, group_offset, bias) from the flat operands (or their avals,
   tangents, batch dims: anything with one entry per operand)."""
@@ -222,14 +217,14 @@ def _tangent(lhs, rhs, counts, group_offset, tangents, cfg: GmmConfig, out_shape
   terms = []
   if _has_tangent(t_lhs):
     if isinstance(lhs, QArray):
-      terms.append(_bind(_dequantized_tangent(lhs, t_lhs), _as_float(rhs), counts,
+      terms.append(gmm(_dequantized_tangent(lhs, t_lhs), _as_float(rhs), counts,
                          group_offset, None, cfg))
     else:
-      terms.append(_bind(ad.instantiate_zeros(t_lhs), rhs, counts, group_offset, None, cfg))
+      terms.append(gmm(ad.instantiate_zeros(t_lhs), rhs, counts, group_offset, None, cfg))
   if _has_tangent(t_rhs):
     if isinstance(rhs, QArray):
       t_rhs = _dequantized_tangent(rhs, t_rhs)
-    terms.append(_bind(_as_float(lhs), ad.instantiate_zeros(t_rhs), counts, group_offset, None,
+    terms.append(gmm(_as_float(lhs), ad.instantiate_zeros(t_rhs), counts, group_offset, None,
                        cfg))
   if t_bias is not None and not _is_zero(t_bias):
     terms.append(_bias_term(t_bias, counts, group_offset, cfg, out_shape, cfg.out_dtype))
@@ -247,13 +242,13 @@ def _jvp(primals, tangents, *, cfg, trees, has_bias):
   t_lhs, t_rhs, _, _, t_bias = _unpack(tangents, trees, has_bias)
   if cfg.activation is None:
     linear_cfg = cfg
-    out = _bind(lhs, rhs, counts, group_offset, bias, cfg)
+    out = gmm(lhs, rhs, counts, group_offset, bias, cfg)
     z = None
   else:
     # The f32 pre-activation, for the activation's derivative.
     linear_cfg = cfg.replace(activation=None,
                              out_dtype=preactivation_dtype(_value_dtype(lhs), _value_dtype(rhs)))
-    z = _bind(lhs, rhs, counts, group_offset, bias, linear_cfg)
+    z = gmm(lhs, rhs, counts, group_offset, bias, linear_cfg)
     mask = _row_mask(counts, group_offset, cfg, z.shape[0])
     out = finish(z, cfg.activation, cfg.out_dtype, row_mask=mask)
   zero = ad.Zero(jax.typeof(out).to_tangent_aval())
@@ -304,17 +299,17 @@ def _transpose(ct, *operands, cfg, trees, has_bias):
   ct_lhs = ct_rhs = ct_bias = None
   if cfg.group_type == "m":
     if ad.is_undefined_primal(lhs):
-      ct_lhs = _bind(ct, rhs, counts, group_offset, None,
+      ct_lhs = gmm(ct, rhs, counts, group_offset, None,
                      base.replace(transpose_lhs=False, transpose_rhs=not tr,
                                   out_dtype=lhs.aval.dtype))  # [M, K]
       ct_lhs = ct_lhs.T if tl else ct_lhs
     if ad.is_undefined_primal(rhs):
       k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype)
       if tr:  # [L, N, K] = ct_g^T lhs_g
-        ct_rhs = _bind(ct, _as_float(lhs), counts, group_offset, None,
+        ct_rhs = gmm(ct, _as_float(lhs), counts, group_offset, None,
                        k_cfg.replace(transpose_lhs=True, transpose_rhs=tl))
       else:  # [L, K, N] = lhs_g^T ct_g
-        ct_rhs = _bind(_as_float(lhs), ct, counts, group_offset, None,
+        ct_rhs = gmm(_as_float(lhs), ct, counts, group_offset, None,
                        k_cfg.replace(transpose_lhs=not tl, transpose_rhs=False))
     if bias is not None and ad.is_undefined_primal(bias):
       ids = metadata.row_group_ids(counts, ct.shape[0], group_offset, cfg.num_local)
@@ -324,12 +319,12 @@ def _transpose(ct, *operands, cfg, trees, has_bias):
   else:
     m_cfg = base.replace(group_type="m")
     if ad.is_undefined_primal(lhs):
-      ct_lhs_t = _bind(_as_float(rhs), ct, counts, group_offset, None,
+      ct_lhs_t = gmm(_as_float(rhs), ct, counts, group_offset, None,
                        m_cfg.replace(transpose_lhs=tr, transpose_rhs=True,
                                      out_dtype=lhs.aval.dtype))  # [K, M]
       ct_lhs = ct_lhs_t if tl else ct_lhs_t.T
     if ad.is_undefined_primal(rhs):
-      ct_rhs = _bind(_as_float(lhs), ct, counts, group_offset, None,
+      ct_rhs = gmm(_as_float(lhs), ct, counts, group_offset, None,
                      m_cfg.replace(transpose_lhs=not tl, transpose_rhs=False,
                                    out_dtype=rhs.aval.dtype))  # [K, N]
       ct_rhs = ct_rhs.T if tr else ct_rhs
@@ -369,7 +364,7 @@ def _fold_into_rows(lhs, dim, size, rhs, counts, group_offset, bias, cfg):
       m = moved.shape[0]
       folded = moved.reshape(m * size, moved.shape[-1])
     sizes = group_list.clamp_counts(counts, m) * size
-    out = _bind(folded, rhs, sizes, group_offset, bias, cfg)  # [M*B, N]
+    out = gmm(folded, rhs, sizes, group_offset, bias, cfg)  # [M*B, N]
     return out.reshape(m, size, -1), 1
   # k-grouping: M is not grouped, so the examples are stacked along it.
   if cfg.transpose_lhs:  # [K, B, M] -> [K, B*M]
@@ -378,7 +373,7 @@ def _fold_into_rows(lhs, dim, size, rhs, counts, group_offset, bias, cfg):
   else:  # [B, M, K] -> [B*M, K]
     moved = _moved(lhs, dim, 0)
     folded = moved.reshape(-1, moved.shape[-1])
-  out = _bind(folded, rhs, counts, group_offset, bias, cfg)  # [L, B*M, N]
+  out = gmm(folded, rhs, counts, group_offset, bias, cfg)  # [L, B*M, N]
   return out.reshape(out.shape[0], size, -1, out.shape[-1]), 1
 
 
@@ -403,7 +398,7 @@ def _fold_into_columns(lhs, rhs, dim, size, counts, group_offset, bias, bias_dim
     else:
       bias = _moved(bias, bias_dim, 1)
     bias = bias.reshape(bias.shape[0], -1)
-  out = _bind(lhs, folded, counts, group_offset, bias, cfg)  # [M, B*N] / [L, M, B*N]
+  out = gmm(lhs, folded, counts, group_offset, bias, cfg)  # [M, B*N] / [L, M, B*N]
   return out.reshape(*out.shape[:-1], size, -1), out.ndim - 1
 
 

@@ -159,13 +159,6 @@ def _linear_index(axes: tuple[str, ...]):
   return index
 
 
-def _clip_counts(counts, start, size):
-  """Group sizes of the global list restricted to the index range [start, start + size)."""
-  bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts.astype(jnp.int32))])
-  clipped = jnp.clip(bounds, start, start + size)
-  return (clipped[1:] - clipped[:-1]).astype(jnp.int32)
-
-
 def _leaf_spec(leaf_shape, value_shape, dims: list[tuple[str, ...]], mesh: Mesh) -> P:
   """A QArray component's spec: the value's axes where the component is not broadcast."""
   entries = []
@@ -244,11 +237,11 @@ def sharded_gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, sharding: 
     local_counts = counts
     if cfg.group_type == "m" and p.m:
       rows = m_global // int(np.prod([mesh.shape[a] for a in p.m]))
-      local_counts = _clip_counts(counts, _linear_index(p.m) * rows, rows)
+      local_counts = metadata.counts_in_range(counts, _linear_index(p.m) * rows, rows)
     if p.k:
       cols = k_global // int(np.prod([mesh.shape[a] for a in p.k]))
       if cfg.group_type == "k":
-        local_counts = _clip_counts(counts, _linear_index(p.k) * cols, cols)
+        local_counts = metadata.counts_in_range(counts, _linear_index(p.k) * cols, cols)
     if reduce_k:
       # Partial sums: the bias and activation must see the whole sum.
       z = run(lhs, rhs, local_counts, offset, None,

@@ -1,0 +1,59 @@
+"""The platform of a call is the platform of the devices it is compiled for: a deviceless
+compile for a TPU v5e or an H200 topology, from this CPU host, picks their kernels with no
+other hint (`../shared/notes/deviceless-compile.md`).
+
+Needs libtpu (TPU) or the CUDA plugin (GPU) in this Python; skipped where they are missing
+(the default CPU install of jax has neither).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import gmm_jax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gmm_jax._src import dispatch
+from jax.experimental import topologies
+
+H200 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "targets" / "nvidia_h200.txtpb"
+
+
+def _topology(kind: str):
+  try:
+    if kind == "tpu":
+      return topologies.get_topology_desc("v5e:1x1", platform="tpu")
+    if not H200.exists():
+      pytest.skip(f"no GPU target description at {H200}")
+    return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                        target_config=H200.read_text())
+  except Exception as err:  # noqa: BLE001  (no libtpu / CUDA plugin: jax raises many kinds)
+    pytest.skip(f"no {kind} topology in this jax install: {err}")
+
+
+@pytest.mark.parametrize("kind, kernel", [("tpu", "pallas_tpu"), ("gpu", "pallas_triton")])
+def test_deviceless_compile_picks_the_targets_kernels(kind, kernel):
+  topology = _topology(kind)
+  mesh = topologies.make_mesh(topology, (1,), ("x",))
+  placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  m, k, n, g = 512, 256, 256, 4
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=placed)
+  w = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16, sharding=placed)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32, sharding=placed)
+  quantized = gmm_jax.quantize(np.ones((g, k, n), np.float32), jnp.int8,
+                               channelwise_axes=(0, 2))
+  q = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed), quantized)
+
+  def loss(x, w, sizes):
+    return jnp.sum(gmm_jax.gmm(x, w, sizes, activation="silu").astype(jnp.float32))
+
+  cases = [(jax.grad(loss, argnums=(0, 1)), (x, w, sizes), 3),  # forward, dlhs, drhs
+           (lambda x, q, sizes: gmm_jax.gmm(x, q, sizes), (x, q, sizes), 1)]  # int8 weights
+  for fn, args, count in cases:
+    with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+      lowered = jax.jit(fn).lower(*args)
+    assert [d.implementation for d in decisions] == [kernel] * count
+    assert {d.platform for d in decisions} == {kind}
+    lowered.compile()  # the target's compiler accepts the kernels
