@@ -41,17 +41,14 @@ def _operands(group_type, seed=0, scale=0.5, transpose_lhs=False, transpose_rhs=
 # (group_type, activation, bias, group_offset, transpose_lhs, transpose_rhs)
 CHECK_GRADS_CASES = [
     ("m", None, False, None, False, False),
-    ("m", "silu", True, None, False, False),
-    ("m", "gelu", True, None, True, False),
-    ("m", "gelu_tanh", False, None, False, True),
     ("m", "silu", True, 1, True, True),
-    ("m", "fast_gelu", True, 1, False, False),
-    ("m", jnp.tanh, False, None, False, False),
+    ("m", "gelu", True, None, True, False),
+    ("m", "fast_gelu", False, None, False, True),
+    ("m", jnp.tanh, True, None, False, False),
     ("k", None, True, None, False, False),
     ("k", "silu", True, None, True, False),
-    ("k", "gelu", False, None, False, True),
     ("k", "gelu_tanh", True, 1, True, True),
-    ("k", "fast_gelu", True, 1, False, False),
+    ("k", "gelu", False, 1, False, True),
 ]
 
 
@@ -107,8 +104,8 @@ def test_order_2_matches_jnp_autodiff(group_type, activation):
                second(ours), second(theirs))
 
 
-@pytest.mark.parametrize("group_type", ["m", "k"])
-def test_order_2_on_the_xla_path(group_type):
+def test_order_2_on_the_xla_path():
+  group_type = "m"  # k-grouping on the XLA path: test_vmap_of_grad_and_grad_of_vmap_...
   lhs, rhs, bias = _operands(group_type, seed=2)
   sizes = jnp.asarray(SIZES, jnp.int32)
   fn = jax.jit(lambda l, r, b: gmm_jax.gmm(l, r, sizes, group_type=group_type, bias=b,
@@ -342,24 +339,34 @@ IMPLEMENTATIONS = [("xla", False), ("reference", False), ("pallas_triton", True)
                    ("pallas_tpu", True)]
 
 
+@functools.lru_cache(maxsize=None)
+def _traced_list_gmm(group_type, encoding, implementation, interpret):
+  """One compiled gmm per (grouping, encoding, implementation): every list runs on it."""
+  lhs, rhs, bias = _operands(group_type, seed=12)
+  return jax.jit(lambda gl: gmm_jax.gmm(
+      lhs, rhs, gl, group_type=group_type, group_list_type=encoding, bias=bias,
+      num_groups=G, implementation=implementation, interpret=interpret))
+
+
+@pytest.mark.parametrize("implementation, interpret", IMPLEMENTATIONS,
+                         ids=[name for name, _ in IMPLEMENTATIONS])
 @pytest.mark.parametrize("group_type", ["m", "k"])
-@pytest.mark.parametrize("encoding, group_list, counts", INVALID_LISTS,
-                         ids=[f"{e}-{i}" for i, (e, _, _) in enumerate(INVALID_LISTS)])
-def test_invalid_traced_lists_give_the_same_defined_result(encoding, group_list, counts,
-                                                          group_type):
+def test_invalid_traced_lists_give_the_same_defined_result(group_type, implementation,
+                                                          interpret):
+  # Every implementation gives the documented result: each size clamped to what is left
+  # (compared with the oracle run on the clamped sizes, exact zeros included).
   lhs, rhs, bias = _operands(group_type, seed=12)
   dim = M if group_type == "m" else K
-  want = gmm_oracle(lhs, rhs, _clamped(counts, dim), group_type, bias=bias)
-  results = {}
-  for implementation, interpret in IMPLEMENTATIONS:
-    fn = jax.jit(lambda gl: gmm_jax.gmm(
-        lhs, rhs, gl, group_type=group_type, group_list_type=encoding, bias=bias,
-        num_groups=G, implementation=implementation, interpret=interpret))
-    results[implementation] = f64(fn(jnp.asarray(group_list, jnp.int32)))
-    np.testing.assert_allclose(results[implementation], want, err_msg=implementation,
+  for encoding, group_list, counts in INVALID_LISTS:
+    clamped = _clamped(counts, dim)
+    want = gmm_oracle(lhs, rhs, clamped, group_type, bias=bias)
+    fn = _traced_list_gmm(group_type, encoding, implementation, interpret)
+    got = f64(fn(jnp.asarray(group_list, jnp.int32)))
+    np.testing.assert_allclose(got, want, err_msg=f"{encoding} {group_list}",
                                **tolerances(jnp.float32, k=K))
-  for implementation, out in results.items():  # the same zeros and the same groups
-    np.testing.assert_array_equal(out == 0, results["reference"] == 0, err_msg=implementation)
+    if group_type == "m":  # rows of no group are exactly 0
+      rows = np.arange(M) >= sum(clamped)
+      assert np.all(got[rows] == 0), (encoding, group_list)
 
 
 # ------------------------------------------------------------ implementation sequences
