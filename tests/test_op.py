@@ -68,7 +68,7 @@ def test_check_grads_order_2(case):
 
   def fn(lhs, rhs, *bias):
     # The reference backend compiles fastest; the rules under test do not depend on it
-    # (test_order_2_on_the_xla_path runs the same rules on the XLA path).
+    # (test_vmap_of_grad_and_grad_of_vmap_on_the_xla_path runs them on the XLA path).
     return gmm_jax.gmm(lhs, rhs, sizes, group_type=group_type, activation=activation,
                        bias=bias[0] if bias else None, group_offset=offset,
                        transpose_lhs=tl, transpose_rhs=tr, implementation="reference",
@@ -102,15 +102,6 @@ def test_order_2_matches_jnp_autodiff(group_type, activation):
 
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4),
                second(ours), second(theirs))
-
-
-def test_order_2_on_the_xla_path():
-  group_type = "m"  # k-grouping on the XLA path: test_vmap_of_grad_and_grad_of_vmap_...
-  lhs, rhs, bias = _operands(group_type, seed=2)
-  sizes = jnp.asarray(SIZES, jnp.int32)
-  fn = jax.jit(lambda l, r, b: gmm_jax.gmm(l, r, sizes, group_type=group_type, bias=b,
-                                           activation="silu"))
-  check_grads(fn, (lhs, rhs, bias), order=2, modes=("fwd", "rev"), eps=3e-3)
 
 
 def test_jvp_linearize_and_hessian_match_lax_ragged_dot():

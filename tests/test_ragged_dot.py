@@ -33,10 +33,14 @@ def test_takes_every_argument_of_jax(name):
     assert ours[param].default == spec.default, param
 
 
-@pytest.mark.parametrize("precision", [None, "highest", jax.lax.Precision.HIGHEST,
-                                       ("default", "highest")])
-@pytest.mark.parametrize("preferred_element_type", [None, jnp.float32])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype, preferred_element_type, precision", [
+    (jnp.float32, None, None),
+    (jnp.float32, jnp.float32, "highest"),
+    (jnp.float32, None, jax.lax.Precision.HIGHEST),
+    (jnp.bfloat16, None, ("default", "highest")),
+    (jnp.bfloat16, jnp.float32, None),
+    (jnp.bfloat16, None, "default"),
+])
 def test_ragged_dot_matches_jax(dtype, preferred_element_type, precision):
   lhs, rhs = _rand((M, K), 1, dtype), _rand((G, K, N), 2, dtype)
   sizes = jnp.asarray(SIZES, jnp.int32)
