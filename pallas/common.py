@@ -16,7 +16,6 @@ import numpy as np
 from jax import lax
 
 from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_dims
-from gmm_jax._src.epilogue import resolve_activation
 from gmm_jax._src.qarray import QArray, quant_mode
 
 

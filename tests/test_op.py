@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_test_base import jnp_gmm
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 from jax.test_util import check_grads
 from oracle import f64, gmm_oracle, tolerances
 

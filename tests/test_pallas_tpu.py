@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import dispatch
 from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.reference import gmm_reference
 from gmm_jax.pallas.tpu import gmm as tpu_gmm

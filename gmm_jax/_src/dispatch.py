@@ -22,7 +22,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from gmm_jax._src.config import PLATFORMS, GmmConfig  # noqa: F401  (PLATFORMS re-exported)
+from gmm_jax._src.config import GmmConfig
 from gmm_jax._src.qarray import quant_mode as _quant_mode
 
 

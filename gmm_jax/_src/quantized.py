@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmm_jax._src import dispatch, metadata, op
-from gmm_jax._src.config import GmmConfig, problem_dims
+from gmm_jax._src.config import PLATFORMS, GmmConfig, problem_dims
 from gmm_jax._src.epilogue import finish
 from gmm_jax._src.qarray import (QArray, QuantSpec, as_qarray, broadcast_scale, compute_dtype,
                                  dequantize, quant_mode)
@@ -105,7 +105,7 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
     output_scale, output_offset: None or f32 ``[L, N]`` (already broadcast).
   """
   int_bias = bias is not None and _is_int(bias.dtype)
-  platforms = (cfg.platform,) if cfg.platform is not None else dispatch.PLATFORMS
+  platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
   served = {p: not int_bias and dispatch.serves(lhs, rhs, cfg, p) for p in platforms}
   operands = (lhs, rhs, counts, group_offset, bias, output_scale, output_offset)
   if len(set(served.values())) == 1:  # the same on every platform: no per-platform branch

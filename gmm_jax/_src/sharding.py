@@ -23,7 +23,6 @@ Axes combine (e.g. expert on one axis and rows on another).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -12,7 +12,6 @@ and in groups that are not local.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -3,3 +3,5 @@
 from gmm_jax.pallas.common import check_quant as check_operands
 from gmm_jax.pallas.gpu.gmm import default_tiling as default_tiling
 from gmm_jax.pallas.gpu.gmm import gmm_triton as gmm_triton
+
+__all__ = ["check_operands", "default_tiling", "gmm_triton"]
