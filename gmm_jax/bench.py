@@ -247,8 +247,12 @@ def run_sharding_case(devices: int, pattern: str, experts_per_device=4, tokens_p
                       kn=512, repeats=3, seed=0):
   """Weak scaling: `devices` devices on one mesh axis, each with `experts_per_device` experts
   and `tokens_per_device` tokens. pattern "expert" (tokens replicated over the axis, rows
-  combined by a psum) or "routed" (tokens sharded, all_to_all to the experts' devices).
-  Returns (seconds of forward, seconds of forward+backward, bytes per device fwd, fwd+bwd)."""
+  combined by a psum; the explicit `GmmSharding` form), "expert-jit" (the same layout under
+  plain jit: the operands' shardings alone), "ragged_dot-jit" (`jax.lax.ragged_dot` in the
+  same program, for comparison) or "routed" (tokens sharded, all_to_all to the experts'
+  devices). The gradient jit keeps the operands' shardings (out_shardings), as a training
+  step that updates the weights in place does.
+  Returns [(seconds, bytes per device by collective)] for the forward and forward+backward."""
   mesh = Mesh(np.array(jax.devices()[:devices]), ("e",))
   rng = np.random.default_rng(seed)
   num_experts = experts_per_device * devices
@@ -257,17 +261,23 @@ def run_sharding_case(devices: int, pattern: str, experts_per_device=4, tokens_p
   w = jnp.asarray(rng.standard_normal((num_experts, kn, kn)) / np.sqrt(kn), jnp.float32)
   ids = jnp.asarray(rng.integers(0, num_experts, tokens), jnp.int32)
   w = jax.device_put(w, NamedSharding(mesh, P("e")))
+  sizes = jnp.bincount(ids, length=num_experts).astype(jnp.int32)
   if pattern == "expert":
-    sizes = jnp.bincount(ids, length=num_experts).astype(jnp.int32)
     x = jax.device_put(x, NamedSharding(mesh, P()))
     sharding = GmmSharding(mesh, P(), P("e"))
     fn = lambda x, w: gmm(x, w, sizes, sharding=sharding)  # noqa: E731
+  elif pattern == "expert-jit":
+    x = jax.device_put(x, NamedSharding(mesh, P()))
+    fn = lambda x, w: gmm(x, w, sizes)  # noqa: E731
+  elif pattern == "ragged_dot-jit":
+    x = jax.device_put(x, NamedSharding(mesh, P()))
+    fn = lambda x, w: jax.lax.ragged_dot(x, w, sizes)  # noqa: E731
   else:
     x = jax.device_put(x, NamedSharding(mesh, P("e")))
     fn = lambda x, w: routed_gmm(x, w, ids, mesh=mesh, axis="e")  # noqa: E731
   grad = jax.grad(lambda x, w: jnp.sum(fn(x, w) ** 2), argnums=(0, 1))
   out = []
-  for f in (jax.jit(fn), jax.jit(grad)):
+  for f in (jax.jit(fn), jax.jit(grad, out_shardings=(x.sharding, w.sharding))):
     seconds = time_fn(f, (x, w), repeats)
     comm = communicated_bytes(f.lower(x, w).compile().as_text())
     out.append((seconds, comm))
@@ -444,7 +454,7 @@ def main(argv=None):
   if args.sharding:
     print("| pattern | devices | mode | ms | MiB communicated per device | by collective (MiB) |\n"
           "|---|---|---|---|---|---|", flush=True)
-    for pattern in ("expert", "routed"):
+    for pattern in ("expert", "expert-jit", "ragged_dot-jit", "routed"):
       for devices in (1, 2, 4, 8):
         if devices <= len(jax.devices()):
           for row in format_sharding_rows(devices, pattern, run_sharding_case(

@@ -18,6 +18,7 @@ from flax import nnx
 
 from gmm_jax import QuantSpec, gmm, routed_apply
 from gmm_jax._src.epilogue import resolve_activation
+from gmm_jax._src.sharding import explicit_axes, token_layout
 
 Array = jax.Array
 
@@ -106,8 +107,18 @@ class MoE(nnx.Module):
     capacity_factor: None (dropless) or c: each expert takes at most
       ``ceil(c * tokens * top_k / G)`` tokens (later tokens in order are dropped for it:
       output 0 from that expert).
-    expert_parallel: None, or ``(mesh, axis)``: experts sharded over the mesh axis, tokens
-      too; tokens travel to their experts' devices (`gmm_jax.routed_apply`) once per call.
+    expert_parallel: None, or ``(mesh, axis)``: the expert kernels sharded over the mesh
+      axis. Tokens sharded over the same axis travel to their experts' devices
+      (`gmm_jax.routed_apply`) once per call; tokens replicated over it are each run by
+      the devices of their experts and combined with one psum.
+    data_parallel: None, or ``(mesh, axes)``: tokens (the leading dims of x) sharded over
+      these mesh axes (data parallel, FSDP). Each shard groups its own tokens (local sort,
+      local group sizes) and the output keeps the tokens' sharding: no token is gathered.
+      Default with expert_parallel: tokens sharded over the expert axis. With
+      capacity_factor, each shard's capacity is computed from its own tokens.
+    On a mesh with Explicit axes (`jax.make_mesh`, `jax.set_mesh`) both follow from the
+    types: the tokens' axes from x's sharding, the expert axis from the expert kernels'
+    leading dim.
     weight_quant, input_quant: QuantSpecs for the expert projections (see GroupedLinear).
     dtype, param_dtype, implementation: as in GroupedLinear.
     rngs: nnx.Rngs.
@@ -120,7 +131,8 @@ class MoE(nnx.Module):
 
   def __init__(self, num_experts: int, embed: int, mlp: int, *, top_k: int = 2,
                activation="silu", capacity_factor: float | None = None,
-               normalize_top_k: bool = True, expert_parallel=None, dtype: Any = None,
+               normalize_top_k: bool = True, expert_parallel=None, data_parallel=None,
+               dtype: Any = None,
                param_dtype: Any = jnp.float32, weight_quant: QuantSpec | None = None,
                input_quant: QuantSpec | None = None, implementation: str | None = None,
                rngs: nnx.Rngs):
@@ -130,7 +142,7 @@ class MoE(nnx.Module):
       raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
     self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
     self.capacity_factor, self.normalize_top_k = capacity_factor, normalize_top_k
-    self.expert_parallel = expert_parallel
+    self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
     self.router = nnx.Linear(embed, num_experts, use_bias=False, param_dtype=param_dtype,
                              kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
     self.router.kernel = _param(self.router.kernel[...], ("embed", "expert"))
@@ -153,53 +165,104 @@ class MoE(nnx.Module):
     h = act(gmm(rows, w_gate, sizes, **options)) * gmm(rows, w_up, sizes, **options)
     return gmm(h.astype(rows.dtype), w_down, sizes, **options)
 
+  def _layout(self, x):
+    """(mesh, expert axis, token axes) of this call; mesh None: one device's view."""
+    mesh = axis = token_axes = None
+    if self.expert_parallel is not None:
+      mesh, axis = self.expert_parallel
+    if self.data_parallel is not None:
+      data_mesh, token_axes = self.data_parallel
+      mesh = data_mesh if mesh is None else mesh
+      token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes)
+    mesh, token_axes = token_layout(x, mesh, token_axes)
+    typed = getattr(jax.typeof(self.gate.kernel[...]), "sharding", None)
+    if axis is None and typed is not None and not typed.mesh.empty and len(typed.spec):
+      entry = typed.spec[0]  # the expert kernels' leading dim on an Explicit mesh
+      axis = entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
+    if mesh is None or mesh.empty or (axis is None and not token_axes):
+      return None, None, ()
+    if not token_axes and self.data_parallel is None and not explicit_axes(mesh):
+      token_axes = (axis,)
+    return mesh, axis, token_axes
+
   def __call__(self, x: Array) -> tuple[Array, dict[str, Array]]:
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
     num_tokens, g, k = tokens.shape[0], self.num_experts, self.top_k
-    logits = self.router(tokens).astype(jnp.float32)  # [T, G]
+    mesh, axis, token_axes = self._layout(x)
+    logits = _replicated_last(self.router(tokens).astype(jnp.float32))  # [T, G]
     probs = jax.nn.softmax(logits, axis=-1)
-    top_p, top_e = jax.lax.top_k(probs, k)  # [T, k]
+    top_p, top_e = _top_k(probs, k)  # [T, k]
     if self.normalize_top_k:
       top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
 
     flat_e = top_e.reshape(-1)  # [T*k] assignments, token-major
-    flat_t = jnp.repeat(jnp.arange(num_tokens, dtype=jnp.int32), k)
     flat_p = top_p.reshape(-1)
+    # The token of each assignment (a broadcast: keeps the tokens' sharding on any mesh).
+    rows = jnp.broadcast_to(tokens[:, None, :], (num_tokens, k, shape[-1])).reshape(
+        num_tokens * k, shape[-1])
+    kept = None
     if self.capacity_factor is not None:
-      capacity = math.ceil(self.capacity_factor * num_tokens * k / g)
-      order = jnp.argsort(flat_e, stable=True)
-      counts = jnp.bincount(flat_e, length=g)
-      rank_sorted = jnp.arange(num_tokens * k) - (jnp.cumsum(counts) - counts)[flat_e[order]]
-      rank = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted)
+      # Each expert takes the first `capacity` assignments of each token shard, in order.
+      shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in token_axes)
+      capacity = math.ceil(self.capacity_factor * num_tokens * k / (g * shards))
+      hot = jax.nn.one_hot(flat_e.reshape(shards, -1), g, dtype=jnp.int32)
+      rank = jnp.sum((jnp.cumsum(hot, axis=1) - 1) * hot, axis=-1).reshape(-1)
       kept = rank < capacity
       flat_p = jnp.where(kept, flat_p, 0.0)
-      # Dropped assignments sort after every expert (past the group total: gmm gives 0).
-      key = jnp.where(kept, flat_e, g)
-    else:
-      key = flat_e
-      kept = jnp.ones_like(flat_e, bool)
 
-    if self.expert_parallel is not None:
-      mesh, axis = self.expert_parallel
-      ids = jnp.where(kept, flat_e, 0)
+    if mesh is not None:
+      ids = flat_e if kept is None else jnp.where(kept, flat_e, 0)  # dropped: weight 0
       kernels = (self.gate.kernel[...], self.up.kernel[...], self.down.kernel[...])
-      out = routed_apply(lambda rows, sizes, ws: self._experts(rows, sizes, ws),
-                         tokens[flat_t], ids, kernels, mesh=mesh, axis=axis)
+      out = routed_apply(lambda rows, sizes, ws: self._experts(rows, sizes, ws), rows, ids,
+                         kernels, mesh=mesh, axis=axis, token_axes=token_axes)
     else:
+      # Dropped assignments sort after every expert (past the group total: gmm gives 0).
+      key = flat_e if kept is None else jnp.where(kept, flat_e, g)
       order = jnp.argsort(key, stable=True)
       sizes = jnp.bincount(key, length=g + 1)[:g].astype(jnp.int32)
-      y_sorted = self._experts(tokens[flat_t[order]], sizes)
+      y_sorted = self._experts(rows[order], sizes)
       out = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
-    weighted = out.astype(jnp.float32) * flat_p[:, None]
-    y = jnp.zeros((num_tokens, shape[-1]), jnp.float32).at[flat_t].add(weighted)
+    # Each token's k results, weighted: a reshape and a sum (no scatter across shards).
+    weighted = (out.astype(jnp.float32).reshape(num_tokens, k, -1)
+                * flat_p.reshape(num_tokens, k, 1))
+    y = jnp.sum(weighted, axis=1)
 
-    fraction = jnp.bincount(flat_e, length=g) / (num_tokens * k)
+    fraction = jnp.mean(jnp.sum(jax.nn.one_hot(top_e, g, dtype=jnp.float32), axis=1),
+                        axis=0) / k
     aux = {
         "load_balancing_loss": g * jnp.sum(fraction * jnp.mean(probs, axis=0)),
         "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
     }
     return y.astype(x.dtype).reshape(shape), aux
+
+
+def _top_k(probs, k: int):
+  """`jax.lax.top_k` over the experts as k max/argmax passes: reductions that the
+  partitioner keeps local to each token shard (XLA:CPU's TopK gathers every token's
+  probabilities). Ties go to the lower expert index, as in top_k."""
+  values, indices = [], []
+  remaining = probs
+  for _ in range(k):
+    index = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
+    values.append(jnp.take_along_axis(probs, index[:, None], axis=-1)[:, 0])
+    indices.append(index)
+    remaining = jnp.where(jax.nn.one_hot(index, probs.shape[-1], dtype=bool), -jnp.inf,
+                          remaining)
+  return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
+def _replicated_last(logits):
+  """Router logits whole along the experts (top_k needs them), on any mesh: on Explicit
+  axes a router kernel sharded over experts would otherwise shard them."""
+  typed = getattr(jax.typeof(logits), "sharding", None)
+  if typed is None or typed.mesh.empty or not explicit_axes(typed.mesh):
+    return logits
+  spec = list(typed.spec) + [None] * (logits.ndim - len(typed.spec))
+  if spec[-1] is None:
+    return logits
+  return jax.sharding.reshard(logits, jax.sharding.NamedSharding(
+      typed.mesh, jax.sharding.PartitionSpec(*spec[:-1], None)))
 
 
 def grouped_linear_linen(*args, **kwargs):

@@ -4,24 +4,17 @@ all-gather of the weights or of the tokens; one all-reduce where a reduction is 
 
 from __future__ import annotations
 
-import re
-
 import gmm_jax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import GmmSharding, quantize
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
+from meshes import collectives, mesh
 
 M, K, N, G = 64, 32, 16, 8
 SIZES = [5, 0, 9, 3, 12, 0, 7, 20]  # sum 56 < M: rows past the total, empty groups
-
-
-def mesh(shape, names):
-  if len(jax.devices()) < 8:
-    pytest.skip("needs 8 host CPU devices (tests/conftest.py sets jax_num_cpu_devices=8)")
-  return Mesh(np.array(jax.devices()[:8]).reshape(shape), names)
 
 
 MESHES = {
@@ -39,15 +32,17 @@ def operands(seed=0):
   return x, w, b
 
 
-def collectives(compiled_text: str) -> dict[str, int]:
-  return {name: len(re.findall(rf"\b{name}(-start)?\(", compiled_text))
-          for name in ("all-gather", "all-reduce", "all-to-all", "reduce-scatter",
-                       "collective-permute")}
+FORMS = ["GmmSharding", "jit"]
 
 
 def run_case(the_mesh, lhs_spec, rhs_spec, *, group_type="m", sizes=SIZES, x=None, w=None,
-             b=None, transpose_lhs=False, activation="silu"):
-  sharding = GmmSharding(the_mesh, lhs_spec, rhs_spec)
+             b=None, transpose_lhs=False, activation="silu", form="GmmSharding"):
+  """Forward and gradient on placed operands against one device, and their collectives.
+
+  form: "GmmSharding" (the explicit form) or "jit" (plain jit: the operands' shardings
+  alone; the gradient jit is told to keep the operands' shardings, as a training step
+  does by updating the parameters in place)."""
+  sharding = GmmSharding(the_mesh, lhs_spec, rhs_spec) if form == "GmmSharding" else None
   kwargs = dict(group_type=group_type, bias=b, activation=activation,
                 transpose_lhs=transpose_lhs)
   sizes = jnp.asarray(sizes, jnp.int32)
@@ -68,7 +63,8 @@ def run_case(the_mesh, lhs_spec, rhs_spec, *, group_type="m", sizes=SIZES, x=Non
     cot = jnp.asarray(np.random.default_rng(1).standard_normal(want.shape), jnp.float32)
     loss = lambda sharding: (lambda x, w: jnp.sum(  # noqa: E731
         gmm_jax.gmm(x, w, sizes, sharding=sharding, **kwargs) * cot))
-    grad = jax.jit(jax.grad(loss(sharding), argnums=(0, 1)))
+    grad = jax.jit(jax.grad(loss(sharding), argnums=(0, 1)),
+                   out_shardings=None if sharding else (xs.sharding, ws.sharding))
     got_grads = grad(xs, ws)
     want_grads = jax.grad(loss(None), argnums=(0, 1))(x, w)
     for g, wg in zip(got_grads, want_grads):
@@ -80,41 +76,45 @@ def run_case(the_mesh, lhs_spec, rhs_spec, *, group_type="m", sizes=SIZES, x=Non
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-def test_expert_parallel(mesh_name):
+@pytest.mark.parametrize("form", FORMS)
+def test_expert_parallel(mesh_name, form):
   shape, names = MESHES[mesh_name]
   the_mesh = mesh(shape, names)
   x, w, b = operands()
   # Experts over "e"; tokens replicated (8) or sharded over "d" (2x4, 4x2).
   lhs_spec = P("d") if "d" in names else P()
-  fwd, grad = run_case(the_mesh, lhs_spec, P("e"), x=x, w=w, b=b)
+  fwd, grad = run_case(the_mesh, lhs_spec, P("e"), x=x, w=w, b=b, form=form)
   assert fwd["all-gather"] == 0 and fwd["all-to-all"] == 0
   assert fwd["all-reduce"] + fwd["reduce-scatter"] == 1  # the one combine of rows
   assert grad["all-gather"] == 0  # dw stays expert-sharded; dx is reduced, not gathered
 
 
 @pytest.mark.parametrize("mesh_name", ["8", "2x4"])
-def test_rows(mesh_name):
+@pytest.mark.parametrize("form", FORMS)
+def test_rows(mesh_name, form):
   shape, names = MESHES[mesh_name]
   the_mesh = mesh(shape, names)
   x, w, b = operands(2)
   rows = P(names) if len(names) > 1 else P("e")  # M over every device
-  fwd, grad = run_case(the_mesh, rows, P(), x=x, w=w, b=b)
+  fwd, grad = run_case(the_mesh, rows, P(), x=x, w=w, b=b, form=form)
   assert sum(fwd.values()) == 0  # local group sizes from the global offsets: no communication
   assert grad["all-gather"] == 0  # the weight gradient is reduced over rows, never gathered
 
 
-def test_columns_and_contraction():
+@pytest.mark.parametrize("form", FORMS)
+def test_columns_and_contraction(form):
   the_mesh = mesh((2, 4), ("d", "t"))
   x, w, b = operands(3)
-  fwd, _ = run_case(the_mesh, P("d"), P(None, None, "t"), x=x, w=w, b=b)
+  fwd, _ = run_case(the_mesh, P("d"), P(None, None, "t"), x=x, w=w, b=b, form=form)
   assert sum(fwd.values()) == 0  # N-sharded weights: nothing moves
-  fwd, grad = run_case(the_mesh, P(None, "t"), P(None, "t"), x=x, w=w, b=b)
+  fwd, grad = run_case(the_mesh, P(None, "t"), P(None, "t"), x=x, w=w, b=b, form=form)
   assert fwd["all-gather"] == 0 and fwd["all-reduce"] == 1  # one psum of partial products
   assert grad["all-gather"] == 0
 
 
 @pytest.mark.parametrize("mesh_name", ["8", "4x2"])
-def test_k_grouping_weight_gradient_form(mesh_name):
+@pytest.mark.parametrize("form", FORMS)
+def test_k_grouping_weight_gradient_form(mesh_name, form):
   # dW = gmm_k(x^T, dz): tokens are the grouped contraction, sharded over the data axis in
   # both operands: a local k-gmm per device, then one reduction.
   shape, names = MESHES[mesh_name]
@@ -125,19 +125,20 @@ def test_k_grouping_weight_gradient_form(mesh_name):
   data = P(names[0]) if len(names) == 1 else P(names)
   b = jnp.asarray(rng.standard_normal((G, N)), jnp.float32)
   fwd, grad = run_case(the_mesh, data, data, group_type="k", x=tokens, w=dz, b=b,
-                       transpose_lhs=True, activation="relu")
+                       transpose_lhs=True, activation="relu", form=form)
   assert fwd["all-gather"] == 0 and fwd["all-reduce"] == 1
   assert grad["all-gather"] == 0
 
 
-def test_quantized_weights_sharded_on_experts():
+@pytest.mark.parametrize("form", FORMS)
+def test_quantized_weights_sharded_on_experts(form):
   the_mesh = mesh((2, 4), ("d", "e"))
   x, w, b = operands(5)
   wq = quantize(w, jnp.int8, channelwise_axes=(0, 2))
   placed = gmm_jax.QArray(
       jax.device_put(wq.qvalue, NamedSharding(the_mesh, P("e"))),
       jax.device_put(wq.scale, NamedSharding(the_mesh, P("e"))))
-  fwd, _ = run_case(the_mesh, P("d"), P("e"), x=x, w=placed, b=b)
+  fwd, _ = run_case(the_mesh, P("d"), P("e"), x=x, w=placed, b=b, form=form)
   assert fwd["all-gather"] == 0 and fwd["all-reduce"] + fwd["reduce-scatter"] == 1
 
 

@@ -478,12 +478,14 @@ def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
 
 def explain(lhs, rhs, group_list=None, **kwargs) -> str:
   """What `gmm(lhs, rhs, group_list, **kwargs)` would do, and why: the quantization mode,
-  the sharding strategy and collectives (with ``sharding=``), and which implementation
-  serves each gmm of the forward on the platform it is lowered for (each skipped
-  implementation with its reason).
+  the sharding strategy and collectives (with ``sharding=``, or what plain jit chose for
+  operands placed on several devices: arrays, or ShapeDtypeStructs with a sharding), and
+  which implementation serves each gmm of the forward on the platform it is lowered for
+  (each skipped implementation with its reason).
 
-  Lowers the call (nothing is computed); arguments as for `gmm`. Arrays placed on (or
-  typed for) other devices, or ``jax.default_device``, decide the platform.
+  Lowers the call, and compiles it when the operands are sharded (nothing is computed);
+  arguments as for `gmm`. Arrays placed on (or typed for) other devices, or
+  ``jax.default_device``, decide the platform.
   """
   lines = []
   lq, rq = as_qarray(lhs), as_qarray(rhs)
@@ -503,8 +505,14 @@ def explain(lhs, rhs, group_list=None, **kwargs) -> str:
                                    np.ndim(rq.qvalue if rq else rhs)).describe())
   if isinstance(group_list, (list, tuple)):
     group_list = np.asarray(group_list)
-  with dispatch.record() as decisions:
-    jax.jit(lambda l, r, g: gmm(l, r, g, **kwargs)).lower(lhs, rhs, group_list)
+  with dispatch.record() as decisions, dispatch.record_plans() as plans:
+    lowered = jax.jit(lambda l, r, g: gmm(l, r, g, **kwargs)).lower(lhs, rhs, group_list)
+    if sharding is None and _on_several_devices((lhs, rhs, group_list, kwargs.get("bias"))):
+      # Plain jit with sharded operands: the partitioner picks the strategy (and the
+      # per-device gmms are traced) while the program compiles.
+      lowered.compile()
+  for plan in plans:
+    lines.append("plain jit: " + plan.describe())
   lines.append("implementations (forward):")
   seen = []
   for decision in decisions:
@@ -513,3 +521,12 @@ def explain(lhs, rhs, group_list=None, **kwargs) -> str:
       seen.append(text)
       lines.append("  - " + text.replace("\n", "\n  "))
   return "\n".join(lines)
+
+
+def _on_several_devices(tree) -> bool:
+  """Whether any array (or ShapeDtypeStruct) in `tree` is placed on more than one device."""
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None and len(getattr(sharding, "device_set", ())) > 1:
+      return True
+  return False

@@ -82,6 +82,27 @@ def record():
     _RECORDERS.remove(decisions)
 
 
+_PLAN_RECORDERS: list[list] = []
+
+
+@contextlib.contextmanager
+def record_plans():
+  """Collects the sharding plans the partitioner chose for the gmms compiled inside the
+  block (plain jit with sharded operands; each has a ``describe()``)."""
+  plans: list = []
+  _PLAN_RECORDERS.append(plans)
+  try:
+    yield plans
+  finally:
+    _PLAN_RECORDERS.remove(plans)
+
+
+def note_plan(plan) -> None:
+  """Called by the gmm op's partitioning rule with the plan it chose."""
+  for recorder in _PLAN_RECORDERS:
+    recorder.append(plan)
+
+
 def register(backend: Backend) -> None:
   if backend.name in _REGISTRY:
     raise ValueError(f"a gmm implementation named {backend.name!r} is already registered")

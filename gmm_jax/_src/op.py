@@ -41,16 +41,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gmm_jax._src import dispatch, group_list, metadata
+from gmm_jax._src import dispatch, group_list, metadata, strategy
 from gmm_jax._src.config import GmmConfig, output_shape, preactivation_dtype
 from gmm_jax._src.epilogue import finish, resolve_activation
 from gmm_jax._src.qarray import QArray, dequantize, quant_mode
 
 gmm_p = Primitive("gmm_jax_gmm")
+# The same op, for programs traced under an abstract mesh with no devices (deviceless
+# cross-lowering, e.g. Triton for an abstract GPU from a CPU host on jax >= 0.11): jax
+# refuses to lower a primitive that needs devices there (see the partitioning rule), so
+# this one is lowered without it.
+gmm_deviceless_p = Primitive("gmm_jax_gmm_deviceless")
+PRIMITIVES = (gmm_p, gmm_deviceless_p)
+
+
+def _primitive() -> Primitive:
+  """The primitive for the current trace: deviceless under an abstract mesh alone (no
+  concrete mesh in context: `jax.sharding.use_abstract_mesh`, or inside a shard_map,
+  where every device's blocks are already local)."""
+  if (not jax.sharding.get_abstract_mesh().empty and _concrete_mesh is not None
+      and _concrete_mesh().empty):
+    return gmm_deviceless_p
+  return gmm_p
 
 
 # ----------------------------------------------------------------------------- binding
@@ -70,7 +87,7 @@ def _same_vma(operands):
           for x, v in zip(operands, sets)]
 
 
-def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig) -> jax.Array:
+def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None) -> jax.Array:
   """The differentiable gmm on canonical operands (see `GmmConfig`).
 
   Args:
@@ -80,6 +97,8 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig) -> jax.Array:
     group_offset: int32 scalar.
     bias: None or ``[num_local, N]``.
     cfg: the static options.
+    out_hint: None or a PartitionSpec for the output's dims that no operand decides (the
+      groups of a k-grouped output: the weight gradient takes the weights' sharding).
   """
   lhs_leaves, lhs_tree = jax.tree.flatten(lhs)
   rhs_leaves, rhs_tree = jax.tree.flatten(rhs)
@@ -87,7 +106,8 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig) -> jax.Array:
   if bias is not None:
     operands.append(bias)
   operands = _same_vma([jnp.asarray(x) for x in operands])
-  return gmm_p.bind(*operands, cfg=cfg, trees=(lhs_tree, rhs_tree), has_bias=bias is not None)
+  return _primitive().bind(*operands, cfg=cfg, trees=(lhs_tree, rhs_tree),
+                           has_bias=bias is not None, out_hint=out_hint)
 
 
 def _unpack(operands, trees, has_bias):
@@ -108,31 +128,53 @@ def _is_plain(tree) -> bool:
 # ---------------------------------------------------------------------- abstract eval
 
 
-def _abstract_eval(*avals, cfg, trees, has_bias):
-  lhs, rhs, _, _, _ = _unpack(avals, trees, has_bias)
-  shape = output_shape(lhs.shape, rhs.shape, cfg)
-  mesh = avals[0].sharding.mesh
+def _leaf_shapes(x) -> list[tuple[int, ...]]:
+  return [tuple(leaf.shape) for leaf in jax.tree.leaves(x)]
+
+
+def _explicit_spec(aval):
+  """The spec an aval's type carries on a mesh with Explicit axes (else replicated)."""
+  spec = getattr(aval.sharding, "spec", None)
+  return P() if spec is None else spec
+
+
+def _abstract_eval(*avals, cfg, trees, has_bias, out_hint):
+  lhs, rhs, _, _, bias = _unpack(avals, trees, has_bias)
+  lhs_value, rhs_value = jax.tree.leaves(lhs)[0], jax.tree.leaves(rhs)[0]
+  shape = output_shape(lhs_value.shape, rhs_value.shape, cfg)
+  meshes = [a.sharding.mesh for a in avals if not a.sharding.mesh.empty]
+  mesh = meshes[0] if meshes else avals[0].sharding.mesh
   if mesh.empty:
     return jax.core.ShapedArray(shape, cfg.out_dtype)
-  # Inside shard_map the result varies over the mesh axes its (cast) operands vary over.
-  return jax.core.ShapedArray(shape, cfg.out_dtype,
-                              sharding=NamedSharding(mesh, P(*[None] * len(shape))),
+  # With Explicit mesh axes the output's type is sharded as the partitioning rule will
+  # make it (see `strategy.choose`); inside shard_map the result varies over the mesh axes
+  # its (cast) operands vary over.
+  spec = P(*[None] * len(shape))
+  if any(_explicit_spec(a) != P() for a in avals) or out_hint:
+    mesh_shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes)}
+    plan = strategy.choose(mesh_shape, cfg, _leaf_shapes(lhs), _leaf_shapes(rhs),
+                           _explicit_spec(lhs_value), _explicit_spec(rhs_value), out_hint,
+                           None if bias is None else _explicit_spec(bias))
+    spec = plan.spec("out")
+  return jax.core.ShapedArray(shape, cfg.out_dtype, sharding=NamedSharding(mesh, spec),
                               manual_axis_type=avals[0].mat)
 
 
-gmm_p.def_abstract_eval(_abstract_eval)
+for _prim in PRIMITIVES:
+  _prim.def_abstract_eval(_abstract_eval)
 
 
 # ----------------------------------------------------------------------- eager and lowering
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "trees", "has_bias"))
-def _compiled(*operands, cfg, trees, has_bias):
+@functools.partial(jax.jit, static_argnames=("cfg", "trees", "has_bias", "out_hint"))
+def _compiled(*operands, cfg, trees, has_bias, out_hint):
   # One compilation per (shapes, parameters): eager calls do not re-trace the kernels.
-  return gmm_p.bind(*operands, cfg=cfg, trees=trees, has_bias=has_bias)
+  return gmm_p.bind(*operands, cfg=cfg, trees=trees, has_bias=has_bias, out_hint=out_hint)
 
 
-gmm_p.def_impl(lambda *operands, **params: _compiled(*operands, **params))
+for _prim in PRIMITIVES:
+  _prim.def_impl(lambda *operands, **params: _compiled(*operands, **params))
 
 
 def _as_float(x, dtype=jnp.float32):
@@ -141,20 +183,154 @@ def _as_float(x, dtype=jnp.float32):
 
 def _implementation(*operands, platform, cfg, trees, has_bias):
   lhs, rhs, counts, group_offset, bias = _unpack(operands, trees, has_bias)
-  try:
-    return dispatch.run(lhs, rhs, counts, group_offset, bias, cfg, platform)
-  except NotImplementedError as err:
-    if quant_mode(lhs, rhs, cfg) == "none":
-      raise
-    # No implementation on this platform serves the quantized mode: the float gmm of the
-    # values the QArrays stand for (weight-only keeps the activations' dtype).
-    lhs_float = _as_float(lhs)
-    rhs_float = _as_float(rhs, lhs_float.dtype if jnp.issubdtype(lhs_float.dtype, jnp.floating)
-                          else jnp.float32)
+  return _run_on(platform)(lhs, rhs, counts, group_offset, bias, cfg)
+
+
+def _run_on(platform):
+  """The unsharded gmm on `platform`, as `strategy.local_gmm` calls it."""
+
+  def run(lhs, rhs, counts, group_offset, bias, cfg):
     try:
-      return dispatch.run(lhs_float, rhs_float, counts, group_offset, bias, cfg, platform)
-    except NotImplementedError as float_err:
-      raise NotImplementedError(f"{err}; dequantized: {float_err}") from None
+      return dispatch.run(lhs, rhs, counts, group_offset, bias, cfg, platform)
+    except NotImplementedError as err:
+      if quant_mode(lhs, rhs, cfg) == "none":
+        raise
+      # No implementation on this platform serves the quantized mode: the float gmm of the
+      # values the QArrays stand for (weight-only keeps the activations' dtype).
+      lhs_float = _as_float(lhs)
+      rhs_float = _as_float(rhs, lhs_float.dtype
+                            if jnp.issubdtype(lhs_float.dtype, jnp.floating) else jnp.float32)
+      try:
+        return dispatch.run(lhs_float, rhs_float, counts, group_offset, bias, cfg, platform)
+      except NotImplementedError as float_err:
+        raise NotImplementedError(f"{err}; dequantized: {float_err}") from None
+
+  return run
+
+
+# ------------------------------------------------------------------ partitioning rule
+#
+# Under plain jit with sharded operands, the lowering calls a `custom_partitioning`
+# function: XLA's partitioner asks `_partition` how to split the gmm given the operands'
+# shardings, and every device runs `strategy.local_gmm` (local experts + psum, local group
+# sizes, ...). Without it the partitioner would see an opaque loop and gather the operands.
+# (../shared/notes/jax-primitive-and-partitioning.md, section 5.)
+#
+# A custom_partitioning call made inside another primitive's lowering gets the devices only
+# if the primitive is in jax's private set of primitives that need them while lowering.
+# Whether a trace has concrete devices is also private (`jax.sharding.get_mesh` refuses to
+# run inside jit).
+try:
+  import jax._src.dispatch as _jax_dispatch
+  import jax._src.mesh as _jax_mesh
+
+  _jax_dispatch.prim_requires_devices_during_lowering.add(gmm_p)
+  _concrete_mesh = _jax_mesh.get_concrete_mesh
+  PARTITIONABLE = True
+except (ImportError, AttributeError):  # a jax without them: plain lowering only
+  _concrete_mesh = None
+  PARTITIONABLE = False
+
+
+def _arg_spec(shape) -> P:
+  sharding = getattr(shape, "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  return P() if spec is None else spec
+
+
+def _choose(static, mesh, arg_shapes, result_spec):
+  cfg, trees, has_bias, _ = static
+  (arg_shapes,) = arg_shapes  # the one dynamic argument of `_partitioned`: the operands
+  lhs, rhs, _, _, bias = _unpack(list(arg_shapes), trees, has_bias)
+  lhs_leaves, rhs_leaves = jax.tree.leaves(lhs), jax.tree.leaves(rhs)
+  mesh_shape = dict(mesh.shape)
+  plan = strategy.choose(mesh_shape, cfg, [s.shape for s in lhs_leaves],
+                         [s.shape for s in rhs_leaves], _arg_spec(lhs_leaves[0]),
+                         _arg_spec(rhs_leaves[0]), result_spec,
+                         None if bias is None else _arg_spec(bias))
+  specs = (strategy.leaf_specs([s.shape for s in lhs_leaves], plan.spec("lhs"), mesh_shape)
+           + strategy.leaf_specs([s.shape for s in rhs_leaves], plan.spec("rhs"), mesh_shape)
+           + [P(None), P()] + ([plan.spec("bias")] if has_bias else []))
+  return plan, specs
+
+
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
+def _partition(static, mesh, arg_shapes, result_shape):
+  cfg, trees, has_bias, platform = static
+  plan, specs = _choose(static, mesh, arg_shapes, _arg_spec(result_shape))
+  dispatch.note_plan(plan)
+
+  def lower_fn(operands):
+    lhs, rhs, counts, group_offset, bias = _unpack(operands, trees, has_bias)
+    # Traced per device with every mesh axis manual: a context mesh of the user's
+    # (`jax.set_mesh`) must not make its arrays sharding-typed.
+    with jax.sharding.use_abstract_mesh(_NO_MESH):
+      return strategy.local_gmm(_run_on(platform), plan, lhs, rhs, counts, group_offset,
+                                bias, cfg)
+
+  shardings = tuple(NamedSharding(mesh, spec) for spec in specs)
+  return mesh, lower_fn, NamedSharding(mesh, plan.spec("out")), (shardings,)
+
+
+def _infer_output_sharding(static, mesh, arg_shapes, result_shape):
+  # GSPMD (jax_use_shardy_partitioner=False) asks this; Shardy uses the rule below.
+  plan, _ = _choose(static, mesh, arg_shapes, None)
+  return NamedSharding(mesh, plan.spec("out"))
+
+
+def _sharding_rule(static, mesh, operand_types, result_types):
+  """Shardy's factors: m, k, n, g as in `strategy.operand_dims`; the group list its own
+  replicated factor; a QArray scale dim that is not the values' size its own factor."""
+  cfg, trees, has_bias, _ = static
+  dims = strategy.operand_dims(cfg)
+  shapes = [tuple(mlir.ir.ShapedType(t).shape) for t in operand_types]
+  lhs, rhs, _, _, _ = _unpack(shapes, trees, has_bias)
+  extra = iter(f"s{i}" for i in range(64))
+  mappings = []
+  for operand, x, tree in (("lhs", lhs, trees[0]), ("rhs", rhs, trees[1])):
+    leaves = [x] if _is_plain(tree) else jax.tree.leaves(x, is_leaf=lambda a: isinstance(a, tuple))
+    for shape in leaves:
+      mappings.append(" ".join(
+          name if size == full else next(extra)
+          for name, size, full in zip(dims[operand], shape, leaves[0])))
+  mappings += ["h", ""] + (["g n"] if has_bias else [])
+  rule = ", ".join(mappings) + " -> " + " ".join(dims["out"])
+  reductions = ("g", "k") if cfg.group_type == "m" else ("k",)
+  order = []
+  for token in rule.replace(",", " ").split():
+    if token not in order and token != "->":
+      order.append(token)
+  return rule, dict(
+      reduction_factors=tuple(f for f in order if f in reductions),
+      need_replication_factors=tuple(f for f in order if f == "h"))
+
+
+@functools.partial(custom_partitioning, static_argnums=(0,))
+def _partitioned(static, operands):
+  # The unpartitioned form (what a single device or a fully manual context lowers): the
+  # primitive itself, whose lowering there calls the implementation directly.
+  cfg, trees, has_bias, platform = static
+  return gmm_deviceless_p.bind(*operands, cfg=cfg.replace(platform=platform), trees=trees,
+                               has_bias=has_bias, out_hint=None)
+
+
+_partitioned.def_partition(partition=_partition,
+                           infer_sharding_from_operands=_infer_output_sharding,
+                           sharding_rule=_sharding_rule)
+
+
+def _needs_partitioning(ctx) -> bool:
+  """A program for several devices whose shardings name a mesh (some operand or result has
+  a NamedSharding), not inside a shard_map that makes every axis manual (there the
+  operands are already each device's blocks). A program with no mesh (e.g. under
+  `jax.set_mesh` with only unplaced arrays) has nothing to partition."""
+  context = ctx.module_context.axis_context
+  devices = getattr(context, "device_assignment", None)
+  return (PARTITIONABLE and type(context).__name__ == "ShardingContext"
+          and devices is not None and len(devices) > 1
+          and getattr(context, "abstract_mesh", None) is not None)
 
 
 def _lowering(ctx, *operands, platform, **params):
@@ -162,18 +338,24 @@ def _lowering(ctx, *operands, platform, **params):
   # its slicing and while loops sharding-typed.
   ctx = ctx.replace(avals_in=[jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in],
                     avals_out=[jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out])
+  params.pop("out_hint")
   if params["cfg"].platform is not None:
     platform = params["cfg"].platform
   elif platform is None:
     platform = dispatch.normalize_platform(ctx.module_context.platforms[0])
+  if _needs_partitioning(ctx):
+    static = (params["cfg"], params["trees"], params["has_bias"], platform)
+    return mlir.lower_fun(lambda *xs: _partitioned(static, xs),
+                          multiple_results=False)(ctx, *operands)
   return mlir.lower_fun(functools.partial(_implementation, platform=platform, **params),
                         multiple_results=False)(ctx, *operands)
 
 
-mlir.register_lowering(gmm_p, functools.partial(_lowering, platform=None))
-for _jax_platform, _platform in dispatch.JAX_PLATFORMS:
-  mlir.register_lowering(gmm_p, functools.partial(_lowering, platform=_platform),
-                         platform=_jax_platform)
+for _prim in PRIMITIVES:
+  mlir.register_lowering(_prim, functools.partial(_lowering, platform=None))
+  for _jax_platform, _platform in dispatch.JAX_PLATFORMS:
+    mlir.register_lowering(_prim, functools.partial(_lowering, platform=_platform),
+                           platform=_jax_platform)
 
 
 # --------------------------------------------------------------------------------- jvp
@@ -210,7 +392,7 @@ def _bias_term(bias, counts, group_offset, cfg: GmmConfig, out_shape, dtype):
   return jnp.where((ids >= 0)[:, None], bias[jnp.maximum(ids, 0)], jnp.zeros((), dtype))
 
 
-def _tangent(lhs, rhs, counts, group_offset, tangents, cfg: GmmConfig, out_shape):
+def _tangent(lhs, rhs, counts, group_offset, tangents, cfg: GmmConfig, out_shape, out_hint):
   """The linear part: gmm(dlhs, rhs) + gmm(lhs, drhs) + bias(dbias), or None when every
   tangent is zero. `cfg` has no activation; its out_dtype is the tangent's dtype."""
   t_lhs, t_rhs, t_bias = tangents
@@ -218,14 +400,15 @@ def _tangent(lhs, rhs, counts, group_offset, tangents, cfg: GmmConfig, out_shape
   if _has_tangent(t_lhs):
     if isinstance(lhs, QArray):
       terms.append(gmm(_dequantized_tangent(lhs, t_lhs), _as_float(rhs), counts,
-                         group_offset, None, cfg))
+                       group_offset, None, cfg, out_hint))
     else:
-      terms.append(gmm(ad.instantiate_zeros(t_lhs), rhs, counts, group_offset, None, cfg))
+      terms.append(gmm(ad.instantiate_zeros(t_lhs), rhs, counts, group_offset, None, cfg,
+                       out_hint))
   if _has_tangent(t_rhs):
     if isinstance(rhs, QArray):
       t_rhs = _dequantized_tangent(rhs, t_rhs)
     terms.append(gmm(_as_float(lhs), ad.instantiate_zeros(t_rhs), counts, group_offset, None,
-                       cfg))
+                     cfg, out_hint))
   if t_bias is not None and not _is_zero(t_bias):
     terms.append(_bias_term(t_bias, counts, group_offset, cfg, out_shape, cfg.out_dtype))
   if not terms:
@@ -237,25 +420,25 @@ def _value_dtype(x):
   return np.dtype(jnp.float32) if isinstance(x, QArray) else np.dtype(x.dtype)
 
 
-def _jvp(primals, tangents, *, cfg, trees, has_bias):
+def _jvp(primals, tangents, *, cfg, trees, has_bias, out_hint):
   lhs, rhs, counts, group_offset, bias = _unpack(primals, trees, has_bias)
   t_lhs, t_rhs, _, _, t_bias = _unpack(tangents, trees, has_bias)
   if cfg.activation is None:
     linear_cfg = cfg
-    out = gmm(lhs, rhs, counts, group_offset, bias, cfg)
+    out = gmm(lhs, rhs, counts, group_offset, bias, cfg, out_hint)
     z = None
   else:
     # The f32 pre-activation, for the activation's derivative.
     linear_cfg = cfg.replace(activation=None,
                              out_dtype=preactivation_dtype(_value_dtype(lhs), _value_dtype(rhs)))
-    z = gmm(lhs, rhs, counts, group_offset, bias, linear_cfg)
+    z = gmm(lhs, rhs, counts, group_offset, bias, linear_cfg, out_hint)
     mask = _row_mask(counts, group_offset, cfg, z.shape[0])
     out = finish(z, cfg.activation, cfg.out_dtype, row_mask=mask)
   zero = ad.Zero(jax.typeof(out).to_tangent_aval())
   if not jnp.issubdtype(cfg.out_dtype, jnp.inexact):
     return out, zero
   dz = _tangent(lhs, rhs, counts, group_offset, (t_lhs, t_rhs, t_bias), linear_cfg,
-                out.shape)
+                out.shape, out_hint)
   if dz is None:
     return out, zero
   if z is None:
@@ -267,7 +450,8 @@ def _jvp(primals, tangents, *, cfg, trees, has_bias):
   return out, dy.astype(cfg.out_dtype)
 
 
-ad.primitive_jvps[gmm_p] = _jvp
+for _prim in PRIMITIVES:
+  ad.primitive_jvps[_prim] = _jvp
 
 
 # --------------------------------------------------------------------------- transpose
@@ -278,7 +462,16 @@ def _undefined(x) -> bool:
              for leaf in jax.tree.leaves(x, is_leaf=ad.is_undefined_primal))
 
 
-def _transpose(ct, *operands, cfg, trees, has_bias):
+def _spec_hint(x):
+  """The spec of an undefined primal's type on a mesh (Explicit axes), else None."""
+  sharding = getattr(x.aval, "sharding", None)
+  if sharding is None or sharding.mesh.empty or sharding.spec == P():
+    return None
+  return sharding.spec
+
+
+def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
+  del out_hint
   if cfg.activation is not None:
     raise ValueError("a gmm with an activation is not linear; only its tangent gmms (which "
                      "carry no activation) are transposed")
@@ -305,12 +498,13 @@ def _transpose(ct, *operands, cfg, trees, has_bias):
       ct_lhs = ct_lhs.T if tl else ct_lhs
     if ad.is_undefined_primal(rhs):
       k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype)
+      hint = _spec_hint(rhs)  # the weight gradient is laid out like the weights
       if tr:  # [L, N, K] = ct_g^T lhs_g
         ct_rhs = gmm(ct, _as_float(lhs), counts, group_offset, None,
-                       k_cfg.replace(transpose_lhs=True, transpose_rhs=tl))
+                     k_cfg.replace(transpose_lhs=True, transpose_rhs=tl), hint)
       else:  # [L, K, N] = lhs_g^T ct_g
         ct_rhs = gmm(_as_float(lhs), ct, counts, group_offset, None,
-                       k_cfg.replace(transpose_lhs=not tl, transpose_rhs=False))
+                     k_cfg.replace(transpose_lhs=not tl, transpose_rhs=False), hint)
     if bias is not None and ad.is_undefined_primal(bias):
       ids = metadata.row_group_ids(counts, ct.shape[0], group_offset, cfg.num_local)
       ids = jnp.where(ids >= 0, ids, cfg.num_local)  # rows of no local group are dropped
@@ -340,7 +534,8 @@ def _transpose(ct, *operands, cfg, trees, has_bias):
   return results
 
 
-ad.primitive_transposes[gmm_p] = _transpose
+for _prim in PRIMITIVES:
+  ad.primitive_transposes[_prim] = _transpose
 
 
 # ---------------------------------------------------------------------------- batching
@@ -402,7 +597,7 @@ def _fold_into_columns(lhs, rhs, dim, size, counts, group_offset, bias, bias_dim
   return out.reshape(*out.shape[:-1], size, -1), out.ndim - 1
 
 
-def _batch(operands, dims, *, cfg, trees, has_bias):
+def _batch(operands, dims, *, cfg, trees, has_bias, out_hint):
   size = next(x.shape[d] for x, d in zip(operands, dims) if d is not None)
   dims = [d for d in dims]
   lhs, rhs, counts, group_offset, bias = _unpack(operands, trees, has_bias)
@@ -424,9 +619,11 @@ def _batch(operands, dims, *, cfg, trees, has_bias):
     example = list(operands)
     for i, x in zip(batched, slices):
       example[i] = x
-    return gmm_p.bind(*example, cfg=cfg, trees=trees, has_bias=has_bias)
+    return _primitive().bind(*example, cfg=cfg, trees=trees, has_bias=has_bias,
+                             out_hint=out_hint)
 
   return lax.map(one, stacked), 0
 
 
-batching.primitive_batchers[gmm_p] = _batch
+for _prim in PRIMITIVES:
+  batching.primitive_batchers[_prim] = _batch

@@ -1,10 +1,14 @@
-"""Token routing for expert parallelism: tokens travel to the devices of their experts and
-back around any per-expert function (`routed_apply`), and `routed_gmm` on it.
+"""Token routing for data- and expert-parallel MoE: tokens are grouped by expert within
+their shard, or travel to the devices of their experts and back, around any per-expert
+function (`routed_apply`), and `routed_gmm` on it. Works on any mesh (Auto or Explicit
+axes, `jax.set_mesh`).
 
 Floor 6: built on the public API (`gmm`, `GmmSharding`'s operand specs, `QArray`).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from gmm_jax._src.api import gmm
 from gmm_jax._src.dispatch import on_lowering_platform
 from gmm_jax._src.qarray import QArray
-from gmm_jax._src.sharding import operand_spec
+from gmm_jax._src.sharding import axes_of, explicit_axes, operand_spec, reshard, token_layout
 
 
 
@@ -103,21 +107,35 @@ def _route_ragged(x, ids, *, axis, num_devices, local_experts, capacity, compute
 TRANSPORTS = ("auto", "all_to_all", "ragged")
 
 
-def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh, axis: str,
-                 capacity: int | None = None, transport: str = "auto"):
-  """Routes tokens to the devices of their experts, applies `fn` there, routes back.
+def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh | None = None,
+                 axis: str | None = None, token_axes=None, capacity: int | None = None,
+                 transport: str = "auto"):
+  """Groups tokens by expert within each shard, applies `fn` there, and ungroups: data- and
+  expert-parallel MoE routing. Tokens never leave their shard except to reach the devices
+  of their experts (and come back).
 
-  x ``[T, K]`` and expert_ids ``[T]`` are sharded over `axis` (T/D tokens per device);
-  every leaf of `weights` (a pytree, e.g. ``(w_gate, w_up, w_down)``, QArrays allowed) has
-  the experts as its leading dimension, sharded over `axis` (G/D per device). On each
-  device, ``fn(rows, group_sizes, local_weights) -> [R, N]`` gets the rows it received
-  grouped by local expert (rows past ``sum(group_sizes)`` are padding and must come out
-  0, as gmm makes them). One dispatch and one return per call, whatever `fn` computes.
+  x ``[T, K]`` and expert_ids ``[T]`` are sharded over `token_axes` (blocks of T/S tokens
+  per shard); every leaf of `weights` (a pytree, e.g. ``(w_gate, w_up, w_down)``, QArrays
+  allowed) has the experts as its leading dimension, sharded over the expert `axis`
+  (G/D per device) or replicated (axis=None). On each device, ``fn(rows, group_sizes,
+  local_weights) -> [R, N]`` gets rows grouped by local expert (rows past
+  ``sum(group_sizes)`` are padding and must come out 0, as gmm makes them). Three layouts:
+
+  * axis=None: each shard sorts its own tokens and runs every expert (data parallel).
+  * axis in token_axes: tokens travel to their experts' devices over `axis` and back (one
+    dispatch and one return per call, whatever `fn` computes; `capacity`, `transport`).
+  * axis not in token_axes (tokens replicated over the expert axis): each device runs its
+    own experts on the tokens it holds and a psum over `axis` combines them.
 
   Args:
-    capacity: tokens one device may send to one other device. Default T/D (the worst case:
-      nothing is ever dropped); smaller bounds the buffers, and a token past its
-      destination's capacity gets output 0.
+    mesh: the device mesh (any axis types); default: x's mesh (Explicit axes) or the
+      context mesh (`jax.set_mesh`).
+    axis: the expert axis, or None.
+    token_axes: mesh axes the tokens are sharded over; default: x's type on an Explicit
+      mesh, else ``(axis,)``.
+    capacity: tokens one device may send to one other device (routing over `axis` only).
+      Default T/S (the worst case: nothing is ever dropped); smaller bounds the buffers,
+      and a token past its destination's capacity gets output 0.
     transport: "all_to_all" (fixed [devices, capacity] buffers move whole), "ragged"
       (`jax.lax.ragged_all_to_all`: only the routed rows move; on CPU, which lacks the
       collective, an all_gather-based emulation of its semantics), or "auto": ragged on GPU
@@ -128,26 +146,49 @@ def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh, axis: str,
   """
   if transport not in TRANSPORTS:
     raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-  num_devices = mesh.shape[axis]
+  mesh, token_axes = token_layout(x, mesh, token_axes)
+  if not token_axes and axis is not None:
+    token_axes = (axis,) if not explicit_axes(mesh) else ()
+  if mesh is None or mesh.empty:
+    raise ValueError("routed_apply needs a mesh: pass mesh=, or call it under jax.set_mesh")
+  for name in token_axes + axes_of(axis):
+    if name not in mesh.axis_names:
+      raise ValueError(f"mesh axis {name!r} is not in the mesh {mesh.axis_names}")
   leaves = jax.tree.leaves(weights)
   if not leaves:
     raise ValueError("routed_apply needs at least one expert weight")
-  num_experts = (leaves[0].shape[0])
+  num_experts = leaves[0].shape[0]
+  num_devices = mesh.shape[axis] if axis is not None else 1
   if num_experts % num_devices:
     raise ValueError(f"{num_experts} experts do not split over {num_devices} devices of "
                      f"{axis!r}")
-  if x.shape[0] % num_devices:
-    raise ValueError(f"{x.shape[0]} tokens do not split over {num_devices} devices")
+  token_shards = math.prod(mesh.shape[a] for a in token_axes)
+  if x.shape[0] % token_shards:
+    raise ValueError(f"{x.shape[0]} tokens do not split over {token_shards} shards of "
+                     f"{token_axes}")
   local_experts = num_experts // num_devices
-  local_tokens = x.shape[0] // num_devices
+  local_tokens = x.shape[0] // token_shards
   capacity = local_tokens if capacity is None else int(capacity)
   if capacity <= 0:
     raise ValueError(f"capacity must be positive, got {capacity}")
-  options = dict(axis=axis, num_devices=num_devices, local_experts=local_experts,
-                 capacity=capacity)
+  routed = axis is not None and axis in token_axes
+
+  def group_locally(x, ids, weights):
+    # Local experts first (in order), then the others' rows, which fn leaves 0.
+    first = 0 if axis is None else jax.lax.axis_index(axis) * local_experts
+    key = (ids - first) % num_experts
+    order = jnp.argsort(key, stable=True)
+    sizes = jnp.bincount(key, length=num_experts)[:local_experts].astype(jnp.int32)
+    y = fn(x[order], sizes, weights)
+    out = jnp.zeros_like(y).at[order].set(y)
+    return out if axis is None else jax.lax.psum(out, axis)
 
   def body(x, ids, weights):
     ids = jnp.clip(ids.astype(jnp.int32), 0, num_experts - 1)
+    if not routed:
+      return group_locally(x, ids, weights)
+    options = dict(axis=axis, num_devices=num_devices, local_experts=local_experts,
+                   capacity=capacity)
 
     def compute(recv, recv_ids):
       # Group what arrived by local expert; empty slots (id = local_experts) sort last and
@@ -169,23 +210,31 @@ def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh, axis: str,
 
     return on_lowering_platform(route, None, x, ids)
 
-  weight_specs = jax.tree.map(lambda w: operand_spec(w, P(axis), mesh), weights,
+  tokens = P(_entry(token_axes))
+  weight_spec = P(axis) if axis is not None else P()
+  weight_specs = jax.tree.map(lambda w: operand_spec(w, weight_spec, mesh), weights,
                               is_leaf=lambda w: isinstance(w, QArray))
-  fn_sharded = jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(axis), weight_specs),
-                             out_specs=P(axis), check_vma=False)
-  return fn_sharded(x, expert_ids, weights)
+  in_specs = (tokens, tokens, weight_specs)
+  operands = reshard((x, expert_ids, weights), in_specs, mesh)
+  fn_sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=tokens,
+                             check_vma=False)
+  return fn_sharded(*operands)
 
 
-def routed_gmm(x, w, expert_ids, *, mesh: Mesh, axis: str, bias=None, activation=None,
-               capacity: int | None = None, transport: str = "auto", implementation=None,
-               interpret: bool = False):
+def _entry(axes: tuple[str, ...]):
+  return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def routed_gmm(x, w, expert_ids, *, mesh: Mesh | None = None, axis: str | None = None,
+               bias=None, activation=None, token_axes=None, capacity: int | None = None,
+               transport: str = "auto", implementation=None, interpret: bool = False):
   """Expert parallelism for tokens that live on the devices of the expert axis:
   ``y[t] = activation(x[t] @ w[expert_ids[t]] + bias[expert_ids[t]])``.
 
   x ``[T, K]`` and expert_ids ``[T]`` sharded over `axis`, w ``[G, K, N]`` (and bias
   ``[G, N]``) sharded over `axis` on the experts. Tokens travel to their experts' devices
-  and back (see `routed_apply` for `capacity` and `transport`); the weights never move.
-  Differentiable (the collectives transpose to themselves).
+  and back (see `routed_apply` for `mesh`, `token_axes`, `capacity` and `transport`); the
+  weights never move. Differentiable (the collectives transpose to themselves).
 
   Returns:
     y ``[T, N]``, sharded like x.
@@ -195,5 +244,5 @@ def routed_gmm(x, w, expert_ids, *, mesh: Mesh, axis: str, bias=None, activation
     return gmm(rows, w, sizes, bias=bias, activation=activation,
                implementation=implementation, interpret=interpret)
 
-  return routed_apply(fn, x, expert_ids, (w, bias), mesh=mesh, axis=axis, capacity=capacity,
-                      transport=transport)
+  return routed_apply(fn, x, expert_ids, (w, bias), mesh=mesh, axis=axis,
+                      token_axes=token_axes, capacity=capacity, transport=transport)

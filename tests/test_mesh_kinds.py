@@ -1,0 +1,181 @@
+"""Sharding with no sharding argument, on every kind of mesh: `jax.sharding.Mesh`, and
+`jax.make_mesh` with Auto and with Explicit axes under `jax.set_mesh`. Plain jit partitions
+gmm and ragged_dot with the strategies of `GmmSharding` (no all-gather of weights or
+tokens, forward or gradient); `GmmSharding`, `routed_gmm` and `nn.MoE` accept every mesh
+kind; a data-parallel MoE routes within each token shard. Each case against one device."""
+
+from __future__ import annotations
+
+import contextlib
+
+import gmm_jax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gmm_jax import GmmSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
+from meshes import collective_shapes, collectives, mesh
+
+KINDS = ["mesh", "auto", "explicit"]
+M, K, N, G = 64, 32, 16, 8
+SIZES = jnp.asarray([5, 0, 9, 3, 12, 0, 7, 20], jnp.int32)
+
+
+def context(the_mesh, kind):
+  """`jax.set_mesh` for the make_mesh kinds (jax's idiom); a plain Mesh needs none."""
+  return contextlib.nullcontext() if kind == "mesh" else jax.set_mesh(the_mesh)
+
+
+def operands(seed=0):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.float32)
+  return x, w
+
+
+def place(the_mesh, a, spec):
+  return jax.device_put(a, NamedSharding(the_mesh, spec))
+
+
+def spec_of(a):
+  """The spec of a result: its type's (Explicit axes) or its placement's."""
+  typed = getattr(jax.typeof(a), "sharding", None)
+  if typed is not None and jax.sharding.AxisType.Explicit in tuple(typed.mesh.axis_types):
+    return typed.spec
+  return a.sharding.spec
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plain_jit_gmm_and_ragged_dot(kind):
+  # Tokens over "d", experts over "e": expert + rows strategies, chosen by the partitioner.
+  the_mesh = mesh((2, 4), ("d", "e"), kind)
+  x, w = operands()
+  want = gmm_jax.gmm(x, w, SIZES, activation="silu")
+  loss = lambda x, w: jnp.sum(gmm_jax.gmm(x, w, SIZES, activation="silu") ** 2)  # noqa: E731
+  want_grads = jax.grad(loss, argnums=(0, 1))(x, w)
+  with context(the_mesh, kind):
+    xs, ws = place(the_mesh, x, P("d")), place(the_mesh, w, P("e"))
+    fwd = jax.jit(lambda x, w: gmm_jax.gmm(x, w, SIZES, activation="silu"))
+    got = fwd(xs, ws)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert tuple(spec_of(got)) in (("d",), ("d", None))
+    fwd_hlo = collectives(fwd.lower(xs, ws).compile().as_text())
+    # An SGD step: the weight gradient lands where the weights are (any mesh kind).
+    step = jax.jit(lambda x, w: (jax.grad(loss, argnums=0)(x, w),
+                                 w - 0.1 * jax.grad(loss, argnums=1)(x, w)))
+    dx, w_new = step(xs, ws)
+    np.testing.assert_allclose(dx, want_grads[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(w_new, w - 0.1 * want_grads[1], rtol=1e-4, atol=1e-4)
+    assert tuple(spec_of(w_new))[:1] == ("e",)
+    step_text = step.lower(xs, ws).compile().as_text()
+    rd = jax.jit(jax.value_and_grad(
+        lambda x, w: jnp.sum(gmm_jax.ragged_dot(x, w, SIZES) ** 2), argnums=(0, 1)))
+    value, (rdx, rdw) = rd(xs, ws)
+    rd_text = rd.lower(xs, ws).compile().as_text()
+  assert fwd_hlo["all-gather"] == 0 and fwd_hlo["all-reduce"] + fwd_hlo["reduce-scatter"] == 1
+  assert collectives(step_text)["all-gather"] == 0
+  want_rd = jax.value_and_grad(lambda x, w: jnp.sum(jax.lax.ragged_dot(x, w, SIZES) ** 2),
+                               argnums=(0, 1))(x, w)
+  np.testing.assert_allclose(value, want_rd[0], rtol=1e-4)
+  np.testing.assert_allclose(rdx, want_rd[1][0], rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(rdw, want_rd[1][1], rtol=1e-4, atol=1e-4)
+  # The tiny group-size vector may move; no operand-sized array does.
+  assert all("[8]" in s or "[]" in s for s in collective_shapes(rd_text, "all-gather"))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gmm_sharding_and_routed_gmm(kind):
+  the_mesh = mesh((8,), ("e",), kind)
+  x, w = operands(1)
+  with context(the_mesh, kind):
+    xs, ws = place(the_mesh, x, P()), place(the_mesh, w, P("e"))
+    sharding = GmmSharding(the_mesh, P(), P("e"))
+    got = jax.jit(lambda x, w: gmm_jax.gmm(x, w, SIZES, sharding=sharding))(xs, ws)
+    np.testing.assert_allclose(got, gmm_jax.gmm(x, w, SIZES), rtol=2e-5, atol=2e-5)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, G, M), jnp.int32)
+    xt = place(the_mesh, x, P("e"))
+    # Under jax.set_mesh the mesh argument may be left out.
+    mesh_arg = dict(mesh=the_mesh) if kind == "mesh" else {}
+    routed = jax.jit(lambda x, w: gmm_jax.routed_gmm(x, w, ids, axis="e", **mesh_arg))
+    got = routed(xt, ws)
+    assert tuple(spec_of(got))[:1] == ("e",)
+  np.testing.assert_allclose(got, jnp.einsum("tk,tkn->tn", x, w[ids]), rtol=2e-5, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- the MoE
+
+flax = pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+from gmm_jax import nn  # noqa: E402
+
+LAYOUTS = {
+    # name: (mesh shape, token axes, expert axis or None)
+    "data": ((8,), ("data",), None),  # data parallel, experts replicated
+    "data+expert": ((2, 4), ("data",), "e"),  # tokens replicated over e: local experts + psum
+    "data+routed": ((2, 4), ("data", "e"), "e"),  # tokens over both: all-to-all over e
+}
+
+
+def _mesh_names(layout):
+  shape, _, _ = LAYOUTS[layout]
+  return shape, ("data",) if len(shape) == 1 else ("data", "e")
+
+
+@pytest.mark.parametrize("kind", ["mesh", "explicit"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_data_parallel_moe(layout, kind):
+  shape, names = _mesh_names(layout)
+  _, token_axes, expert_axis = LAYOUTS[layout]
+  the_mesh = mesh(shape, names, kind)
+  reference = nn.MoE(8, 16, 24, top_k=2, rngs=nnx.Rngs(0))
+  reference.router.kernel[...] = jax.random.normal(jax.random.key(1), (16, 8))
+  x = jax.random.normal(jax.random.key(2), (8, 4, 16))  # 32 tokens, 64 assignments
+  graphdef, state = nnx.split(reference)
+
+  def loss(state, x, **layout_kwargs):
+    model = nnx.merge(graphdef, state)
+    for name, value in layout_kwargs.items():
+      setattr(model, name, value)
+    y, aux = model(x)
+    return jnp.sum(y ** 2) + aux["load_balancing_loss"], y
+
+  (want_loss, want), want_grads = jax.value_and_grad(loss, has_aux=True)(state, x)
+  kwargs = {}
+  if kind == "mesh":  # Auto axes: the layout is said; Explicit: it is in the types
+    kwargs = dict(data_parallel=(the_mesh, token_axes))
+    if expert_axis:
+      kwargs["expert_parallel"] = (the_mesh, expert_axis)
+  with context(the_mesh, kind):
+    xs = place(the_mesh, x, P(token_axes))
+    expert_spec = lambda a: P(expert_axis) if a.ndim == 3 and expert_axis else P()  # noqa: E731
+    placed = jax.tree.map(lambda a: place(the_mesh, a, expert_spec(a)), state)
+    fn = jax.jit(jax.value_and_grad(lambda s, x: loss(s, x, **kwargs), has_aux=True))
+    (got_loss, got), grads = fn(placed, xs)
+    assert tuple(spec_of(got))[:1] == (token_axes if len(token_axes) > 1 else token_axes[0],)
+    text = fn.lower(placed, xs).compile().as_text()
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+  # No token activations and no expert weights are gathered: at most router-sized values.
+  for gathered in collective_shapes(text, "all-gather"):
+    assert "16,24" not in gathered and "24,16" not in gathered and ",16]" not in gathered, (
+        gathered)
+
+
+def test_data_parallel_capacity_is_per_shard():
+  # With a capacity factor, each token shard fills its experts' capacity from its own
+  # tokens: the result equals the one-device MoE run on each shard's tokens in turn.
+  the_mesh = mesh((4,), ("data",))
+  model = nn.MoE(4, 16, 24, top_k=1, capacity_factor=1.0, rngs=nnx.Rngs(3),
+                 data_parallel=(the_mesh, ("data",)))
+  kernel = np.zeros((16, 4), np.float32)
+  kernel[:, 0] = 1.0  # everyone prefers expert 0: drops in every shard
+  model.router.kernel[...] = jnp.asarray(kernel)
+  x = jnp.abs(jax.random.normal(jax.random.key(4), (32, 16)))
+  got = nnx.jit(lambda m, x: m(x)[0])(model, place(the_mesh, x, P("data")))
+  model.data_parallel = None
+  want = jnp.concatenate([model(shard)[0] for shard in jnp.split(x, 4)])
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  assert float(jnp.abs(got[2:8]).max()) == 0.0  # 8 tokens per shard, capacity 2
