@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import GmmSharding, quantize
+from gmm_jax._src import strategy
+from gmm_jax._src.config import GmmConfig
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshes import collectives, mesh
 
@@ -227,3 +229,37 @@ def test_routed_gmm_ragged_lowers_for_accelerators(platform):
   text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(x, w).lower(
       lowering_platforms=(platform,)).as_text()
   assert "ragged_all_to_all" in text or "ragged-all-to-all" in text
+
+
+def test_explain_reports_what_plain_jit_chose():
+  the_mesh = mesh((2, 4), ("d", "e"))
+  x, w, _ = operands()
+  xs = jax.device_put(x, NamedSharding(the_mesh, P("e")))  # tokens on the experts' axis
+  ws = jax.device_put(w, NamedSharding(the_mesh, P("e")))
+  text = gmm_jax.explain(xs, ws, jnp.asarray(SIZES))
+  assert "plain jit: sharding strategy: expert" in text
+  assert "gathered along it" in text and "routed_gmm" in text  # the conflict is named
+  assert "2 local groups" in text and ": xla" in text
+
+
+@pytest.mark.parametrize("lhs_spec, rhs_spec, out_spec, want, note", [
+    (P("d"), P("e"), None, dict(m=("d",), g=("e",)), None),
+    (P(None, "t"), P(), None, dict(k=("t",)), None),  # rhs sliced along K for free
+    (P(), P(), P(None, "t"), dict(n=("t",)), None),  # the partitioner asks for N sharded
+    (P("e"), P("e"), None, dict(g=("e",)), "gathered along it"),  # experts keep the axis
+    (P(), P(None, None, "x3"), None, {}, "does not split"),  # N=16 over 3 devices
+])
+def test_choose_resolves_any_layout(lhs_spec, rhs_spec, out_spec, want, note):
+  cfg = GmmConfig(group_type="m", num_local=G)
+  plan = strategy.choose({"d": 2, "e": 4, "t": 2, "x3": 3}, cfg, [(M, K)], [(G, K, N)],
+                         lhs_spec, rhs_spec, out_spec)
+  got = {name: getattr(plan, name) for name in "mkng" if getattr(plan, name)}
+  assert got == want
+  if note:
+    assert any(note in n for n in plan.notes), plan.notes
+
+
+def test_routed_apply_needs_a_mesh():
+  x = jnp.ones((16, K))
+  with pytest.raises(ValueError, match="needs a mesh"):
+    gmm_jax.routed_gmm(x, jnp.ones((G, K, N)), jnp.zeros((16,), jnp.int32), axis="e")
