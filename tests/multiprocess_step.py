@@ -16,6 +16,21 @@ import re
 import sys
 
 
+def _best_time(fn, repeats: int = 5) -> float:
+  """The fastest of `repeats` runs (after one warm-up), in seconds."""
+  import time
+
+  import jax
+
+  jax.block_until_ready(fn())
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
 def main(process_id: int, port: int, out_path: str) -> None:
   import jax
 
@@ -30,6 +45,7 @@ def main(process_id: int, port: int, out_path: str) -> None:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from gmm_jax import nn
+  from gmm_jax.bench import communicated_bytes
 
   assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()
   mesh = jax.make_mesh((2, 4), ("data", "e"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -73,6 +89,8 @@ def main(process_id: int, port: int, out_path: str) -> None:
   sharded_step = jax.jit(step)
   loss, new_state = sharded_step(placed, xs, ts)
   text = sharded_step.lower(placed, xs, ts).compile().as_text()
+  seconds = _best_time(lambda: sharded_step(placed, xs, ts))
+  reference_seconds = _best_time(lambda: jax.jit(reference_step)(*local))
 
   errors = []
   for got, want in zip(jax.tree.leaves(new_state), jax.tree.leaves(want_state)):
@@ -82,8 +100,9 @@ def main(process_id: int, port: int, out_path: str) -> None:
   result = dict(
       process=process_id, loss=float(loss), want_loss=float(want_loss),
       max_error=max(errors), kernel_specs=kernel_specs,
-      all_gathers=re.findall(r"= (\S+) all-gather(?:-start)?\(", text),
-      all_reduces=re.findall(r"= (\S+) all-reduce(?:-start)?\(", text))
+      all_gathers=re.findall(r"= (.*?) all-gather(?:-start)?\(", text),
+      bytes_by_collective=communicated_bytes(text),
+      step_ms=seconds * 1e3, one_device_step_ms=reference_seconds * 1e3)
   with open(out_path, "w") as f:
     json.dump(result, f)
   jax.distributed.shutdown()
