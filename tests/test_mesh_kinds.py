@@ -51,9 +51,9 @@ def test_plain_jit_gmm_and_ragged_dot(kind):
   # Tokens over "d", experts over "e": expert + rows strategies, chosen by the partitioner.
   the_mesh = mesh((2, 4), ("d", "e"), kind)
   x, w = operands()
-  want = gmm_jax.gmm(x, w, SIZES, activation="silu")
+  want = jax.jit(lambda x, w: gmm_jax.gmm(x, w, SIZES, activation="silu"))(x, w)
   loss = lambda x, w: jnp.sum(gmm_jax.gmm(x, w, SIZES, activation="silu") ** 2)  # noqa: E731
-  want_grads = jax.grad(loss, argnums=(0, 1))(x, w)
+  want_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
   with context(the_mesh, kind):
     xs, ws = place(the_mesh, x, P("d")), place(the_mesh, w, P("e"))
     fwd = jax.jit(lambda x, w: gmm_jax.gmm(x, w, SIZES, activation="silu"))
@@ -75,8 +75,8 @@ def test_plain_jit_gmm_and_ragged_dot(kind):
     rd_text = rd.lower(xs, ws).compile().as_text()
   assert fwd_hlo["all-gather"] == 0 and fwd_hlo["all-reduce"] + fwd_hlo["reduce-scatter"] == 1
   assert collectives(step_text)["all-gather"] == 0
-  want_rd = jax.value_and_grad(lambda x, w: jnp.sum(jax.lax.ragged_dot(x, w, SIZES) ** 2),
-                               argnums=(0, 1))(x, w)
+  want_rd = jax.jit(jax.value_and_grad(
+      lambda x, w: jnp.sum(jax.lax.ragged_dot(x, w, SIZES) ** 2), argnums=(0, 1)))(x, w)
   np.testing.assert_allclose(value, want_rd[0], rtol=1e-4)
   np.testing.assert_allclose(rdx, want_rd[1][0], rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(rdw, want_rd[1][1], rtol=1e-4, atol=1e-4)
@@ -122,8 +122,9 @@ def _mesh_names(layout):
   return shape, ("data",) if len(shape) == 1 else ("data", "e")
 
 
-@pytest.mark.parametrize("kind", ["mesh", "explicit"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout, kind", [
+    ("data", "explicit"), ("data+expert", "mesh"), ("data+routed", "mesh"),
+    ("data+routed", "explicit")])
 def test_data_parallel_moe(layout, kind):
   shape, names = _mesh_names(layout)
   _, token_axes, expert_axis = LAYOUTS[layout]
@@ -140,7 +141,7 @@ def test_data_parallel_moe(layout, kind):
     y, aux = model(x)
     return jnp.sum(y ** 2) + aux["load_balancing_loss"], y
 
-  (want_loss, want), want_grads = jax.value_and_grad(loss, has_aux=True)(state, x)
+  (want_loss, want), want_grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state, x)
   kwargs = {}
   if kind == "mesh":  # Auto axes: the layout is said; Explicit: it is in the types
     kwargs = dict(data_parallel=(the_mesh, token_axes))
@@ -176,6 +177,25 @@ def test_data_parallel_capacity_is_per_shard():
   x = jnp.abs(jax.random.normal(jax.random.key(4), (32, 16)))
   got = nnx.jit(lambda m, x: m(x)[0])(model, place(the_mesh, x, P("data")))
   model.data_parallel = None
-  want = jnp.concatenate([model(shard)[0] for shard in jnp.split(x, 4)])
+  one_device = nnx.jit(lambda m, x: m(x)[0])
+  want = jnp.concatenate([one_device(model, shard) for shard in jnp.split(x, 4)])
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
   assert float(jnp.abs(got[2:8]).max()) == 0.0  # 8 tokens per shard, capacity 2
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_moe_expert_parallel_argument_on_make_mesh(kind):
+  # The issue's case: nn.MoE(expert_parallel=(make_mesh(...), "e")) with unsharded tokens
+  # (replicated over "e": each device runs its experts, one psum) and sharded ones (routed).
+  the_mesh = mesh((8,), ("e",), kind)
+  model = nn.MoE(8, 16, 24, top_k=2, rngs=nnx.Rngs(5), expert_parallel=(the_mesh, "e"))
+  x = jax.random.normal(jax.random.key(6), (16, 16))
+  model.expert_parallel = None
+  want = nnx.jit(lambda m, x: m(x)[0])(model, x)
+  model.expert_parallel = (the_mesh, "e")
+  with jax.set_mesh(the_mesh):
+    for spec in (P(), P("e")):
+      if kind == "auto" and spec == P("e"):
+        model.data_parallel = (the_mesh, ("e",))  # Auto axes: the tokens' layout is said
+      got = nnx.jit(lambda m, x: m(x)[0])(model, place(the_mesh, x, spec))
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

@@ -238,11 +238,17 @@ def _arg_spec(shape) -> P:
   return P() if spec is None else spec
 
 
+def _leaf_groups(flat, trees, has_bias):
+  """(lhs leaves, rhs leaves, bias or None) of the flat operands (or their shapes)."""
+  num_lhs, num_rhs = trees[0].num_leaves, trees[1].num_leaves
+  return (list(flat[:num_lhs]), list(flat[num_lhs:num_lhs + num_rhs]),
+          flat[-1] if has_bias else None)
+
+
 def _choose(static, mesh, arg_shapes, result_spec):
   cfg, trees, has_bias, _ = static
   (arg_shapes,) = arg_shapes  # the one dynamic argument of `_partitioned`: the operands
-  lhs, rhs, _, _, bias = _unpack(list(arg_shapes), trees, has_bias)
-  lhs_leaves, rhs_leaves = jax.tree.leaves(lhs), jax.tree.leaves(rhs)
+  lhs_leaves, rhs_leaves, bias = _leaf_groups(list(arg_shapes), trees, has_bias)
   mesh_shape = dict(mesh.shape)
   plan = strategy.choose(mesh_shape, cfg, [s.shape for s in lhs_leaves],
                          [s.shape for s in rhs_leaves], _arg_spec(lhs_leaves[0]),
@@ -286,11 +292,10 @@ def _sharding_rule(static, mesh, operand_types, result_types):
   cfg, trees, has_bias, _ = static
   dims = strategy.operand_dims(cfg)
   shapes = [tuple(mlir.ir.ShapedType(t).shape) for t in operand_types]
-  lhs, rhs, _, _, _ = _unpack(shapes, trees, has_bias)
+  lhs_shapes, rhs_shapes, _ = _leaf_groups(shapes, trees, has_bias)
   extra = iter(f"s{i}" for i in range(64))
   mappings = []
-  for operand, x, tree in (("lhs", lhs, trees[0]), ("rhs", rhs, trees[1])):
-    leaves = [x] if _is_plain(tree) else jax.tree.leaves(x, is_leaf=lambda a: isinstance(a, tuple))
+  for operand, leaves in (("lhs", lhs_shapes), ("rhs", rhs_shapes)):
     for shape in leaves:
       mappings.append(" ".join(
           name if size == full else next(extra)
