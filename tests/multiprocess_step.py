@@ -56,26 +56,23 @@ def main(process_id: int, port: int, out_path: str) -> None:
   x = jax.random.normal(jax.random.key(2), (16, 8, 16))  # 128 tokens, the same everywhere
   target = jnp.tanh(x)
 
-  def step(state, x, target):
-    def loss_fn(state):
-      y, aux = nnx.merge(graphdef, state)(x)
-      return jnp.mean((y - target) ** 2) + 0.01 * aux["load_balancing_loss"]
+  def make_step(graph):
+    """One SGD step of the MoE described by `graph` (sharded or not)."""
 
-    loss, grads = jax.value_and_grad(loss_fn)(state)
-    return loss, jax.tree.map(lambda p, g: p - 0.5 * g, state, grads)
+    def step(state, x, target):
+      def loss_fn(state):
+        y, aux = nnx.merge(graph, state)(x)
+        return jnp.mean((y - target) ** 2) + 0.01 * aux["load_balancing_loss"]
 
+      loss, grads = jax.value_and_grad(loss_fn)(state)
+      return loss, jax.tree.map(lambda p, g: p - 0.5 * g, state, grads)
+
+    return step
+
+  step = make_step(graphdef)
   # The reference: the same step on this process's first device, unsharded.
   local = jax.tree.map(lambda a: jax.device_put(a, jax.local_devices()[0]), (state, x, target))
-  reference_graph = nnx.split(nn.MoE(8, 16, 32, top_k=2, rngs=nnx.Rngs(0)))[0]
-
-  def reference_step(state, x, target):
-    def loss_fn(state):
-      y, aux = nnx.merge(reference_graph, state)(x)
-      return jnp.mean((y - target) ** 2) + 0.01 * aux["load_balancing_loss"]
-
-    loss, grads = jax.value_and_grad(loss_fn)(state)
-    return loss, jax.tree.map(lambda p, g: p - 0.5 * g, state, grads)
-
+  reference_step = make_step(nnx.split(nn.MoE(8, 16, 32, top_k=2, rngs=nnx.Rngs(0)))[0])
   want_loss, want_state = jax.jit(reference_step)(*local)
 
   def global_array(a, spec):

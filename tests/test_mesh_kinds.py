@@ -16,6 +16,7 @@ import pytest
 from gmm_jax import GmmSharding
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshes import collective_shapes, collectives, mesh
+from oracle import gmm_oracle
 
 KINDS = ["mesh", "auto", "explicit"]
 M, K, N, G = 64, 32, 16, 8
@@ -59,6 +60,8 @@ def test_plain_jit_gmm_and_ragged_dot(kind):
     fwd = jax.jit(lambda x, w: gmm_jax.gmm(x, w, SIZES, activation="silu"))
     got = fwd(xs, ws)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(got, gmm_oracle(x, w, SIZES, "m", activation="silu"),
+                               rtol=1e-4, atol=1e-4)
     assert tuple(spec_of(got)) in (("d",), ("d", None))
     fwd_hlo = collectives(fwd.lower(xs, ws).compile().as_text())
     # An SGD step: the weight gradient lands where the weights are (any mesh kind).
