@@ -1,38 +1,54 @@
 #!/usr/bin/env bash
-# One GPU session (the device tool gives ~15 minutes): compiled kernel tests, then the GPU
-# benchmark table, each written under $OUT as it goes so a timeout keeps what finished.
+# The prepared run for a lent GPU (one H200, python3 3.12 + jax 0.11.2 + CUDA 13, no
+# network), in under 10 minutes, every result under $OUT as it goes (a step that runs out of
+# time keeps what the others wrote):
+#   1. the kernel suites compiled on the GPU against the float64 oracle,
+#   2. the GPU benchmark: gmm vs jax.lax.ragged_dot vs tokamax vs a dense bf16 matmul of the
+#      same FLOPs, in TFLOP/s, on the Mixtral-like, DeepSeek-like and decode shapes with
+#      balanced and skewed routing, forward and forward+backward,
+#   3. the autotuner on the two training shapes, writing $OUT/autotune.json.
 #
-#   run(command="bash benchmarks/gpu.sh", timeout_s=540)
+#   run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=590)
 #
-# The device has jax + CUDA but no network: gmm_jax is put on PYTHONPATH from this tree
-# (pallas/ copied in as gmm_jax/pallas, as the wheel installs it) instead of pip installing.
+# .whl holds the wheels the device image lacks (tokamax and its needs; README "Performance
+# on a GPU" says how to fetch them); without it the tokamax column stays empty. gmm_jax goes
+# on PYTHONPATH from this tree (pallas/ copied in as gmm_jax/pallas, as the wheel installs it).
 set -uo pipefail
 OUT="${OUT:-/tmp/gmm_gpu_out}"
 mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
 SITE="$(mktemp -d)"
 cp -r gmm_jax "$SITE/gmm_jax" && cp -r pallas "$SITE/gmm_jax/pallas"
-export PYTHONPATH="$SITE"
-PY="${PYTHON:-python3}"
+if [ -d .whl ]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" .whl/*.whl > "$OUT/wheels.txt" 2>&1
+fi
+export PYTHONPATH="$SITE" PYTHONUNBUFFERED=1
+export GMM_JAX_AUTOTUNE_CACHE="$OUT/autotune.json"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # several test processes share the GPU
+start=$(date +%s)
 {
   date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
   "$PY" -c "import jax; print('jax', jax.__version__, jax.devices())"
+  "$PY" -c "import tokamax; print('tokamax', getattr(tokamax, '__version__', '?'))"
 } > "$OUT/env.txt" 2>&1
 
-# 1. The shared suite with the compiled Triton kernels (and the benchmark-script check).
-if "$PY" -c "import pytest, hypothesis" 2>/dev/null; then
-  # One process (the addopts' xdist workers would share the GPU, and xdist may be absent).
-  timeout 240 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" \
-    tests/test_pallas_triton.py -k "Compiled" > "$OUT/tests.txt" 2>&1
-  echo "pytest exit $?" >> "$OUT/tests.txt"
-else
-  echo "pytest/hypothesis not installed: compiled suite skipped" > "$OUT/tests.txt"
-fi
+step() {  # step NAME SECONDS COMMAND...: output in $OUT/NAME.txt, time in $OUT/env.txt
+  local name=$1 limit=$2 t0
+  shift 2
+  t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  echo "$name: exit $? after $(( $(date +%s) - t0 )) s (limit $limit s)" >> "$OUT/env.txt"
+}
 
-# 2. The benchmark (every row is also checked against jax.lax.ragged_dot), small shapes
-#    first so that a timeout still leaves a table.
-timeout 120 "$PY" -m gmm_jax.bench --platform gpu --m 8192 --kn 2048 4096 --groups 8 32 128 \
-  > "$OUT/bench_small.md" 2>&1
-timeout 150 "$PY" -m gmm_jax.bench --platform gpu --m 32768 65536 --kn 7168 --groups 8 128 \
-  --repeats 5 > "$OUT/bench_large.md" 2>&1
-echo done > "$OUT/finished.txt"
+# 1. The suites with the compiled kernels (Triton, Mosaic GPU, quantized).
+step tests 200 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -n 8 \
+  tests/test_pallas_triton.py tests/test_pallas_mosaic_gpu.py tests/test_quant_kernels.py \
+  -k "Compiled or compiled"
+# 2. The benchmark (every row also checked against jax.lax.ragged_dot).
+step bench 220 "$PY" -m gmm_jax.bench --platform gpu --repeats 20
+# 3. The autotuner (forward gmms of the two training shapes).
+step autotune 120 "$PY" -m gmm_jax.bench --platform gpu --autotune --shapes mixtral deepseek \
+  --modes fwd --repeats 5
+echo "total $(( $(date +%s) - start )) s" >> "$OUT/env.txt"

@@ -5,8 +5,12 @@ This file is the whole public API.
 
 from gmm_jax._src.api import explain as explain
 from gmm_jax._src.api import gmm as gmm
+from gmm_jax._src.autotune import TuneResult as TuneResult
+from gmm_jax._src.autotune import autotune as autotune
 from gmm_jax._src.config import GmmConfig as GmmConfig
+from gmm_jax._src.config import Problem as Problem
 from gmm_jax._src.config import Tiling as Tiling
+from gmm_jax._src.config import Tilings as Tilings
 from gmm_jax._src.dispatch import implementations as implementations
 from gmm_jax._src.epilogue import ACTIVATIONS as ACTIVATIONS
 from gmm_jax._src.group_list import check_group_list as check_group_list

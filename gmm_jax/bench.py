@@ -4,10 +4,16 @@
     python -m gmm_jax.bench --m 2048 --kn 1024 --groups 8 64 --dtypes float32
     python -m gmm_jax.bench --platform gpu       # the GPU table: MoE shapes, TFLOP/s
 
-GPU mode (``--platform gpu``) times, for bf16 MoE shapes, gmm with the Pallas Triton
-kernels, jax.lax.ragged_dot, a dense matmul of the same FLOPs (the roofline proxy) and
-tokamax's ragged_dot when tokamax is importable, and prints TFLOP/s and ratios. With
-``--interpret`` it runs the kernels in interpret mode (a CPU check of the script itself).
+GPU mode (``--platform gpu``) times, for bf16 MoE shapes (Mixtral-like M=16384 K=4096
+N=14336 G=8, DeepSeek-like M=8192 K=2048 N=1408 G=64, decode M=64; balanced and skewed
+routing), gmm as the dispatcher picks it, jax.lax.ragged_dot, a dense matmul of the same
+FLOPs (the roofline proxy) and tokamax's ragged_dot when tokamax is importable, and prints
+TFLOP/s and ratios. With ``--interpret`` it runs the kernels in interpret mode (a CPU check
+of the script itself).
+
+``--proxies`` prints the static proxies of the kernels instead (no timing, any machine):
+wasted MMA rows / useful rows, modelled HBM bytes / ideal bytes, and grid steps, per kernel,
+MoE shape and routing distribution.
 
 Every row times, in one process and interleaved, for the same M, K, N, G and dtype:
   gmm      gmm(implementation=...) (default "xla")
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import re
 import time
 from typing import Callable
@@ -32,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gmm_jax import GmmSharding, QuantSpec, gmm, quantize, routed_gmm
+from gmm_jax import GmmSharding, QuantSpec, autotune, gmm, quantize, routed_gmm
+from gmm_jax._src import dispatch, tuning
+from gmm_jax._src.config import GmmConfig, Problem
 
 
 def group_sizes(m: int, num_groups: int, distribution: str, seed: int = 0) -> np.ndarray:
@@ -308,7 +317,8 @@ def _gpu_candidates(dtype, implementation, interpret):
   acc = jnp.float32
 
   def ours(x, w, gs):
-    return gmm(x, w, gs, implementation=implementation, interpret=interpret)
+    return gmm(x, w, gs, implementation=implementation, interpret=interpret,
+               preferred_element_type=dtype)
 
   def ragged(x, w, gs):
     return jax.lax.ragged_dot(x, w, gs, preferred_element_type=acc).astype(dtype)
@@ -325,12 +335,39 @@ def _gpu_candidates(dtype, implementation, interpret):
   return fns
 
 
-def run_gpu_case(dtype, m, kn, num_groups, distribution, modes=("fwd", "fwd+bwd"),
-                 implementation="pallas_triton", repeats=10, interpret=False, seed=0):
-  """Times one MoE shape on the default device; returns a Row per mode (ragged/tokamax
-  included; a candidate that fails to compile or run is recorded as None)."""
+# MoE shapes of the GPU table: name -> (M tokens x top-k rows, K, N, G).
+MOE_SHAPES = {
+    "mixtral": (16384, 4096, 14336, 8),
+    "deepseek": (8192, 2048, 1408, 64),
+    "decode": (64, 4096, 14336, 8),
+}
+
+
+@dataclasses.dataclass
+class GpuRow:
+  """One MoE shape, distribution and mode of the GPU table (seconds per candidate)."""
+
+  shape: str
+  m: int
+  k: int
+  n: int
+  groups: int
+  distribution: str
+  mode: str
+  seconds: dict
+  error: float | None
+  implementation: str = ""
+
+
+def run_gpu_case(dtype, shape, distribution, modes=("fwd", "fwd+bwd"),
+                 implementation=None, repeats=10, interpret=False, seed=0):
+  """Times one MoE shape on the default device: gmm (the dispatcher's choice unless
+  `implementation`), jax.lax.ragged_dot, a dense matmul of the same FLOPs and tokamax's
+  ragged_dot when importable. Returns a `GpuRow` per mode (a candidate that fails to compile
+  or run is recorded as None)."""
+  m, k, n, num_groups = MOE_SHAPES[shape] if isinstance(shape, str) else shape
+  name = shape if isinstance(shape, str) else f"{m}x{k}x{n}x{num_groups}"
   rng = np.random.default_rng(seed)
-  k = n = kn
   lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
   rhs = jnp.asarray(rng.standard_normal((num_groups, k, n), np.float32) / np.sqrt(k), dtype)
   sizes = jnp.asarray(group_sizes(m, num_groups, distribution, seed))
@@ -339,45 +376,126 @@ def run_gpu_case(dtype, m, kn, num_groups, distribution, modes=("fwd", "fwd+bwd"
   # Correctness on the same operands: gmm against ragged_dot (both f32-accumulated), relative
   # to the largest |ragged_dot| entry.
   want = jax.jit(fns["ragged"])(lhs, rhs, sizes).astype(jnp.float32)
-  got = jax.jit(fns["gmm"])(lhs, rhs, sizes).astype(jnp.float32)
+  with dispatch.record() as decisions:
+    got = jax.jit(fns["gmm"])(lhs, rhs, sizes).astype(jnp.float32)
+  chosen = ",".join(sorted({d.implementation for d in decisions}))
   error = float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
   out = []
   for mode in modes:
     seconds = {}
-    for name, fn in fns.items():
+    for candidate, fn in fns.items():
       if mode == "fwd":
         compiled, args = jax.jit(fn), (lhs, rhs, sizes)
       else:
         compiled, args = jax.jit(_fwd_bwd(fn)), (lhs, rhs, sizes, cot)
       try:
-        seconds[name] = time_fn(compiled, args, repeats)
+        seconds[candidate] = time_fn(compiled, args, repeats)
       except Exception as err:  # noqa: BLE001 - report and go on with the others
-        print(f"# {name} {mode} M={m} K=N={kn} G={num_groups} {distribution} failed: "
+        print(f"# {candidate} {mode} {name} {distribution} failed: "
               f"{type(err).__name__}: {str(err)[:300]}", flush=True)
-        seconds[name] = None
-    out.append(Row(jnp.dtype(dtype).name, m, kn, num_groups, distribution, mode, seconds, {},
-                   error))
+        seconds[candidate] = None
+    out.append(GpuRow(name, m, k, n, num_groups, distribution, mode, seconds, error, chosen))
   return out
 
 
 def gpu_header() -> str:
-  return ("| dtype | tokens | K=N | G | sizes | mode | gmm ms | gmm TFLOP/s | dense TFLOP/s | "
-          "gmm % of dense | ragged TFLOP/s | gmm speed-up vs ragged | tokamax TFLOP/s | "
-          "rel. error vs ragged |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  return ("| shape | M | K | N | G | sizes | mode | gmm implementation | gmm ms | gmm TFLOP/s | "
+          "dense TFLOP/s | gmm % of dense | ragged TFLOP/s | gmm / ragged speed | "
+          "tokamax TFLOP/s | gmm / tokamax speed | rel. error vs ragged |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def format_gpu_row(row: Row) -> str:
-  flops = 2.0 * row.m * row.kn * row.kn * (3 if row.mode == "fwd+bwd" else 1)
+def format_gpu_row(row: GpuRow) -> str:
+  flops = 2.0 * row.m * row.k * row.n * (3 if row.mode == "fwd+bwd" else 1)
   tflops = lambda name: (None if row.seconds.get(name) is None
                          else flops / row.seconds[name] / 1e12)
-  dense_ratio = row.ratio("dense", "gmm")  # gmm TFLOP/s / dense TFLOP/s
-  return (f"| {row.dtype} | {row.m} | {row.kn} | {row.groups} | {row.distribution} | "
-          f"{row.mode} | {_fmt(row.seconds['gmm'] and row.seconds['gmm'] * 1e3, '.2f')} | "
+  ratio = lambda a, b: (None if row.seconds.get(a) is None or row.seconds.get(b) is None
+                        else row.seconds[a] / row.seconds[b])
+  dense_ratio = ratio("dense", "gmm")  # gmm TFLOP/s / dense TFLOP/s
+  gmm_ms = row.seconds.get("gmm")
+  return (f"| {row.shape} | {row.m} | {row.k} | {row.n} | {row.groups} | {row.distribution} | "
+          f"{row.mode} | {row.implementation} | {_fmt(gmm_ms and gmm_ms * 1e3, '.3f')} | "
           f"{_fmt(tflops('gmm'), '.0f')} | {_fmt(tflops('dense'), '.0f')} | "
           f"{_fmt(dense_ratio and dense_ratio * 100, '.0f')} | {_fmt(tflops('ragged'), '.0f')} | "
-          f"{_fmt(row.ratio('ragged', 'gmm'), '.2f')} | {_fmt(tflops('tokamax'), '.0f')} | "
-          f"{_fmt(row.error, '.1e')} |")
+          f"{_fmt(ratio('ragged', 'gmm'), '.2f')} | {_fmt(tflops('tokamax'), '.0f')} | "
+          f"{_fmt(ratio('tokamax', 'gmm'), '.2f')} | {_fmt(row.error, '.1e')} |")
+
+
+def run_autotune(shapes, dtype, backward: bool, repeats: int, interpret: bool = False,
+                 implementation=None, candidates=None) -> list[str]:
+  """`gmm_jax.autotune` on MoE shapes (balanced and skewed routing as the representative
+  distributions); one Markdown row per tuned gmm."""
+  rows = []
+  for shape in shapes:
+    m, k, n, g = MOE_SHAPES[shape] if isinstance(shape, str) else shape
+    name = shape if isinstance(shape, str) else f"{m}x{k}x{n}x{g}"
+    sizes = [group_sizes(m, g, "balanced"), group_sizes(m, g, "skewed")]
+    try:
+      results = autotune(m, k, n, g, dtype=dtype, group_sizes=sizes, backward=backward,
+                         repeats=repeats, interpret=interpret, implementation=implementation,
+                         candidates=candidates)
+    except Exception as err:  # noqa: BLE001 - report and go on with the other shapes
+      rows.append(f"| {name} | - | failed: {type(err).__name__}: {str(err)[:200]} | | | | |")
+      continue
+    for r in results:
+      t = r.best
+      measured = sum(s is not None for _, s in r.timings)
+      rows.append(f"| {name} | {r.role} | {r.problem.implementation} | "
+                  f"{t.tile_m}x{t.tile_k}x{t.tile_n} | {r.seconds * 1e3:.3f} | "
+                  f"{r.default_seconds * 1e3:.3f} | {r.default_seconds / r.seconds:.2f} | "
+                  f"{measured}/{len(r.timings)} |")
+  return rows
+
+
+# Static proxies: the kernels' own host-side models of what they do (no timing).
+PROXY_TARGETS = (("pallas_triton", "gpu", "NVIDIA H200"), ("pallas_tpu", "tpu", "TPU v5 lite"))
+
+
+def _kernel_module(implementation):
+  """The kernel module (an optional dependency: this jax's Pallas backend)."""
+  name = "gpu" if implementation == "pallas_triton" else "tpu"
+  return importlib.import_module(f"gmm_jax.pallas.{name}.gmm")
+
+
+def run_proxies(shapes, distributions=("balanced", "skewed")) -> list[str]:
+  """One Markdown row per kernel, target, MoE shape, routing and gmm (the forward, m-grouped;
+  the weight gradient, k-grouped): the tiles gmm would pick for the target's device kind
+  and the kernel's static model of that launch."""
+  rows = []
+  for implementation, platform, kind in PROXY_TARGETS:
+    module = _kernel_module(implementation)
+    for shape in shapes:
+      m, k, n, g = MOE_SHAPES[shape] if isinstance(shape, str) else shape
+      name = shape if isinstance(shape, str) else f"{m}x{k}x{n}x{g}"
+      for distribution in distributions:
+        counts = group_sizes(m, g, distribution)
+        # fwd: [M, K] x [G, K, N]; drhs: [K, M] x [M, N] grouped along the M tokens.
+        for role, group_type, dims in (("fwd", "m", (m, k, n)), ("drhs", "k", (k, m, n))):
+          cfg = GmmConfig(group_type=group_type, num_local=g, out_dtype=jnp.bfloat16)
+          bf16 = np.dtype(jnp.bfloat16)
+          problem = Problem(implementation, platform, kind, group_type, *dims, g, g, bf16,
+                            bf16, bf16)
+          tiling = tuning.choose(problem, None,
+                                 lambda: module.default_tiling(*dims, cfg, 2))
+          cost = module.static_cost(counts, *dims, cfg, tiling, 2)
+          busy = cost.get("busy_steps", cost.get("work_steps"))
+          rows.append(
+              f"| {implementation} | {kind} | {name} | {distribution} | {role} | "
+              f"{tiling.tile_m}x{tiling.tile_k}x{tiling.tile_n} | "
+              f"{cost['mma_rows'] / max(cost['useful_rows'], 1):.3f} | "
+              f"{cost['hbm_bytes'] / max(cost['ideal_bytes'], 1):.2f} | "
+              f"{cost['grid_steps']} | {busy} |")
+  return rows
+
+
+PROXY_HEADER = ("| kernel | device kind | shape | sizes | gmm | tiles (m x k x n) | MMA rows / "
+                "useful rows | modelled HBM bytes / ideal | grid steps | steps with work |\n"
+                "|---|---|---|---|---|---|---|---|---|---|")
+
+
+AUTOTUNE_HEADER = ("| shape | gmm | implementation | best tiles (m x k x n) | best ms (balanced + "
+                   "skewed) | default ms | speed-up | candidates run |\n"
+                   "|---|---|---|---|---|---|---|---|")
 
 
 def _fmt(value, spec):
@@ -413,8 +531,8 @@ def _shapes(args):
 PLATFORM_DEFAULTS = {
     "cpu": dict(dtypes=["float32", "bfloat16"], m=[2048, 8192], kn=[1024, 2048],
                 groups=[1, 8, 64, 256], implementation="xla", repeats=5),
-    "gpu": dict(dtypes=["bfloat16"], m=[8192, 32768, 65536], kn=[2048, 4096, 7168],
-                groups=[8, 32, 128], implementation="pallas_triton", repeats=10),
+    "gpu": dict(dtypes=["bfloat16"], m=[], kn=[], groups=[], implementation=None,
+                repeats=10),
 }
 
 
@@ -430,9 +548,18 @@ def main(argv=None):
   parser.add_argument("--sizes", nargs="+", default=["balanced", "skewed"])
   parser.add_argument("--modes", nargs="+", default=["fwd", "fwd+bwd"])
   parser.add_argument("--implementation")
+  parser.add_argument("--shapes", nargs="+", choices=sorted(MOE_SHAPES),
+                      help="gpu table: the MoE shapes (default all; --m/--kn/--groups add "
+                      "square ones)")
   parser.add_argument("--repeats", type=int)
   parser.add_argument("--interpret", action="store_true",
                       help="run Pallas kernels in interpret mode (gpu table on a CPU)")
+  parser.add_argument("--proxies", action="store_true",
+                      help="the kernels' static proxies instead (no timing): MMA rows / "
+                      "useful rows, modelled HBM bytes / ideal, grid steps, on the gpu shapes")
+  parser.add_argument("--autotune", action="store_true",
+                      help="run gmm_jax.autotune on the shapes (the --platform gpu shapes by "
+                      "default) and write its cache; prints the tilings it chose")
   parser.add_argument("--sharding", action="store_true",
                       help="the sharding table instead: weak scaling over 1-8 host CPU devices "
                       "(expert-parallel gmm and routed all_to_all), bytes communicated")
@@ -440,6 +567,7 @@ def main(argv=None):
                       help="the quantized table instead: weight-only int8/int4/fp8 and w8a8 "
                       "gmm against bf16 and f32 gmm")
   args = parser.parse_args(argv)
+  square_given = args.m is not None  # --m/--kn/--groups add square shapes to the MoE ones
   if args.sharding:  # before jax starts its CPU backend (a running one keeps its devices)
     try:
       jax.config.update("jax_num_cpu_devices", 8)
@@ -469,17 +597,40 @@ def main(argv=None):
                                 args.repeats, args.interpret):
         print(format_quant_row(row), flush=True)
     return
-  print(gpu_header() if gpu else header(), flush=True)
+  if args.proxies:
+    print(PROXY_HEADER, flush=True)
+    square = [(m, kn, kn, g) for m in args.m for kn in args.kn for g in args.groups
+              ] if square_given else []
+    for row in run_proxies(list(args.shapes or ([] if square else MOE_SHAPES)) + square,
+                           args.sizes):
+      print(row, flush=True)
+    return
+  if args.autotune:
+    print(AUTOTUNE_HEADER, flush=True)
+    square = [(m, kn, kn, g) for m in args.m for kn in args.kn for g in args.groups]
+    shapes = list(args.shapes or ([] if square else MOE_SHAPES)) + square
+    for dtype in args.dtypes:
+      for row in run_autotune(shapes, jnp.dtype(dtype), "fwd+bwd" in args.modes, args.repeats,
+                              args.interpret, args.implementation):
+        print(row, flush=True)
+    return
+  if gpu:
+    print(gpu_header(), flush=True)
+    square = [(m, kn, kn, g) for m in args.m for kn in args.kn for g in args.groups]
+    shapes = list(args.shapes or ([] if square else MOE_SHAPES)) + square
+    for dtype in args.dtypes:
+      for shape in shapes:
+        for distribution in args.sizes:
+          for row in run_gpu_case(jnp.dtype(dtype), shape, distribution, args.modes,
+                                  args.implementation, args.repeats, args.interpret):
+            print(format_gpu_row(row), flush=True)
+    return
+  print(header(), flush=True)
   for dtype in args.dtypes:
     for m, kn, num_groups, distribution in _shapes(args):
-      if gpu:
-        rows = run_gpu_case(jnp.dtype(dtype), m, kn, num_groups, distribution, args.modes,
-                            args.implementation, args.repeats, args.interpret)
-      else:
-        rows = run_case(jnp.dtype(dtype), m, kn, num_groups, distribution, args.modes,
-                        args.implementation, args.repeats)
-      for row in rows:
-        print(format_gpu_row(row) if gpu else format_row(row), flush=True)
+      for row in run_case(jnp.dtype(dtype), m, kn, num_groups, distribution, args.modes,
+                          args.implementation, args.repeats):
+        print(format_row(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 
-from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_dims
+from gmm_jax._src import tuning
+from gmm_jax._src.config import GmmConfig, Problem, Tiling, accumulator_dtype, problem_dims
 from gmm_jax._src.qarray import QArray, quant_mode
 
 
@@ -100,11 +102,21 @@ def quant_static(quant: QuantOperands | None) -> QuantStatic | None:
   return QuantStatic(quant.mode, quant.rhs_zero is not None, quant.k_block)
 
 
-_SUPPORTED = ("the kernels dequantize in-kernel for m-grouping: weight-only int8/int4/fp8 "
-              "weights (per-tensor, per-channel or per-group scales, optional zero points) "
-              "and int8 x int8 with per-token/per-tensor x per-channel/per-tensor scales")
 _WEIGHT_TYPES = tuple(np.dtype(t) for t in (jnp.int8, jnp.int4, jnp.float8_e4m3fn,
                                             jnp.float8_e5m2))
+_FP8_TYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+# (lhs values, rhs values) pairs of "scaled" mode (per-token x per-channel scales, exact
+# products of the values). INT8_SCALED is what every kernel serves; a kernel that also
+# multiplies 8-bit floats declares FP8_SCALED too (see `check_quant`).
+INT8_SCALED = ((np.dtype(jnp.int8), np.dtype(jnp.int8)),)
+FP8_SCALED = tuple((a, b) for a in _FP8_TYPES for b in _FP8_TYPES)
+
+
+def _supported(scaled_types) -> str:
+  pairs = ", ".join(f"{a.name} x {b.name}" for a, b in scaled_types)
+  return ("the kernels dequantize in-kernel for m-grouping: weight-only int8/int4/fp8 "
+          "weights (per-tensor, per-channel or per-group scales, optional zero points) "
+          f"and scaled {pairs} with per-token/per-tensor x per-channel/per-tensor scales")
 
 
 def _rhs_scale_layout(rhs: QArray, cfg):
@@ -117,44 +129,50 @@ def _rhs_scale_layout(rhs: QArray, cfg):
   return scale, zero, tile
 
 
-def check_quant(lhs, rhs, cfg) -> None:
+def check_quant(lhs, rhs, cfg, *, scaled_types=INT8_SCALED) -> None:
   """Raises NotImplementedError for quantized operands the kernels cannot dequantize
   in-kernel (shapes and dtypes only: it runs on abstract values too). Plain operands pass.
+
+  Args:
+    scaled_types: the (lhs values, rhs values) dtype pairs whose "scaled" mode the kernel
+      multiplies in-kernel (`INT8_SCALED`, optionally `FP8_SCALED`).
   """
   lq, rq = isinstance(lhs, QArray), isinstance(rhs, QArray)
   if not lq and not rq:
     return
+  supported = _supported(scaled_types)
   mode = quant_mode(lhs, rhs, cfg)
   if cfg.group_type != "m" or mode not in ("weight_only", "scaled"):
-    raise NotImplementedError(f"{_SUPPORTED}; got group_type={cfg.group_type!r}, mode {mode}")
+    raise NotImplementedError(f"{supported}; got group_type={cfg.group_type!r}, mode {mode}")
   if rhs.qtype not in _WEIGHT_TYPES:
-    raise NotImplementedError(f"{_SUPPORTED}; got rhs values {rhs.qtype}")
+    raise NotImplementedError(f"{supported}; got rhs values {rhs.qtype}")
   n = rhs.shape[-2] if cfg.transpose_rhs else rhs.shape[-1]
   scale_n = rhs.scale.shape[-2] if cfg.transpose_rhs else rhs.scale.shape[-1]
   if scale_n not in (1, n):
-    raise NotImplementedError(f"{_SUPPORTED}; got rhs scales blocked along N {rhs.scale.shape}")
+    raise NotImplementedError(f"{supported}; got rhs scales blocked along N {rhs.scale.shape}")
   if mode == "weight_only":
     return
-  if (lhs.qtype != np.dtype(jnp.int8) or rhs.qtype != np.dtype(jnp.int8)
+  pairs = {(np.dtype(a), np.dtype(b)) for a, b in scaled_types}
+  if ((np.dtype(lhs.qtype), np.dtype(rhs.qtype)) not in pairs
       or lhs.zero_point is not None or rhs.zero_point is not None):
     raise NotImplementedError(
-        f"{_SUPPORTED}; got {lhs.qtype} x {rhs.qtype} (zero points: "
+        f"{supported}; got {lhs.qtype} x {rhs.qtype} (zero points: "
         f"{lhs.zero_point is not None}, {rhs.zero_point is not None})")
   m = lhs.shape[1] if cfg.transpose_lhs else lhs.shape[0]
   scale_m = lhs.scale.shape[1] if cfg.transpose_lhs else lhs.scale.shape[0]
   if scale_m not in (1, m):
-    raise NotImplementedError(f"{_SUPPORTED}; got lhs scales {lhs.scale.shape}")
+    raise NotImplementedError(f"{supported}; got lhs scales {lhs.scale.shape}")
 
 
-def prepare_quant(lhs, rhs, cfg, m: int, k: int, n: int):
+def prepare_quant(lhs, rhs, cfg, m: int, k: int, n: int, *, scaled_types=INT8_SCALED):
   """Splits QArray operands into plain values + `QuantOperands` for an in-kernel
   dequantizing gmm (NotImplementedError from `check_quant` for what the kernels cannot
-  serve).
+  serve; `scaled_types` as there).
 
   Returns:
     (lhs values, rhs values, QuantOperands or None when neither operand is quantized).
   """
-  check_quant(lhs, rhs, cfg)
+  check_quant(lhs, rhs, cfg, scaled_types=scaled_types)
   if not isinstance(rhs, QArray):
     return lhs, rhs, None
   mode = quant_mode(lhs, rhs, cfg)
@@ -184,11 +202,16 @@ def dequantize_tile(w, scale_row, zero_row, transposed: bool, dtype):
 
 def kernel_dtypes(lhs, rhs, quant: QuantOperands | None):
   """(dot dtype, accumulator dtype) of a kernel on prepared operands: weight-only
-  dequantizes the weights to the activations' float type; otherwise the promoted type, with
-  an int32 accumulator for integers and f32 for floats."""
+  dequantizes the weights to the activations' float type; two different 8-bit floats
+  (scaled e4m3 x e5m2, which no MMA takes as a pair) meet in bf16, which holds both
+  exactly; otherwise the promoted type, with an int32 accumulator for integers and f32 for
+  floats."""
   if quant is not None and quant.mode == "weight_only":
     dot_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
     return np.dtype(dot_dtype), np.dtype(jnp.float32)
+  if np.dtype(lhs.dtype) != np.dtype(rhs.dtype) and {np.dtype(lhs.dtype),
+                                                     np.dtype(rhs.dtype)} <= set(_FP8_TYPES):
+    return np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
   return np.dtype(jnp.promote_types(lhs.dtype, rhs.dtype)), accumulator_dtype(lhs.dtype,
                                                                               rhs.dtype)
 
@@ -214,6 +237,7 @@ class Prepared(NamedTuple):
     tiling: the tiles (the user's, else the kernel's heuristic), with the quantized K step.
     out_shape: the result's shape.
     empty: nothing to compute (no group, or M or N is 0): the result is zeros.
+    problem: the `Problem` the tiling was chosen for (None with an explicit tiling).
   """
 
   lhs: jax.Array
@@ -225,31 +249,45 @@ class Prepared(NamedTuple):
   tiling: Tiling
   out_shape: tuple[int, ...]
   empty: bool
+  problem: Problem | None = None
 
 
 def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
              default_tiling: Callable[..., Tiling], check_tiling: Callable[..., None],
-             unsupported: Callable[[object], set], backend: str) -> Prepared:
+             unsupported: Callable[[object], set], backend: str,
+             implementation: str | None = None, platform: str | None = None,
+             scaled_types=INT8_SCALED) -> Prepared:
   """The steps every kernel entry point takes before its pallas_call.
 
   Args:
     lhs, rhs, counts, cfg: the canonical call (see `GmmConfig`).
-    tiling: an explicit tiling (else ``cfg.tiling``, else `default_tiling`).
+    tiling: an explicit tiling; else `tuning.choose` picks ``cfg.tiling`` (a Tiling, a
+      callable or `Tilings`), the autotune cache, the built-in tile table or
+      `default_tiling`, in that order.
     default_tiling: ``(m, k, n, cfg, itemsize) -> Tiling``, the kernel's heuristic.
     check_tiling: ``(tiling, m, k, n, cfg)``; raises NotImplementedError for tiles the
       kernel cannot use.
     unsupported: ``activation -> set of primitive names`` the compiled kernel cannot lower.
     backend: the kernel's name, for messages.
+    implementation, platform: the registered name and platform of the kernel (the keys of
+      the tile tables and the autotune cache).
+    scaled_types: the "scaled" dtype pairs the kernel multiplies (see `check_quant`).
 
   Raises:
     NotImplementedError: quantized operands the kernels cannot dequantize, tiles they
       cannot use, or (compiled mode) an activation they cannot lower.
   """
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
-  lhs, rhs, quant = prepare_quant(lhs, rhs, cfg, m, k, n)
+  mode = quant_mode(lhs, rhs, cfg)
+  lhs, rhs, quant = prepare_quant(lhs, rhs, cfg, m, k, n, scaled_types=scaled_types)
   dot_dtype, acc_dtype = kernel_dtypes(lhs, rhs, quant)
-  tiling = with_quant_k_step(
-      tiling or cfg.tiling or default_tiling(m, k, n, cfg, dot_dtype.itemsize), quant, k)
+  problem = None
+  if tiling is None:
+    problem = tuning.make_problem(implementation, platform, lhs, rhs, counts, cfg, (m, k, n),
+                                  mode)
+    tiling = tuning.choose(problem, cfg.tiling,
+                           lambda: default_tiling(m, k, n, cfg, dot_dtype.itemsize))
+  tiling = with_quant_k_step(tiling, quant, k)
   check_tiling(tiling, m, k, n, cfg)
   if not cfg.interpret:
     missing = unsupported(cfg.activation)
@@ -266,5 +304,28 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
     # zero-sized operand; the group bounds still see K = 0).
     lhs = jnp.zeros((1, m) if cfg.transpose_lhs else (m, 1), lhs.dtype)
     rhs = jnp.zeros(rhs.shape[:-2] + ((n, 1) if cfg.transpose_rhs else (1, n)), rhs.dtype)
-  return Prepared(lhs, rhs, quant, (m, k, n), dot_dtype, acc_dtype, tiling, out_shape, empty)
+  return Prepared(lhs, rhs, quant, (m, k, n), dot_dtype, acc_dtype, tiling, out_shape, empty,
+                  problem)
+
+
+def pallas_call(kernel, prepared: Prepared, *, name: str, tiles: tuple[int, ...], **options):
+  """``pl.pallas_call(kernel, name=name, **options)``, noting the launch (`tuning.Launch`:
+  name, grid, tiles, VMEM limit) for `gmm_jax.aot` and the benchmarks."""
+  grid = options.get("grid")
+  if grid is None and options.get("grid_spec") is not None:
+    grid = options["grid_spec"].grid
+  grid = tuple(int(g) if isinstance(g, (int, np.integer)) else -1  # -1: sized at run time
+               for g in (grid if isinstance(grid, (tuple, list)) else (grid or 1,)))
+  params = options.get("compiler_params")
+  note_launch(prepared, name, grid, tiles, getattr(params, "vmem_limit_bytes", None))
+  return pl.pallas_call(kernel, name=name, **options)
+
+
+def note_launch(prepared: Prepared, name: str, grid: tuple[int, ...], tiles, vmem_limit=None):
+  """Notes a kernel launch (`tuning.Launch`) for `gmm_jax.aot` and the benchmarks."""
+  problem = prepared.problem
+  tuning.note_launch(tuning.Launch(
+      name=name, implementation=None if problem is None else problem.implementation,
+      problem=problem, grid=tuple(grid), tiles=tuple(int(t) for t in tiles),
+      vmem_limit=vmem_limit))
 

@@ -93,7 +93,7 @@ def test_ragged_dot_zero_groups_matches_lax():
 def test_platform_chains():
   cfg = gmm_jax.GmmConfig(group_type="m", num_local=1)
   assert dispatch.candidates(cfg, "cpu") == ("xla", "reference")
-  assert dispatch.candidates(cfg, "gpu") == ("pallas_triton", "xla")
+  assert dispatch.candidates(cfg, "gpu") == ("pallas_mosaic_gpu", "pallas_triton", "xla")
   assert dispatch.candidates(cfg, "tpu") == ("pallas_tpu", "xla")
   assert dispatch.candidates(cfg.replace(implementation="reference"), "tpu") == ("reference",)
 
@@ -457,7 +457,7 @@ _ERRORS = [
      "integer array, got dtype float32"),
     ("no_group_list", _gmm(group_list=None), "needs a group_list"),
     ("implementation", _gmm(implementation="triton"), r"unknown implementation 'triton'.*xla"),
-    ("tiling_type", _gmm(tiling=(128, 128, 128)), r"tiling must be a gmm_jax.Tiling .*\(128, 128"),
+    ("tiling_type", _gmm(tiling=(128, 128, 128)), r"tiling must be None, a gmm_jax.Tiling.*\(128, 128"),
     ("group_offset_past_g", _gmm(rhs=_RHS[:2], group_offset=4), r"\[0, 3\], got 4"),
     ("group_offset_negative", _gmm(rhs=_RHS[:2], group_offset=-1), r"\[0, 3\], got -1"),
     ("group_offset_float", _gmm(rhs=_RHS[:2], group_offset=1.5), "integer scalar, got 1.5"),

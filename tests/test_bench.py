@@ -34,14 +34,15 @@ def test_cpu_table(capsys):
 
 def test_gpu_table_in_interpret_mode(capsys):
   bench.main(["--platform", "gpu", "--interpret", "--m", "64", "--kn", "32", "--groups", "3",
-              "--repeats", "1"])
+              "--repeats", "1", "--implementation", "pallas_triton"])
   rows = _rows(capsys.readouterr().out)
-  assert [row[4:6] for row in rows] == [["balanced", "fwd"], ["balanced", "fwd+bwd"],
+  assert [row[5:7] for row in rows] == [["balanced", "fwd"], ["balanced", "fwd+bwd"],
                                         ["skewed", "fwd"], ["skewed", "fwd+bwd"]]
   for row in rows:
-    assert row[0] == "bfloat16" and float(row[6]) > 0
+    assert row[1:5] == ["64", "32", "32", "3"] and row[7] == "pallas_triton"
+    assert float(row[8]) > 0
     assert float(row[-1]) < 1e-2  # the Triton kernel agrees with jax.lax.ragged_dot
-  assert np.isfinite(float(rows[0][9]))  # gmm % of dense
+  assert np.isfinite(float(rows[0][11]))  # gmm % of dense
 
 
 def test_quant_table(capsys):

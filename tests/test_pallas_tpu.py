@@ -14,7 +14,7 @@ from gmm_jax._src.reference import gmm_reference
 from gmm_jax.pallas.tpu import gmm as tpu_gmm
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
 from lowering import lower_for, mosaic_calls
-from oracle import f64, tolerances
+from oracle import f64, gmm_oracle, local_rows, tolerances
 
 
 class TestPallasTpu(GmmTestBase):
@@ -85,6 +85,207 @@ def test_default_tiling_is_blockable(group_type, m, k, n, num_local, itemsize, t
   cfg = GmmConfig(group_type=group_type, num_local=num_local, transpose_lhs=transpose_lhs)
   tiling = tpu_gmm.default_tiling(m, k, n, cfg, itemsize)
   tpu_gmm.check_tiling(tiling, m, k, n, cfg)  # raises if Mosaic could not block it
+
+
+# ------------------------------------------- rows no item owns, K edge, VMEM, cost model
+
+
+def _m_problem(m, k, n, num_local, seed=3):
+  rng = np.random.default_rng(seed)
+  lhs = rng.standard_normal((m, k)).astype(np.float32)
+  rhs = rng.standard_normal((num_local, k, n)).astype(np.float32)
+  bias = rng.standard_normal((num_local, n)).astype(np.float32)
+  return lhs, rhs, bias
+
+
+@pytest.mark.parametrize("sizes, offset, num_local", [
+    ([70, 0, 41, 100], 1, 2),  # local rows [70, 111): tiles before and after have no item
+    ([10, 20, 5, 0], 0, 4),  # rows past the total (35 of 230)
+    ([100, 50, 60, 20], 4, 2),  # no local group at all: every tile is a zero item
+])
+@pytest.mark.parametrize("tile_k", [128, 512])  # several K steps (edge masked) / one
+def test_rows_no_item_owns_are_zero_from_the_kernel(sizes, offset, num_local, tile_k):
+  # NaN in every lhs row that no local group owns: it must not reach the output, and those
+  # rows must be exactly 0 (interpret mode fills never-written output with NaN).
+  m, k, n = 230, 300, 200
+  lhs, rhs, bias = _m_problem(m, k, n, num_local)
+  owned = local_rows(sizes, m, offset, num_local)
+  lhs[~owned] = np.nan
+  cfg = GmmConfig(group_type="m", num_local=num_local, activation="silu",
+                  out_dtype=np.dtype("float32"), interpret=True)
+  tiling = Tiling(tile_m=64, tile_k=tile_k, tile_n=128)
+  args = (jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32), jnp.int32(offset),
+          jnp.asarray(bias))
+  got = np.asarray(jax.jit(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, tiling))(*args))
+  assert np.all(got[~owned] == 0)
+  want = gmm_oracle(np.where(owned[:, None], lhs, 0), rhs, sizes, "m", bias=bias,
+                    activation="silu", group_offset=offset, num_local=num_local)
+  np.testing.assert_allclose(got, want, **tolerances(jnp.float32, k=k))
+  # The kernel's output is the result: no select pass over it after the call.
+  jaxpr = jax.make_jaxpr(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, tiling))(*args).jaxpr
+  producer = next(e for e in jaxpr.eqns if jaxpr.outvars[0] in e.outvars)
+  assert producer.primitive.name == "pallas_call"
+
+
+@pytest.mark.parametrize("transpose_lhs, transpose_rhs", [(False, False), (True, True)])
+@pytest.mark.parametrize("k", [300, 384])  # a ragged K edge (masked on the last step) / none
+def test_k_edge_masked_on_the_last_step_is_exact(k, transpose_lhs, transpose_rhs):
+  # Three K steps of 128: the last one is 44 columns of data and 84 of padding.
+  m, n, sizes = 200, 130, [90, 0, 60, 50]
+  lhs, rhs, bias = _m_problem(m, k, n, 4, seed=11)
+  lhs, rhs = lhs * 100, rhs * 100  # padding that leaked in would show far above tolerance
+  stored_lhs = lhs.T if transpose_lhs else lhs
+  stored_rhs = np.swapaxes(rhs, 1, 2) if transpose_rhs else rhs
+  cfg = GmmConfig(group_type="m", num_local=4, transpose_lhs=transpose_lhs,
+                  transpose_rhs=transpose_rhs, out_dtype=np.dtype("float32"), interpret=True)
+  tiling = Tiling(tile_m=128, tile_k=128, tile_n=128)
+  got = tpu_gmm.gmm_tpu(jnp.asarray(stored_lhs), jnp.asarray(stored_rhs),
+                        jnp.asarray(sizes, jnp.int32), jnp.int32(0), None, cfg, tiling)
+  want = gmm_oracle(lhs, rhs, sizes, "m")
+  np.testing.assert_allclose(f64(got), want, rtol=1e-5, atol=1e-5 * 1e4 * np.sqrt(k))
+
+
+def test_several_k_steps_with_zero_items_and_partial_row_chunks():
+  # tile_m 256 with 128-row MXU slices: items that own part of a tile compute only the
+  # slices they touch; several K steps; tiles with no local group are zero items.
+  m, k, n, sizes = 700, 300, 140, [0, 130, 3, 300, 0, 120]
+  lhs, rhs, bias = _m_problem(m, k, n, 3, seed=5)
+  cfg = GmmConfig(group_type="m", num_local=3, activation="gelu",
+                  out_dtype=np.dtype("float32"), interpret=True)
+  tiling = Tiling(tile_m=256, tile_k=128, tile_n=128)
+  got = tpu_gmm.gmm_tpu(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32),
+                        jnp.int32(1), jnp.asarray(bias), cfg, tiling)
+  want = gmm_oracle(lhs, rhs, sizes, "m", bias=bias, activation="gelu", group_offset=1,
+                    num_local=3)
+  np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=k))
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_weight_only_cast_cache_follows_the_group(offset):
+  # One K step: the cast int8 weight tile is cached per (column block, group); leading zero
+  # items (offset 1: tiles 0 and 1 hold no local row) must not leave a stale cache.
+  m, k, n, sizes = 230, 256, 200, [70, 60, 41, 59]
+  rng = np.random.default_rng(9)
+  w = rng.standard_normal((3, k, n)).astype(np.float32) / 16
+  q = gmm_jax.quantize(w, jnp.int8, channelwise_axes=(0, 2))
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+
+  def run(implementation):
+    return gmm_jax.gmm(x, q, sizes, group_offset=offset, preferred_element_type=jnp.float32,
+                       implementation=implementation, interpret=True,
+                       tiling=Tiling(tile_m=32, tile_k=256, tile_n=128))
+
+  got, want = np.asarray(run("pallas_tpu")), np.asarray(run("xla"))
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  assert np.all(got[~local_rows(sizes, m, offset, 3)] == 0)
+
+
+def test_m_items_cover_every_tile_once_in_order():
+  sizes = jnp.asarray([70, 0, 41, 100], jnp.int32)
+  arrays, count = tpu_gmm.m_items(sizes, 230, 32, jnp.int32(1), 2, k_steps=3)
+  groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed = (
+      np.asarray(a)[:int(count)] for a in arrays)
+  # Local groups: global 1 (empty) and 2, rows [70, 111), in tiles 2 and 3 of 8.
+  assert int(count) == 8
+  np.testing.assert_array_equal(out_tiles, np.arange(8))
+  np.testing.assert_array_equal(real, [0, 0, 1, 1, 0, 0, 0, 0])
+  np.testing.assert_array_equal(starts, [0, 0, 70, 96, 0, 0, 0, 0])
+  np.testing.assert_array_equal(ends, [0, 0, 96, 111, 0, 0, 0, 0])
+  # Zero items reuse a neighbour's blocks: the first real item's before it (K block 0),
+  # the previous real item's after it (its last K block): no new DMA.
+  np.testing.assert_array_equal(lhs_tiles, [2, 2, 2, 3, 3, 3, 3, 3])
+  np.testing.assert_array_equal(groups, [1] * 8)
+  np.testing.assert_array_equal(k_fixed, [0, 0, 0, 0, 2, 2, 2, 2])
+
+
+def test_vmem_bytes_and_limit():
+  tiling = Tiling(tile_m=512, tile_k=4096, tile_n=1024)
+  needed = tpu_gmm.vmem_bytes(tiling, "m", lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
+                              dot_itemsize=2, k_steps=1)
+  blocks = 2 * 512 * 4096 * 2 + 2 * 4096 * 1024 * 2 + 2 * 512 * 1024 * 2
+  assert needed == blocks + 2 * 512 * 1024 * 4  # + the f32 dot result and a temporary
+  with_acc = tpu_gmm.vmem_bytes(tiling, "m", lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
+                                dot_itemsize=2, k_steps=2)
+  assert with_acc == needed + 512 * 1024 * 4
+  mib = 2**20
+  # 25% + 4 MiB headroom, rounded up to a MiB, capped below the capacity less the reserve.
+  assert tpu_gmm.vmem_limit(40 * mib, capacity=128 * mib) == 54 * mib
+  assert tpu_gmm.vmem_limit(40 * mib + 1, capacity=128 * mib) == 55 * mib
+  assert tpu_gmm.vmem_limit(100 * mib, capacity=128 * mib) == 120 * mib
+  with pytest.raises(NotImplementedError, match="VMEM"):
+    tpu_gmm.vmem_limit(121 * mib, capacity=128 * mib)
+
+
+def test_tiles_too_large_for_vmem_are_refused():
+  m, k, n = 4096, 8192, 8192
+  cfg = GmmConfig(group_type="m", num_local=2, out_dtype=np.dtype("float32"))
+  args = (jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((2, k, n), jnp.float32),
+          jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32), None)
+  huge = Tiling(tile_m=1024, tile_k=8192, tile_n=4096)
+  with pytest.raises(NotImplementedError, match="MiB of VMEM"):
+    jax.eval_shape(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, huge), *args)
+  info = tpu_gmm.plan(*args[:2], args[2], cfg)  # the default tiles fit
+  assert info["vmem_limit_bytes"] <= tpu_gmm.vmem_capacity() - tpu_gmm.VMEM_RESERVE
+
+
+@pytest.mark.parametrize("m, k, n, num_local", [(16384, 4096, 14336, 8), (8192, 2048, 1408, 64),
+                                                (64, 4096, 14336, 8)])
+@pytest.mark.parametrize("group_type", ["m", "k"])
+def test_default_tiles_cover_k_and_split_n_evenly(m, k, n, num_local, group_type):
+  cfg = GmmConfig(group_type=group_type, num_local=num_local, out_dtype=np.dtype("bfloat16"))
+  tiling = tpu_gmm.default_tiling(m, k, n, cfg, 2)
+  if group_type == "m":
+    assert tiling.tile_k >= k  # weights fetched once per column block, not per item
+  assert n % tiling.tile_n == 0 and (tiling.tile_n % 128 == 0 or tiling.tile_n == n)
+  needed = tpu_gmm.vmem_bytes(tiling, group_type, lhs_itemsize=2, rhs_itemsize=2,
+                              out_itemsize=2, dot_itemsize=2, k_steps=1)
+  assert needed <= tpu_gmm.vmem_capacity() // 2
+
+
+def _zipf_sizes(m, groups, seed=0):
+  weights = 1.0 / np.arange(1, groups + 1)
+  sizes = np.floor(m * weights / weights.sum()).astype(np.int64)
+  sizes[: m - sizes.sum()] += 1
+  return np.random.default_rng(seed).permutation(sizes)
+
+
+def test_static_cost_model():
+  m, k, n, groups = 2048, 512, 768, 16
+  cfg = GmmConfig(group_type="m", num_local=groups, out_dtype=np.dtype("bfloat16"))
+  whole = Tiling(tile_m=128, tile_k=k, tile_n=n)
+  # 128 rows per group on 128-row tiles: no padding, and each operand moves once.
+  cost = tpu_gmm.static_cost(np.full(groups, 128), m, k, n, cfg, whole, 2, row_chunk=128)
+  assert cost["useful_rows"] == m and cost["mma_rows"] == m
+  assert cost["grid_steps"] == cost["work_steps"] == groups
+  assert cost["hbm_bytes"] == cost["ideal_bytes"] == (m * k + groups * k * n + m * n) * 2
+  # Zipf sizes: a 512-row tile computes only the 128-row MXU slices an item touches.
+  zipf = _zipf_sizes(m, groups)
+  big = Tiling(tile_m=512, tile_k=k, tile_n=n)
+  sliced = tpu_gmm.static_cost(zipf, m, k, n, cfg, big, 2, row_chunk=128)
+  unsliced = tpu_gmm.static_cost(zipf, m, k, n, cfg, big, 2, row_chunk=512)
+  assert sliced["useful_rows"] == m
+  assert sliced["group_aligned_rows"] <= sliced["mma_rows"] < unsliced["mma_rows"]
+  # Tile-aligned items pay up to one 128-row slice per group boundary on each side: with a
+  # mean of 128 rows per group that is ~2x (the group-aligned floor is ~1.5x).
+  assert sliced["mma_rows"] <= 2 * m
+  # Two K steps: an item re-fetches its group's weights (K block changes every step).
+  split = Tiling(tile_m=512, tile_k=k // 2, tile_n=n)
+  one = tpu_gmm.static_cost([m], m, k, n, cfg.replace(num_local=1), split, 2)
+  assert one["hbm_bytes"] == (m * k + 4 * k * n + m * n) * 2
+  # Local rows [70, 111) (one non-empty local group): zero items for the other tiles, which
+  # fetch nothing new.
+  remote = tpu_gmm.static_cost([70, 0, 41, 100], 230, k, n, cfg.replace(num_local=2),
+                               Tiling(tile_m=32, tile_k=k, tile_n=n), 2, group_offset=1,
+                               row_chunk=32)
+  assert remote["grid_steps"] == 8 and remote["work_steps"] == 2
+  assert remote["useful_rows"] == 41
+  assert remote["hbm_bytes"] == (2 * 32 * k + k * n + 230 * n) * 2
+  # k-grouping: (M tiles, N tiles, items); lhs is re-read per column block.
+  kcfg = GmmConfig(group_type="k", num_local=4, out_dtype=np.dtype("float32"))
+  kcost = tpu_gmm.static_cost([256, 0, 128, 128], 256, 512, 256, kcfg,
+                              Tiling(tile_m=256, tile_k=128, tile_n=128), 2)
+  assert kcost["useful_rows"] == 512 and kcost["mma_rows"] == 512
+  assert kcost["hbm_bytes"] == (2 * 256 * 512 + 512 * 256) * 2 + 4 * 256 * 256 * 4
 
 
 # ----------------------------------------------------------------------- lowering for TPU

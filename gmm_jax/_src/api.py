@@ -17,7 +17,7 @@ from jax import lax
 from gmm_jax._src import backends  # noqa: F401  (registers the implementations)
 from gmm_jax._src import dispatch, group_list, op, quantized
 from gmm_jax._src import sharding as sharding_lib
-from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling
+from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling, Tilings
 from gmm_jax._src.epilogue import resolve_activation
 from gmm_jax._src.grouped_array import GroupedArray
 from gmm_jax._src.qarray import QArray, QuantSpec, as_qarray, quant_mode
@@ -336,8 +336,9 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
     raise NotImplementedError(
         "output_scale/output_offset (requantization) apply to quantized operands (QArray or "
         "quantize_lhs/quantize_rhs); for float operands scale the result")
-  if tiling is not None and not isinstance(tiling, Tiling):
-    raise ValueError(f"tiling must be a gmm_jax.Tiling or None, got {tiling!r}")
+  if tiling is not None and not isinstance(tiling, (Tiling, Tilings)) and not callable(tiling):
+    raise ValueError(f"tiling must be None, a gmm_jax.Tiling, a callable gmm_jax.Problem -> "
+                     f"Tiling | None, or gmm_jax.Tilings, got {tiling!r}")
   if sharding is not None and not isinstance(sharding, sharding_lib.GmmSharding):
     raise ValueError(f"sharding must be a gmm_jax.GmmSharding or None, got {sharding!r}")
   float_activations = not lhs_q and quantize_lhs is None
@@ -377,7 +378,7 @@ def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
         activation: str | Callable[[Array], Array] | None = None, transpose_lhs: bool = False,
         transpose_rhs: bool = False, preferred_element_type=None, precision=None,
         group_offset=None, implementation: str | Sequence[str] | None = None,
-        interpret: bool = False, tiling: Tiling | None = None, output_scale=None,
+        interpret: bool = False, tiling: Tiling | Tilings | Callable | None = None, output_scale=None,
         output_offset=None, quantize_lhs: QuantSpec | None = None,
         quantize_rhs: QuantSpec | None = None, straight_through: bool = True,
         sharding: sharding_lib.GmmSharding | None = None,
@@ -426,10 +427,14 @@ def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
       "reference", "pallas_triton", "pallas_tpu"; see `gmm_jax.implementations`), or a
       sequence of names tried in order (the first that serves the call runs).
     interpret: run Pallas kernels in interpret mode (any platform).
-    tiling: a `Tiling` overriding the chosen implementation's tile heuristic for the
-      forward call (the transposed gmms of the backward keep the heuristic). A backend that
-      cannot use it (e.g. Triton needs powers of 2) raises NotImplementedError and the
-      chain moves on.
+    tiling: None: each implementation picks its tiles from `gmm_jax.autotune`'s cache,
+      else its built-in per-target tile table, else its heuristic. A `Tiling` fixes the
+      forward call's tiles (the backward's gmms keep the automatic choice); a callable
+      ``gmm_jax.Problem -> Tiling | None`` chooses for every gmm of the call, forward and
+      backward (None: the automatic choice); `gmm_jax.Tilings(fwd=, dlhs=, drhs=)` gives
+      each of the three gmms its own (Tiling, callable or None). A backend that cannot use
+      a tiling (e.g. Triton needs powers of 2) raises NotImplementedError and the chain
+      moves on.
     output_scale, output_offset: quantized operands only: ``y * output_scale +
       output_offset`` after the activation, before the cast (requantization when the output
       dtype is an integer: rounded to nearest even and saturated). Scalar, ``[N]``,

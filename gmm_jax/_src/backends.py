@@ -15,13 +15,14 @@ from gmm_jax._src.xla import gmm_xla
 # Preference order per platform; names that did not register are skipped.
 CHAINS = {
     "cpu": ("xla", "reference"),
-    "gpu": ("pallas_triton", "xla"),
+    "gpu": ("pallas_mosaic_gpu", "pallas_triton", "xla"),
     "tpu": ("pallas_tpu", "xla"),
 }
 # (name, module, function, platform) of each kernel family. They dequantize in-kernel;
 # the module's `check_operands` says which quantized layouts they take.
 KERNELS = (
     ("pallas_tpu", "gmm_jax.pallas.tpu", "gmm_tpu", "tpu"),
+    ("pallas_mosaic_gpu", "gmm_jax.pallas.gpu.mosaic", "gmm_mosaic_gpu", "gpu"),
     ("pallas_triton", "gmm_jax.pallas.gpu", "gmm_triton", "gpu"),
 )
 

@@ -46,6 +46,66 @@ class Tiling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tilings:
+  """Separate tilings for the three gmms of a training step.
+
+  fwd: the forward gmm; dlhs: the gmm computing the gradient of lhs; drhs: the gmm computing
+  the gradient of rhs (the weight gradient: a k-grouped gmm when the forward is m-grouped).
+  Each is a `Tiling`, a callable ``Problem -> Tiling | None``, or None (the tuned or built-in
+  choice).
+  """
+
+  fwd: Any = None
+  dlhs: Any = None
+  drhs: Any = None
+
+  def __post_init__(self):
+    for name in ("fwd", "dlhs", "drhs"):
+      value = getattr(self, name)
+      if value is not None and not isinstance(value, Tiling) and not callable(value):
+        raise ValueError(
+            f"Tilings.{name} must be a Tiling, a callable Problem -> Tiling or None, got "
+            f"{value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """What a tiling is chosen for: one gmm as one implementation runs it.
+
+  A ``tiling=`` callable receives this and returns a `Tiling` (or None for the default
+  choice); `gmm_jax.autotune` and the built-in tile tables are keyed by it.
+
+  Fields:
+    implementation: the registered implementation that runs it ("pallas_triton", ...).
+    platform: "cpu", "gpu" or "tpu".
+    device_kind: the target device's kind ("NVIDIA H200", "TPU v5 lite", "cpu"), None when
+      unknown.
+    group_type, m, k, n: the canonical call (see `GmmConfig`).
+    num_groups: G, the groups of the group list; num_local: groups held locally.
+    lhs_dtype, rhs_dtype: the stored operand dtypes (quantized values for a QArray).
+    out_dtype: the result's dtype.
+    quant_mode: "none", "weight_only", "scaled", ...
+    transpose_lhs, transpose_rhs: the stored layouts.
+  """
+
+  implementation: str
+  platform: str | None
+  device_kind: str | None
+  group_type: str
+  m: int
+  k: int
+  n: int
+  num_groups: int
+  num_local: int
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+  out_dtype: np.dtype
+  quant_mode: str = "none"
+  transpose_lhs: bool = False
+  transpose_rhs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class GmmConfig:
   """Everything about a gmm call that is static under jit (hashable: it is a parameter of
   the gmm primitive).
@@ -65,7 +125,9 @@ class GmmConfig:
     precision: passed to the dots (a canonical `jax.lax.Precision`, pair or algorithm).
     implementation: None (the platform's chain) or the names to try, in order.
     interpret: run Pallas kernels in interpret mode.
-    tiling: a `Tiling` that overrides the backend's heuristic, or None.
+    tiling: None (tuned cache, built-in tile table, else the backend's heuristic), a `Tiling`,
+      a callable ``Problem -> Tiling | None``, or `Tilings` (per gmm of a training step;
+      the op hands each backward gmm its entry).
     platform: None (the platform the call is lowered for) or a platform whose chain to use.
   """
 
@@ -78,7 +140,7 @@ class GmmConfig:
   precision: Any = None
   implementation: tuple[str, ...] | None = None
   interpret: bool = False
-  tiling: Tiling | None = None
+  tiling: Any = None
   platform: Platform | None = None
 
   def __post_init__(self):

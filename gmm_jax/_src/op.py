@@ -46,7 +46,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gmm_jax._src import dispatch, group_list, metadata, strategy
+from gmm_jax._src import dispatch, group_list, metadata, strategy, tuning
 from gmm_jax._src.config import GmmConfig, output_shape, preactivation_dtype
 from gmm_jax._src.epilogue import finish, resolve_activation
 from gmm_jax._src.qarray import QArray, dequantize, quant_mode
@@ -491,18 +491,21 @@ def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
       raise NotImplementedError(
           f"transposing gmm with respect to the components of a QArray {name} is not "
           "supported; transpose with respect to a float operand (or dequantize it first)")
-  # A user's tiling was chosen for the forward's shapes; transposed gmms use heuristics.
+  # A fixed Tiling was chosen for the forward's shapes: the transposed gmms take their
+  # `Tilings` entries (or the same callable), else the tuned/table/heuristic choice.
   base = cfg.replace(tiling=None)
+  dlhs_tiling = tuning.backward_tiling(cfg.tiling, "dlhs")
+  drhs_tiling = tuning.backward_tiling(cfg.tiling, "drhs")
   tl, tr = cfg.transpose_lhs, cfg.transpose_rhs
   ct_lhs = ct_rhs = ct_bias = None
   if cfg.group_type == "m":
     if ad.is_undefined_primal(lhs):
       ct_lhs = gmm(ct, rhs, counts, group_offset, None,
                      base.replace(transpose_lhs=False, transpose_rhs=not tr,
-                                  out_dtype=lhs.aval.dtype))  # [M, K]
+                                  out_dtype=lhs.aval.dtype, tiling=dlhs_tiling))  # [M, K]
       ct_lhs = ct_lhs.T if tl else ct_lhs
     if ad.is_undefined_primal(rhs):
-      k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype)
+      k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype, tiling=drhs_tiling)
       hint = _spec_hint(rhs)  # the weight gradient is laid out like the weights
       if tr:  # [L, N, K] = ct_g^T lhs_g
         ct_rhs = gmm(ct, _as_float(lhs), counts, group_offset, None,
@@ -520,12 +523,12 @@ def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
     if ad.is_undefined_primal(lhs):
       ct_lhs_t = gmm(_as_float(rhs), ct, counts, group_offset, None,
                        m_cfg.replace(transpose_lhs=tr, transpose_rhs=True,
-                                     out_dtype=lhs.aval.dtype))  # [K, M]
+                                     out_dtype=lhs.aval.dtype, tiling=dlhs_tiling))  # [K, M]
       ct_lhs = ct_lhs_t if tl else ct_lhs_t.T
     if ad.is_undefined_primal(rhs):
       ct_rhs = gmm(_as_float(lhs), ct, counts, group_offset, None,
                      m_cfg.replace(transpose_lhs=not tl, transpose_rhs=False,
-                                   out_dtype=rhs.aval.dtype))  # [K, N]
+                                   out_dtype=rhs.aval.dtype, tiling=drhs_tiling))  # [K, N]
       ct_rhs = ct_rhs.T if tr else ct_rhs
     if bias is not None and ad.is_undefined_primal(bias):
       ct_bias = jnp.sum(ct.astype(jnp.float32), axis=1).astype(bias.aval.dtype)

@@ -8,14 +8,32 @@ that holds it (8, 16, 32, 64, then steps of ~1.5x; one while loop per class, so 
 `lax.cond`/`lax.switch`, which copies the output on XLA:CPU), so the waste per item is under
 2x its own rows. Rows are written with a select, leaving exact zeros past the group total
 and in groups that are not local.
+
+Two XLA:CPU behaviours decide how 16-bit float operands enter the loops, and they differ
+between jax versions, so both are detected rather than assumed:
+- Some XLA:CPU versions (jax 0.10) convert every bf16/f16 array that a while loop carries
+  (the operands it slices) to f32 in full before the loop: a copy twice the weights' size
+  and a convert back on every slice. There the operands are carried as their 16-bit
+  pattern (`_as_bits`, itself one copy of them). Where XLA keeps them as they are (jax
+  0.12) that copy of all G weight matrices is pure loss (~1.5x the whole gmm at G=64), so
+  the operands go in untouched. `loop_upcasts_16bit` compiles a tiny loop once to tell.
+- The batched "head" pass for small 16-bit groups (`head_capacity`) pays off only where a
+  16-bit dot in a loop costs much more than its share of a batched dot (the AMX/oneDNN
+  path of an AVX-512 Xeon, or the bit-pattern loops of jax 0.10); otherwise it costs a
+  whole batched dot on top of the loops (2x the floor with skewed groups), so it is used
+  only on a CPU with AMX or where the operands are carried as bit patterns.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmm_jax._src import metadata
+from gmm_jax._src import metadata, tuning
 from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_dims
 from gmm_jax._src.epilogue import apply_epilogue
 
@@ -42,15 +60,55 @@ def _to_storage(x, storage):
   return x if x.dtype == storage else lax.bitcast_convert_type(x, storage)
 
 
-def _as_bits(x):
-  """A 16-bit float operand as its bit pattern, and a function that views a slice back.
+@functools.lru_cache(maxsize=None)
+def loop_upcasts_16bit() -> bool:
+  """Whether this XLA:CPU converts bf16 arrays carried by a while loop to f32 in full.
 
-  XLA:CPU otherwise converts a bf16/f16 array that a while loop slices to f32 in full
-  before the loop (a copy twice its size) and back on every slice, which also takes the
-  dots off their fast bf16 path.
+  Compiles (once per process, on the CPU backend) a two-step loop that slices bf16
+  operands and looks for an f32 copy of a whole operand. If the probe cannot run, assumes
+  it does (carrying bit patterns is correct everywhere, only slower where not needed).
+  """
+
+  def probe(x, w):
+    def body(i, acc):
+      xs = lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+      ws = lax.dynamic_index_in_dim(w, i, 0, keepdims=False)
+      return acc + lax.dot(xs, ws, preferred_element_type=jnp.float32)
+
+    return lax.fori_loop(0, x.shape[0], body, jnp.zeros((8, 16), jnp.float32))
+
+  try:
+    cpu = jax.devices("cpu")[0]
+    args = (jax.ShapeDtypeStruct((3, 8, 16), jnp.bfloat16),
+            jax.ShapeDtypeStruct((3, 16, 16), jnp.bfloat16))
+    with jax.default_device(cpu):
+      text = jax.jit(probe).lower(*args).compile().as_text()
+  except Exception:  # noqa: BLE001 - no CPU backend or an unexpected API: the safe choice
+    return True
+  return "f32[3,8,16]" in text or "f32[3,16,16]" in text
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_has_amx() -> bool:
+  """Whether the host CPU reports AMX (Linux /proc/cpuinfo; False where unknown)."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      return re.search(r"^flags\s*:.*\bamx_bf16\b", f.read(), re.M) is not None
+  except OSError:
+    return False
+
+
+def _as_bits(x, carry_bits: bool = True):
+  """A 16-bit float operand as the loops carry it, and a function that views a slice back.
+
+  With `carry_bits` (an XLA:CPU that upcasts loop-carried 16-bit arrays, see
+  `loop_upcasts_16bit`) the operand travels as its bit pattern: XLA would otherwise
+  convert it to f32 in full before the loop (a copy twice its size) and back on every
+  slice, which also takes the dots off their fast bf16 path. Without it the operand is
+  used as it is (the bit-pattern view would itself copy it in full).
   """
   storage = _storage_dtype(x.dtype)
-  if storage == x.dtype:
+  if storage == x.dtype or not carry_bits:
     return x, lambda piece: piece
   dtype = x.dtype
   return lax.bitcast_convert_type(x, storage), lambda piece: lax.bitcast_convert_type(piece, dtype)
@@ -78,7 +136,11 @@ def head_capacity(m: int, num_local: int, tile_m: int, dtype) -> int:
   groups pays per group. So for bf16/f16 with small groups (mean rows per group under half a
   tile), the first `capacity` rows of every local group (capacity = the window class of the
   mean group size) go through one ``einsum("gck,gkn->gcn")``, and only the rows past it of
-  larger groups go through the loops.
+  larger groups go through the loops. Measured on an AMX Xeon; `gmm_xla` uses it on a CPU
+  with AMX and where XLA upcasts loop-carried 16-bit arrays (jax 0.10), not otherwise: with
+  jax 0.12 on an AVX2 CPU a bf16 dot in a loop costs what an f32 one does, and with skewed
+  groups the head's batched dot over all groups came on top of the loops (1.7-2.6x the
+  batched floor at G=64 instead of 1.2-1.3x without it).
   """
   if jnp.dtype(dtype).itemsize != 2 or not jnp.issubdtype(dtype, jnp.floating):
     return 0
@@ -119,10 +181,28 @@ def _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, capacity, acc_dtype)
   return jnp.where(in_head[:, None], y[source], jnp.zeros((), y.dtype))
 
 
-def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling | None = None):
-  """Fast XLA gmm on canonical operands (see `GmmConfig`)."""
+def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling | None = None,
+            *, head: bool | None = None, carry_bits: bool | None = None):
+  """Fast XLA gmm on canonical operands (see `GmmConfig`).
+
+  `head` (the batched pass for small 16-bit groups, see `head_capacity`) and `carry_bits`
+  (16-bit operands carried as bit patterns, see `_as_bits`) default to what suits this
+  XLA:CPU and CPU (`cpu_has_amx`, `loop_upcasts_16bit`); tests force either way. Results
+  are the same bits whichever is chosen.
+  """
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
-  tiling = tiling or cfg.tiling or default_tiling(m, k, n, counts.shape[0])
+  sixteen = any(_storage_dtype(x.dtype) != x.dtype for x in (lhs, rhs))
+  if carry_bits is None:
+    carry_bits = sixteen and loop_upcasts_16bit()
+  if head is None:
+    # Where the loops need bit-pattern copies of the operands, a 16-bit loop dot also costs
+    # more than its share of one batched dot (measured with jax 0.10.2 on AVX2: 1.0-1.1x
+    # the batched floor at G=64 balanced with the head, 1.4x without).
+    head = cpu_has_amx() or (sixteen and loop_upcasts_16bit())
+  if tiling is None:
+    problem = tuning.make_problem("xla", cfg.platform, lhs, rhs, counts, cfg, (m, k, n))
+    tiling = tuning.choose(problem, cfg.tiling,
+                           lambda: default_tiling(m, k, n, counts.shape[0]))
   acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
   lhs_k_axis = 0 if cfg.transpose_lhs else 1
   rhs_k_axis = 1 if cfg.transpose_rhs else 0  # of one group's [K, N] / [N, K] matrix
@@ -132,13 +212,13 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
     return jnp.zeros(shape, cfg.out_dtype)
   if cfg.group_type == "m":
     storage = _storage_dtype(cfg.out_dtype)
-    head = head_capacity(m, cfg.num_local, tiling.tile_m, lhs.dtype)
+    head = head_capacity(m, cfg.num_local, tiling.tile_m, lhs.dtype) if head else 0
     meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
                                       ALIGN, skip=head)
 
     def run_items(out):
-      lhs_bits, lhs_view = _as_bits(lhs)
-      rhs_bits, rhs_view = _as_bits(rhs)
+      lhs_bits, lhs_view = _as_bits(lhs, carry_bits)
+      rhs_bits, rhs_view = _as_bits(rhs, carry_bits)
 
       def body(window, start, end, group, out):
         first = jnp.minimum(start, m - window)
@@ -165,8 +245,8 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
       out = run_items(jnp.zeros((m, n), storage))
     return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
 
-  lhs, lhs_view = _as_bits(lhs)
-  rhs, rhs_view = _as_bits(rhs)
+  lhs, lhs_view = _as_bits(lhs, carry_bits)
+  rhs, rhs_view = _as_bits(rhs, carry_bits)
   meta = metadata.make_tile_metadata(counts, k, tiling.tile_k, group_offset, cfg.num_local, ALIGN)
   rhs_row_axis = 1 if cfg.transpose_rhs else 0
 

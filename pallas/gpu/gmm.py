@@ -1,30 +1,56 @@
 """Pallas GPU (Triton backend) gmm kernels.
 
 m-grouping: one program per (work item, N tile). The work items come from
-`metadata.make_tile_metadata(..., align="group")`: a window of at most ``tile_m`` rows that
-starts at any row and belongs to one local group. A program loads its rows with a mask
-(any offset, any M), loops over K in ``tile_k`` steps accumulating in f32 (int32 for int8
-operands), applies the fused epilogue to the accumulator and stores only its own rows. The
-output starts as an aliased zero buffer, so rows that no item owns (past the group total,
-or in groups that are not local) stay exactly 0; the padding items past ``num_items`` do
-nothing.
+`metadata.make_tile_metadata(..., align="group")`: windows of at most ``tile_m`` rows that
+start at their group's first row, so only a group's last window is partial. A program
+loads its rows with a mask (any offset, any M), loops over K in ``tile_k`` steps
+accumulating in f32 (int32 for int8 operands), applies the fused epilogue to the
+accumulator and stores only its own rows. A partial window is computed in the smallest
+power-of-2 row class that holds it (16, 32, ... below ``tile_m``: static branches of one
+kernel), so the last window of a group pays for about its own rows instead of a full tile.
+The output starts as an aliased zero buffer, so rows that no item owns stay exactly 0.
 
-k-grouping: one program per (local group, M tile, N tile) loops over the group's K range
-in ``tile_k`` steps; an empty group gives ``activation(bias)``.
+k-grouping: one program per (K window of a group, M tile, N tile). Without split-K a
+group is one window and its program loops over the group's whole K range, then applies
+the epilogue (an empty group gives ``activation(bias)``). With split-K (a small grid and a
+long K) the windows are chunks of ``k_chunk`` rows computed in parallel; each adds its f32
+partial sum into an f32 buffer with an atomic add and the epilogue runs once afterwards on
+the sum.
+
+Program order (L2 reuse): the grid is 1-D; `program_order` walks bands of ``band``
+consecutive rows (work items, or (item, M tile) pairs) across every N tile, rows fastest,
+so the programs running at the same time share a few lhs row tiles and a few weight
+tiles, which stay in L2 instead of being re-read from HBM for every N tile.
+
+K steps: every step but the last is full, so only the last one masks K (for m-grouping K
+is static, so the masked tail step exists only when ``tile_k`` does not divide K).
 
 Every block is a power of 2 (Triton needs it) of at least 16 (the smallest `tl.dot`); the
 edges of M, K and N are masked, so no dimension has to divide a tile. Operands are whole
 arrays in memory (no BlockSpecs): rows start at arbitrary offsets, which a Blocked index map
 cannot express.
+
+8-bit operands: int8 x int8 and fp8 x fp8 ("scaled" mode) multiply on the tensor cores
+(int32 / f32 accumulation, per-token x per-channel scales in the epilogue); e4m3 x e5m2
+meets in bf16 (exact). Hopper's 8-bit wgmma reads both operands K-major from shared
+memory. The tiles reach shared memory in their stored order (cp.async keeps the global
+layout), so 8-bit weights stored ``[G, N, K]`` (``transpose_rhs=True``; the dot contracts
+the tile's minor axis, no transpose is materialized) are K-major for wgmma; for ``[G, K,
+N]`` 8-bit weights Triton cannot use wgmma on the N-major tile and takes a slower MMA path
+(triton-lang/triton#7629: fp8 weights "must be in column-major order" on Hopper). Store
+8-bit weights ``[G, N, K]`` (as `quantize` of a transposed weight) for the fast path.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -37,25 +63,56 @@ from gmm_jax.pallas.common import edge_mask, power_of_2_tile
 
 ALIGN = "group"  # work items may start at any row: loads are masked, not Blocked
 SMALLEST_TILE = 16  # tl.dot needs every dimension >= 16
+# H100 / H200 (SXM): streaming multiprocessors, L2 and the opt-in shared memory per block.
+NUM_SMS = 132
+L2_BYTES = 50 * 2**20
+SMEM_BYTES = 232448
+# The lhs rows one band of `program_order` keeps in L2 (the rest of L2 holds the weight
+# tiles the band streams through).
+BAND_BYTES = L2_BYTES // 3
+MAX_BAND = 64
+# Split-K writes and re-reads an f32 [L, M, N] buffer; a chunk of at least this many K rows
+# keeps that round trip small next to the MMA work.
+SPLIT_MIN_CHUNK = 1024
+# The "scaled" dtype pairs these kernels multiply on the tensor cores.
+SCALED_TYPES = common.INT8_SCALED + common.FP8_SCALED
+
+
+def check_operands(lhs, rhs, cfg) -> None:
+  """`common.check_quant` for these kernels: they also serve fp8 x fp8 "scaled" mode."""
+  common.check_quant(lhs, rhs, cfg, scaled_types=SCALED_TYPES)
+
+
+# ----------------------------------------------------------------------------- tiling
 
 
 def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) -> Tiling:
-  """Power-of-2 tiles for the Triton kernels.
+  """Power-of-2 tiles for the Triton kernels on H100/H200.
 
   m-grouping sizes ``tile_m`` by the average group (a work item never spans two groups, so
-  a tile much larger than a group is mostly masked); k-grouping sizes ``tile_k`` likewise.
-  32-bit operands get half the K step so that the pipelined stages fit in shared memory.
+  a tile much larger than a group is mostly masked): 128 from 128 rows per group, down to
+  16 for decode. Wide 128x256 output tiles when groups fill 128-row tiles and N is large
+  (8 warps; the MMA of an SM is fed best by 128x256, and the pipelined stages still fit in
+  shared memory), else 128 columns. The K step holds 128 bytes per row (64 bf16, 128
+  8-bit elements; 32 for 32-bit operands). k-grouping sizes ``tile_m`` by M and ``tile_k``
+  by the average group's K.
   """
-  largest_k = 64 if itemsize <= 2 else 32
+  widest_k = {1: 128, 2: 64}.get(itemsize, 32)
   smallest_k = 32 if itemsize == 1 else SMALLEST_TILE  # 8-bit MMA steps K by 32
   groups = max(1, cfg.num_local)
   if cfg.group_type == "m":
     tile_m = power_of_2_tile(max(1, m // groups), SMALLEST_TILE, 128)
-    tile_k = power_of_2_tile(k, smallest_k, largest_k)
+    tile_k = power_of_2_tile(k, smallest_k, widest_k)
   else:
     tile_m = power_of_2_tile(m, SMALLEST_TILE, 128)
-    tile_k = power_of_2_tile(max(1, k // groups), smallest_k, largest_k)
-  return Tiling(tile_m=tile_m, tile_k=tile_k, tile_n=power_of_2_tile(n, SMALLEST_TILE, 128))
+    tile_k = power_of_2_tile(max(1, k // groups), smallest_k, widest_k)
+  # 256 columns only where they divide N (or N is large enough that a ragged last tile
+  # costs little), and not with a transposed lhs (its tile transposes through registers:
+  # 128x256 then spills with a GELU epilogue).
+  wide = (tile_m >= 128 and itemsize <= 2 and not cfg.transpose_lhs
+          and (n % 256 == 0 or n >= 4096))
+  tile_n = 256 if wide else power_of_2_tile(n, SMALLEST_TILE, 128)
+  return Tiling(tile_m=tile_m, tile_k=tile_k, tile_n=tile_n)
 
 
 def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig) -> None:
@@ -68,9 +125,75 @@ def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig) -> None
           f"the Triton kernels need power-of-2 tiles >= {SMALLEST_TILE}, got {name}={value}")
 
 
+def num_warps(tiling: Tiling) -> int:
+  """8 warps (two warpgroups) from 128x128 output tiles, else 4."""
+  return 8 if tiling.tile_m * tiling.tile_n >= 128 * 128 else 4
+
+
+def num_stages(tiling: Tiling, itemsize: int) -> int:
+  """Pipeline depth: as many stages (2..4) as shared memory holds.
+
+  Triton keeps one buffer of the lhs and weight tiles per stage; the epilogue's layout
+  conversion reuses them once the K loop is done.
+  """
+  per_stage = (tiling.tile_m * tiling.tile_k + tiling.tile_k * tiling.tile_n) * itemsize
+  return int(max(2, min(4, (SMEM_BYTES - 8192) // max(per_stage, 1))))
+
+
 def compiler_params(tiling: Tiling, itemsize: int) -> plgpu.CompilerParams:
-  num_warps = 8 if tiling.tile_m * tiling.tile_n >= 128 * 128 else 4
-  return plgpu.CompilerParams(num_warps=num_warps, num_stages=3 if itemsize <= 2 else 2)
+  return plgpu.CompilerParams(num_warps=num_warps(tiling),
+                              num_stages=num_stages(tiling, itemsize))
+
+
+def row_classes(tile_m: int) -> tuple[int, ...]:
+  """Row counts of the partial-window branches: powers of 2 from 16 below ``tile_m``."""
+  classes, size = [], SMALLEST_TILE
+  while size < tile_m:
+    classes.append(size)
+    size *= 2
+  return tuple(classes)
+
+
+def band_rows(row_bytes: int, num_rows: int) -> int:
+  """Rows per band of `program_order`: a power of 2 whose lhs tiles fit `BAND_BYTES`."""
+  band = max(1, BAND_BYTES // max(int(row_bytes), 1))
+  band = 1 << (int(band).bit_length() - 1)
+  return int(max(1, min(band, MAX_BAND, num_rows)))
+
+
+def program_order(program, num_rows: int, num_cols: int, band: int, xp=jnp):
+  """(row, col) of 1-D program `program` in the banded order.
+
+  Bands of `band` consecutive rows (the last band may be shorter) are visited one after
+  the other; inside a band the row index runs fastest, then the column. Every (row, col)
+  of ``num_rows x num_cols`` is visited exactly once by the programs ``[0, num_rows *
+  num_cols)``. `xp` is jnp (in-kernel, traced ids) or np (host-side models).
+  """
+  per_band = band * num_cols
+  band_index = program // per_band
+  first_row = band_index * band
+  rows_in_band = xp.minimum(num_rows - first_row, band)
+  within = program - band_index * per_band
+  return first_row + within % rows_in_band, within // rows_in_band
+
+
+def default_k_chunk(m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling) -> int | None:
+  """Split-K chunk (K rows per work item) of a k-grouped gmm, or None for no split.
+
+  Split when the programs of all groups cannot fill the GPU (two programs per SM) and the
+  average group's K is long enough that the f32 partial-sum buffer's round trip (about
+  16 bytes per output element) costs little next to the MMA work (2 K flops per element).
+  """
+  if cfg.group_type != "k":
+    return None
+  mn_tiles = pl.cdiv(m, tiling.tile_m) * pl.cdiv(n, tiling.tile_n)
+  groups = max(1, cfg.num_local)
+  if groups * mn_tiles >= 2 * NUM_SMS or k < groups * SPLIT_MIN_CHUNK:
+    return None
+  chunks = pl.cdiv(2 * NUM_SMS, mn_tiles)
+  chunk = pl.cdiv(pl.cdiv(k, chunks), tiling.tile_k) * tiling.tile_k
+  chunk = max(SPLIT_MIN_CHUNK, chunk)
+  return chunk if chunk < k else None
 
 
 # ----------------------------------------------------------------------------- epilogue
@@ -127,15 +250,31 @@ def unsupported_primitives(activation) -> set[str]:
 
 
 class Span(NamedTuple):
-  """``size`` consecutive indices from ``first``; ``ok`` masks those inside the array."""
+  """``size`` consecutive indices from ``first``; ``ok`` masks those inside the array
+  (None: all are)."""
 
   first: jax.Array
   size: int
-  ok: jax.Array
+  ok: jax.Array | None
 
 
 def _span(first, size: int, limit) -> Span:
   return Span(first, size, edge_mask(first, size, limit))
+
+
+def _cols(first, size: int, limit: int) -> Span:
+  """A span along a static dimension: unmasked when `size` divides it."""
+  return Span(first, size, None if limit % size == 0 else edge_mask(first, size, limit))
+
+
+def _mask2(first: Span, second: Span):
+  if first.ok is None and second.ok is None:
+    return None
+  if first.ok is None:
+    return jnp.broadcast_to(second.ok[None, :], (first.size, second.size))
+  if second.ok is None:
+    return jnp.broadcast_to(first.ok[:, None], (first.size, second.size))
+  return first.ok[:, None] & second.ok[None, :]
 
 
 def _load(ref, index: tuple, rows: Span, cols: Span, transposed: bool):
@@ -147,8 +286,17 @@ def _load(ref, index: tuple, rows: Span, cols: Span, transposed: bool):
   """
   first, second = (cols, rows) if transposed else (rows, cols)
   view = ref.at[(*index, pl.ds(first.first, first.size), pl.ds(second.first, second.size))]
-  mask = first.ok[:, None] & second.ok[None, :]
+  mask = _mask2(first, second)
+  if mask is None:
+    return plgpu.load(view)
   return plgpu.load(view, mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def _load_vector(ref, index: tuple, span: Span):
+  view = ref.at[(*index, pl.ds(span.first, span.size))]
+  if span.ok is None:
+    return plgpu.load(view)
+  return plgpu.load(view, mask=span.ok, other=jnp.zeros((), ref.dtype))
 
 
 def _dot(x, w, cfg: GmmConfig, dot_dtype, acc_dtype):
@@ -160,15 +308,26 @@ def _dot(x, w, cfg: GmmConfig, dot_dtype, acc_dtype):
       precision=cfg.precision, preferred_element_type=acc_dtype)
 
 
+def _k_loop(step, acc, num_full, num_steps):
+  """Full K steps (unmasked along K), then the rest (0 or 1 masked step)."""
+  acc = lax.fori_loop(0, num_full, lambda i, acc: step(i, acc, False), acc)
+  if isinstance(num_steps, int) and num_steps == num_full:
+    return acc
+  return lax.fori_loop(num_full, num_steps, lambda i, acc: step(i, acc, True), acc)
+
+
+def _store(out_ref, out_index: tuple, rows: Span, cols: Span, value):
+  view = out_ref.at[(*out_index, pl.ds(rows.first, rows.size), pl.ds(cols.first, cols.size))]
+  plgpu.store(view, value, mask=_mask2(rows, cols))
+
+
 def _epilogue_and_store(acc, bias_ref, group, out_ref, out_index: tuple, rows: Span,
                         cols: Span, cfg: GmmConfig):
   bias = None
   if bias_ref is not None:
-    view = bias_ref.at[group, pl.ds(cols.first, cols.size)]
-    bias = plgpu.load(view, mask=cols.ok, other=jnp.zeros((), bias_ref.dtype))[None, :]
+    bias = _load_vector(bias_ref, (group,), cols)[None, :]
   out = apply_epilogue(acc, bias, kernel_activation(cfg.activation), cfg.out_dtype)
-  view = out_ref.at[(*out_index, pl.ds(rows.first, rows.size), pl.ds(cols.first, cols.size))]
-  plgpu.store(view, out, mask=rows.ok[:, None] & cols.ok[None, :])
+  _store(out_ref, out_index, rows, cols, out)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -176,7 +335,7 @@ def _epilogue_and_store(acc, bias_ref, group, out_ref, out_index: tuple, rows: S
 
 def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *refs,
               dims, tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype, has_bias: bool,
-              quant: common.QuantStatic | None):
+              quant: common.QuantStatic | None, num_items: int, band: int):
   refs = list(refs)
   bias_ref = refs.pop(0) if has_bias else None
   scale_ref = refs.pop(0) if quant is not None else None
@@ -184,26 +343,25 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
   lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode == "scaled" else None
   out_ref = refs[-1]  # refs[-2] is the aliased zero input
   _, k, n = dims
-  item = pl.program_id(0)
-  n_first = pl.program_id(1) * tiling.tile_n  # (program ids outside pl.when: interpret mode)
+  item, col = program_order(pl.program_id(0), num_items, pl.cdiv(n, tiling.tile_n), band)
   start = item_start_ref[item]
   end = item_end_ref[item]
+  length = end - start
+  group = group_ids_ref[item]
+  cols = _cols(col * tiling.tile_n, tiling.tile_n, n)
 
-  @pl.when(end > start)  # padding items past num_items are empty
-  def _():
-    group = group_ids_ref[item]
-    rows = _span(start, tiling.tile_m, end)  # an item never exceeds tile_m rows
-    cols = _span(n_first, tiling.tile_n, n)
+  def compute(tile_rows: int):
+    rows = _span(start, tile_rows, end)
 
     def scale_row(ref, step_index):
       # The scale row of this K step's block, as [1, N] (or [N, 1] for a transposed tile).
       block = (step_index * tiling.tile_k) // quant.k_block
-      row = plgpu.load(ref.at[group, block, pl.ds(cols.first, cols.size)], mask=cols.ok,
-                       other=jnp.zeros((), ref.dtype))
+      row = _load_vector(ref, (group, block), cols)
       return row[:, None] if cfg.transpose_rhs else row[None, :]
 
-    def step(step_index, acc):
-      ks = _span(step_index * tiling.tile_k, tiling.tile_k, k)
+    def step(step_index, acc, masked: bool):
+      first = step_index * tiling.tile_k
+      ks = _span(first, tiling.tile_k, k) if masked else Span(first, tiling.tile_k, None)
       x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
       w = _load(rhs_ref, (group,), ks, cols, cfg.transpose_rhs)
       if quant is not None and quant.mode == "weight_only":
@@ -212,43 +370,78 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
                                    cfg.transpose_rhs, dot_dtype)
       return acc + _dot(x, w, cfg, dot_dtype, acc_dtype)
 
-    acc = lax.fori_loop(0, pl.cdiv(k, tiling.tile_k), step,
-                        jnp.zeros((tiling.tile_m, tiling.tile_n), acc_dtype))
-    if lhs_scale_ref is not None:  # int8 x int8: exact int32 sums, then both scales
-      per_token = plgpu.load(lhs_scale_ref.at[pl.ds(rows.first, rows.size)], mask=rows.ok,
-                             other=0.0)
-      per_channel = plgpu.load(scale_ref.at[group, pl.ds(cols.first, cols.size)],
-                               mask=cols.ok, other=0.0)
+    acc = _k_loop(step, jnp.zeros((tile_rows, tiling.tile_n), acc_dtype), k // tiling.tile_k,
+                  pl.cdiv(k, tiling.tile_k))
+    if lhs_scale_ref is not None:  # 8-bit x 8-bit: exact sums, then both scales
+      per_token = _load_vector(lhs_scale_ref, (), rows)
+      per_channel = _load_vector(scale_ref, (group,), cols)
       acc = acc.astype(jnp.float32) * per_token[:, None] * per_channel[None, :]
     _epilogue_and_store(acc, bias_ref, group, out_ref, (), rows, cols, cfg)
 
+  # One static branch per row class: a window of `length` rows runs in the smallest class
+  # that holds it (padding items past the active ones have length 0 and run none).
+  bounds = (0, *row_classes(tiling.tile_m), tiling.tile_m)
+  for low, high in zip(bounds[:-1], bounds[1:]):
+    pl.when((length > low) & (length <= high))(functools.partial(compute, high))
 
-def _k_kernel(group_start_ref, group_end_ref, lhs_ref, rhs_ref, *refs, dims, tiling: Tiling,
-              cfg: GmmConfig, dot_dtype, acc_dtype):
-  bias_ref, out_ref = (refs[0], refs[1]) if len(refs) == 2 else (None, refs[0])
+
+def _k_kernel(num_items_ref, group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref,
+              *refs, dims, tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype,
+              has_bias: bool, split: bool, num_items: int, band: int):
+  bias_ref = refs[0] if has_bias else None
+  out_ref = refs[-1]  # split: refs[-2] is the aliased zero buffer
   m, _, n = dims
-  group = pl.program_id(0)
-  start = group_start_ref[group]
-  end = group_end_ref[group]
-  rows = _span(pl.program_id(1) * tiling.tile_m, tiling.tile_m, m)
-  cols = _span(pl.program_id(2) * tiling.tile_n, tiling.tile_n, n)
+  m_tiles = pl.cdiv(m, tiling.tile_m)
+  row, col = program_order(pl.program_id(0), num_items * m_tiles, pl.cdiv(n, tiling.tile_n),
+                           band)
+  item = row // m_tiles
+  rows = _cols((row % m_tiles) * tiling.tile_m, tiling.tile_m, m)
+  cols = _cols(col * tiling.tile_n, tiling.tile_n, n)
 
-  def step(step_index, acc):
-    ks = _span(start + step_index * tiling.tile_k, tiling.tile_k, end)
-    x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
-    w = _load(rhs_ref, (), ks, cols, cfg.transpose_rhs)
-    return acc + _dot(x, w, cfg, dot_dtype, acc_dtype)
+  @pl.when(item < num_items_ref[0])  # padding items past the active ones do nothing
+  def _():
+    group = group_ids_ref[item]
+    start = item_start_ref[item]
+    end = item_end_ref[item]
 
-  num_steps = (end - start + tiling.tile_k - 1) // tiling.tile_k
-  acc = lax.fori_loop(0, num_steps, step, jnp.zeros((tiling.tile_m, tiling.tile_n), acc_dtype))
-  _epilogue_and_store(acc, bias_ref, group, out_ref, (group,), rows, cols, cfg)
+    def step(step_index, acc, masked: bool):
+      first = start + step_index * tiling.tile_k
+      ks = _span(first, tiling.tile_k, end) if masked else Span(first, tiling.tile_k, None)
+      x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
+      w = _load(rhs_ref, (), ks, cols, cfg.transpose_rhs)
+      return acc + _dot(x, w, cfg, dot_dtype, acc_dtype)
+
+    size = end - start
+    acc = _k_loop(step, jnp.zeros((tiling.tile_m, tiling.tile_n), acc_dtype),
+                  size // tiling.tile_k, (size + tiling.tile_k - 1) // tiling.tile_k)
+    if split:
+      index = (group, pl.ds(rows.first, rows.size), pl.ds(cols.first, cols.size))
+      mask = _mask2(rows, cols)
+      if mask is not None and cfg.interpret:
+        # Interpret mode has no masked atomics; it runs one program at a time, so a
+        # read-modify-write is the same sum.
+        view = out_ref.at[index]
+        current = plgpu.load(view, mask=mask, other=jnp.zeros((), out_ref.dtype))
+        plgpu.store(view, current + acc, mask=mask)
+      else:
+        plgpu.atomic_add(out_ref, index, acc, mask=mask)
+    else:
+      _epilogue_and_store(acc, bias_ref, group, out_ref, (group,), rows, cols, cfg)
 
 
 # ----------------------------------------------------------------------------- entry point
 
 
+def _cost(m, k, n, num_out, lhs, rhs, out_bytes, cfg) -> pl.CostEstimate:
+  return pl.CostEstimate(
+      flops=int(2 * m * k * n * num_out),
+      transcendentals=int(m * n * num_out) if cfg.activation is not None else 0,
+      bytes_accessed=int(lhs.size * lhs.dtype.itemsize + rhs.size * rhs.dtype.itemsize
+                         + out_bytes))
+
+
 def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
-               tiling: Tiling | None = None):
+               tiling: Tiling | None = None, *, k_chunk: int | None = None):
   """gmm on canonical operands (see `GmmConfig`) with the Pallas Triton kernels.
 
   Args:
@@ -260,6 +453,8 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     bias: None or ``[num_local, N]``.
     cfg: the static options.
     tiling: power-of-2 tiles (each >= 16); default ``cfg.tiling``, else `default_tiling`.
+    k_chunk: k-grouping only: K rows per split-K work item (a multiple of ``tile_k``), 0
+      for no split; default `default_k_chunk`.
 
   Returns:
     ``[M, N]`` (m-grouping) or ``[num_local, M, N]`` (k-grouping) of ``cfg.out_dtype``.
@@ -267,10 +462,12 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   Raises:
     NotImplementedError: an activation with a primitive Triton cannot lower (compiled mode
       only), or a tile that is not a power of 2 >= 16.
+    ValueError: a `k_chunk` that is not a positive multiple of ``tile_k``.
   """
   prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
                              check_tiling=check_tiling, unsupported=unsupported_primitives,
-                             backend="Pallas Triton")
+                             backend="Pallas Triton", implementation="pallas_triton",
+                             platform="gpu", scaled_types=SCALED_TYPES)
   if prepared.dot_dtype.itemsize == 1 and prepared.tiling.tile_k < 32:
     raise NotImplementedError(
         f"8-bit Triton dots need tile_k >= 32, got {prepared.tiling.tile_k}")
@@ -279,37 +476,213 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   lhs, rhs, quant, tiling = prepared.lhs, prepared.rhs, prepared.quant, prepared.tiling
   m, k, n = prepared.dims
   dot_dtype, acc_dtype, out_shape = prepared.dot_dtype, prepared.acc_dtype, prepared.out_shape
+  itemsize = jnp.dtype(dot_dtype).itemsize
   kernel_options = dict(dims=(m, k, n), tiling=tiling, cfg=cfg, dot_dtype=dot_dtype,
-                        acc_dtype=acc_dtype)
+                        acc_dtype=acc_dtype, has_bias=bias is not None)
   biases = [] if bias is None else [bias]
-  quant_operands = []
-  if quant is not None and quant.mode == "scaled":  # [L, N] and [M] scales
-    quant_operands = [quant.rhs_scale[:, 0, :], quant.lhs_scale[:, 0]]
-  elif quant is not None:
-    quant_operands = [quant.rhs_scale] + ([] if quant.rhs_zero is None else [quant.rhs_zero])
-  call_options = dict(
-      out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
-      interpret=cfg.interpret,
-      compiler_params=compiler_params(tiling, jnp.dtype(dot_dtype).itemsize),
-  )
+  n_tiles = pl.cdiv(n, tiling.tile_n)
+  params = compiler_params(tiling, itemsize)
+  out_bytes = math.prod(out_shape) * np.dtype(cfg.out_dtype).itemsize
+  tiles = (tiling.tile_m, tiling.tile_k, tiling.tile_n)
+
   if cfg.group_type == "m":
+    quant_operands = []
+    if quant is not None and quant.mode == "scaled":  # [L, N] and [M] scales
+      quant_operands = [quant.rhs_scale[:, 0, :], quant.lhs_scale[:, 0]]
+    elif quant is not None:
+      quant_operands = [quant.rhs_scale] + ([] if quant.rhs_zero is None else [quant.rhs_zero])
     meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
-                                        ALIGN)
+                                       ALIGN)
+    num_items = meta.item_start.shape[0]
+    band = band_rows(tiling.tile_m * k * lhs.dtype.itemsize, num_items)
     operands = [meta.group_ids, meta.item_start, meta.item_end, lhs, rhs, *biases,
                 *quant_operands, jnp.zeros(out_shape, cfg.out_dtype)]
-    return pl.pallas_call(
-        functools.partial(_m_kernel, has_bias=bias is not None, quant=common.quant_static(quant),
-                          **kernel_options),
-        grid=(meta.item_start.shape[0], pl.cdiv(n, tiling.tile_n)),
+    return common.pallas_call(
+        functools.partial(_m_kernel, quant=common.quant_static(quant), num_items=num_items,
+                          band=band, **kernel_options),
+        prepared, tiles=tiles,
+        out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
+        grid=(num_items * n_tiles,),
         input_output_aliases={len(operands) - 1: 0},  # rows no item owns stay 0
+        interpret=cfg.interpret,
+        compiler_params=params,
+        cost_estimate=_cost(m, k, n, 1, lhs, rhs, out_bytes, cfg),
         name="gmm_m_triton",
-        **call_options,
     )(*operands)
 
-  group_start, group_end = metadata.local_group_bounds(counts, k, group_offset, cfg.num_local)
-  return pl.pallas_call(
-      functools.partial(_k_kernel, **kernel_options),
-      grid=(cfg.num_local, pl.cdiv(m, tiling.tile_m), pl.cdiv(n, tiling.tile_n)),
-      name="gmm_k_triton",
-      **call_options,
-  )(group_start, group_end, lhs, rhs, *biases)
+  if k_chunk is None:
+    k_chunk = default_k_chunk(m, k, n, cfg, tiling) or 0
+  if k_chunk < 0 or k_chunk % tiling.tile_k:
+    raise ValueError(f"k_chunk must be 0 or a positive multiple of tile_k={tiling.tile_k}, "
+                     f"got {k_chunk}")
+  split = 0 < k_chunk < k
+  meta = metadata.make_tile_metadata(counts, k, k_chunk if split else max(k, 1), group_offset,
+                                     cfg.num_local, ALIGN, cover=not split)
+  num_items = meta.item_start.shape[0]
+  m_tiles = pl.cdiv(m, tiling.tile_m)
+  window = k_chunk if split else max(1, k // max(1, cfg.num_local))
+  band = band_rows(tiling.tile_m * window * lhs.dtype.itemsize, num_items * m_tiles)
+  kernel_options["has_bias"] = bias is not None and not split
+  kernel = functools.partial(_k_kernel, split=split, num_items=num_items, band=band,
+                             **kernel_options)
+  operands = [meta.num_items.reshape(1), meta.group_ids, meta.item_start, meta.item_end,
+              lhs, rhs]
+  grid = (num_items * m_tiles * n_tiles,)
+  cost = _cost(m, k, n, 1, lhs, rhs, out_bytes, cfg)
+  if not split:
+    return common.pallas_call(
+        kernel, prepared, tiles=tiles,
+        out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype), grid=grid,
+        interpret=cfg.interpret, compiler_params=params, cost_estimate=cost,
+        name="gmm_k_triton",
+    )(*operands, *biases)
+  # Split-K: partial sums meet in an f32 (int32) buffer; the epilogue needs the whole sum.
+  partial = common.pallas_call(
+      kernel, prepared, tiles=tiles, out_shape=jax.ShapeDtypeStruct(out_shape, acc_dtype), grid=grid,
+      input_output_aliases={len(operands): 0}, interpret=cfg.interpret,
+      compiler_params=params, cost_estimate=cost, name="gmm_k_triton_split",
+  )(*operands, jnp.zeros(out_shape, acc_dtype))
+  return apply_epilogue(partial, None if bias is None else bias[:, None, :], cfg.activation,
+                        cfg.out_dtype)
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def _items(counts, dim_size: int, window: int, num_local: int, cover: bool = False):
+  """Host-side twin of `metadata.make_tile_metadata(align="group")` with group_offset 0:
+  a list of (group, start, end) windows of at most `window` rows, in group order."""
+  bounds = np.concatenate([[0], np.cumsum(np.asarray(counts, np.int64))]).clip(0, dim_size)
+  items = []
+  for group in range(num_local):
+    start, end = (int(bounds[group]), int(bounds[group + 1])) if group < len(counts) else (0, 0)
+    if start == end and cover:
+      items.append((group, start, start))
+    for first in range(start, end, window):
+      items.append((group, first, min(first + window, end)))
+  return items
+
+
+class _L2:
+  """An LRU cache of whole tiles: counts the bytes that miss (read from HBM).
+
+  Programs run in waves of `NUM_SMS` (one 8-warp program per SM); the programs of a wave
+  stream K in step, so a tile they share is read once per wave however long it is. Across
+  waves a tile is reused only if it is still cached.
+  """
+
+  def __init__(self, capacity: int):
+    self.capacity, self.used, self.missed = capacity, 0, 0
+    self.lines = collections.OrderedDict()
+    self.wave, self.programs = {}, 0
+
+  def read(self, key, size: int):
+    self.wave.setdefault(key, size)
+
+  def program_done(self):
+    self.programs += 1
+    if self.programs % NUM_SMS == 0:
+      self.flush()
+
+  def flush(self):
+    for key, size in self.wave.items():
+      if key in self.lines:
+        self.lines.move_to_end(key)
+        continue
+      self.missed += size
+      self.lines[key] = size
+      self.used += size
+    while self.used > self.capacity:
+      _, evicted = self.lines.popitem(last=False)
+      self.used -= evicted
+    self.wave = {}
+
+
+def static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
+                itemsize: int = 2, *, k_chunk: int | None = None,
+                l2_bytes: int = L2_BYTES) -> dict:
+  """What the kernel does for concrete group sizes (a host-side numpy model).
+
+  Args:
+    counts: the group sizes (concrete), group_offset 0.
+    m, k, n, cfg, tiling: the call (`GmmConfig`) and its tiles.
+    itemsize: bytes per operand element; the output uses ``cfg.out_dtype``.
+    k_chunk: k-grouping's split-K chunk (default `default_k_chunk`; 0: no split).
+    l2_bytes: the L2 the tiles are cached in (LRU of whole tiles, programs in launch order).
+
+  Returns:
+    dict with useful_rows (rows of the grouped dimension the groups own: M rows for
+    m-grouping, K rows for k-grouping), mma_rows (the rows the MMAs process: m-grouping's
+    partial windows rounded up to their row class, k-grouping's K steps rounded up to
+    tile_k), grid_steps (programs launched), busy_steps (programs with work), hbm_bytes
+    (modelled operand bytes read from HBM plus the output written), ideal_bytes (each
+    operand read once and the output written once).
+  """
+  counts = np.asarray(counts, np.int64)
+  out_itemsize = np.dtype(cfg.out_dtype).itemsize
+  n_tiles = pl.cdiv(n, tiling.tile_n)
+  l2 = _L2(l2_bytes)
+  num_local = cfg.num_local
+  if cfg.group_type == "m":
+    items = _items(counts[:num_local], m, tiling.tile_m, num_local)
+    num_rows = metadata.max_work_items(m, tiling.tile_m, num_local, ALIGN)
+    classes = (*row_classes(tiling.tile_m), tiling.tile_m)
+    lengths = np.array([end - start for _, start, end in items], np.int64)
+    padded = [next(c for c in classes if c >= length) for length in lengths]
+    useful, mma = int(lengths.sum()), int(sum(padded))
+    band = band_rows(tiling.tile_m * k * itemsize, num_rows)
+    programs = np.arange(num_rows * n_tiles)
+    rows, cols = program_order(programs, num_rows, n_tiles, band, xp=np)
+    busy = 0
+    for row, col in zip(rows.tolist(), cols.tolist()):
+      if row >= len(items):
+        continue
+      busy += 1
+      group, start, end = items[row]
+      width = min(tiling.tile_n, n - col * tiling.tile_n)
+      l2.read(("lhs", row), (end - start) * k * itemsize)
+      l2.read(("rhs", group, col), k * width * itemsize)
+      l2.program_done()
+    l2.flush()
+    used_groups = len({group for group, _, _ in items})
+    ideal_in = (useful * k + used_groups * k * n) * itemsize
+    out_bytes = m * n * out_itemsize
+    return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_rows * n_tiles),
+                busy_steps=busy, hbm_bytes=int(l2.missed + out_bytes),
+                ideal_bytes=int(ideal_in + out_bytes))
+
+  if k_chunk is None:
+    k_chunk = default_k_chunk(m, k, n, cfg, tiling) or 0
+  split = 0 < k_chunk < k
+  items = _items(counts[:num_local], k, k_chunk if split else max(k, 1), num_local,
+                 cover=not split)
+  num_items = metadata.max_work_items(k, k_chunk if split else max(k, 1), num_local, ALIGN,
+                                      cover=not split)
+  m_tiles = pl.cdiv(m, tiling.tile_m)
+  lengths = np.array([end - start for _, start, end in items], np.int64)
+  useful = int(lengths.sum())
+  mma = int(sum(pl.cdiv(int(length), tiling.tile_k) * tiling.tile_k for length in lengths))
+  window = k_chunk if split else max(1, k // max(1, num_local))
+  band = band_rows(tiling.tile_m * window * itemsize, num_items * m_tiles)
+  programs = np.arange(num_items * m_tiles * n_tiles)
+  rows, cols = program_order(programs, num_items * m_tiles, n_tiles, band, xp=np)
+  busy = 0
+  for row, col in zip(rows.tolist(), cols.tolist()):
+    item, m_tile = divmod(row, m_tiles)
+    if item >= len(items):
+      continue
+    busy += 1
+    _, start, end = items[item]
+    height = min(tiling.tile_m, m - m_tile * tiling.tile_m)
+    width = min(tiling.tile_n, n - col * tiling.tile_n)
+    l2.read(("lhs", item, m_tile), (end - start) * height * itemsize)
+    l2.read(("rhs", item, col), (end - start) * width * itemsize)
+    l2.program_done()
+  l2.flush()
+  out_bytes = num_local * m * n * out_itemsize
+  hbm = l2.missed + out_bytes
+  if split:  # zero fill, atomic read-modify-write per item tile, epilogue read
+    hbm += num_local * m * n * 4 * 2 + len(items) * m * n * 4 * 2
+  ideal = useful * (m + n) * itemsize + out_bytes
+  return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_items * m_tiles * n_tiles),
+              busy_steps=busy, hbm_bytes=int(hbm), ideal_bytes=int(ideal))

@@ -1,38 +1,49 @@
 """Pallas TPU (Mosaic) gmm kernels.
 
-Both kernels run a grid over the work items of `metadata.make_tile_metadata(align="tile")`
-(a tile of the grouped dimension x one local group it touches; at most ``num_tiles +
-num_local - 1`` of them, so the cost does not grow with empty or remote groups). The item
-arrays are scalar-prefetched into SMEM and drive the BlockSpec index maps; the grid has the
-static bound as its length and the items past ``num_items`` repeat the last item's block
-indices (so no new DMA) and skip their compute.
+m-grouping, grid ``(N tiles, items, K tiles)`` with the item count read from a scalar (a
+dynamic grid bound: only the items that exist are visited). The items are the tile-aligned
+work items of `metadata.make_tile_metadata` (a row tile x one local group it touches) plus
+one *zero item* for every row tile that no local group touches, so every output tile is
+written exactly once and rows no item owns (past the group total, of remote groups) are
+zeros written by the kernel itself: no pass over the output after the call. A zero item
+does no compute and repeats a neighbouring item's input block indices (no DMA).
 
-m-grouping, grid ``(N tiles, items, K tiles)``: the lhs row tile of the item and its
-group's ``rhs[g]`` K x N tile are multiplied into an f32 VMEM accumulator (int32 for int8);
-at the last K step the fused epilogue (bias, activation, cast) runs and the item's rows of
-the output tile are stored with a row mask. Consecutive items of one row tile keep the
-output block in VMEM, so a tile shared by several groups is assembled in place. Rows that
-no item owns (past the group total, or of groups not held locally) are zeroed after the
-call.
+The default tiles cover K and, where VMEM allows, N (or split N evenly), so the weights
+``rhs[g]`` are fetched once per column block while consecutive items of one group keep the
+block index (Pallas skips a DMA whose block index did not change). With one K step there is
+no accumulator; with several, the K edge is masked on the last step only. An item that owns
+part of a row tile computes only the `row_chunk`-row slices it touches (the MXU's rows), not
+the whole tile. The VMEM limit is set from the block sizes (`vmem_limit`); tiles that do not
+fit raise NotImplementedError rather than relying on Mosaic's default scoped limit.
 
-k-grouping, grid ``(M tiles, N tiles, items)``: the items of one group are consecutive; the
-accumulator is reset at a group's first item, takes the item's K columns (the columns of
-other groups in the tile are masked to zero in both operands) and is finalised into
-``out[g]`` at the group's last item. The metadata is built with ``cover=True``, so an empty
-group has one zero-column item and its output is ``activation(bias)``.
+k-grouping, grid ``(M tiles, N tiles, items)`` (items over K, built with ``cover=True`` so an
+empty group has one zero-column item and its output is ``activation(bias)``): the
+accumulator is reset at a group's first item, takes the item's K columns (only items that do
+not cover their whole K tile mask the other groups' columns) and is finalised into
+``out[g]`` at the group's last item. A heavy group is just more consecutive items; output
+tiles cover M and N where VMEM allows, so each operand is read ``N/tile_n`` or
+``M/tile_m`` times.
 
-No dimension has to divide its tile: edge blocks are padded by Pallas, the K edge is masked
-to zero in both operands (garbage x garbage could be NaN), and out-of-range rows/columns of
-the output are never written back.
+Quantized m-grouping: int8 x int8 ("scaled") multiplies int8 on the MXU into int32 and
+applies both scales in the epilogue. Weight-only dequantizes the weight tile to the dot dtype
+(``(w - zero) * scale``, the composed XLA path's numerics); with one K step the dequantized
+tile is cached in VMEM and redone only when the group (or column block) changes, so it is
+paid once per group and column block, not once per item. fp8 weights are always dequantized:
+the MXU path used on v5e/v6e is bf16/int8.
+
+`static_cost` models on the host what a call does (rows through the MXU, grid steps, bytes
+DMA'd from HBM given the grid order and the skipped DMAs).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -44,6 +55,13 @@ from gmm_jax.pallas import common
 
 ALIGN = "tile"  # BlockSpec index maps address whole tiles
 LANE = 128
+MIB = 2**20
+# When the device cannot be asked (CPU interpret mode, cross-lowering): v5e/v6e values.
+DEFAULT_VMEM_CAPACITY = 128 * MIB
+DEFAULT_MXU_ROWS = 128
+VMEM_RESERVE = 8 * MIB  # left to Mosaic's internal scratch
+VMEM_HEADROOM = 4 * MIB
+DEQUANT_ROWS = 256  # stored weight rows dequantized at a time into the VMEM cache
 
 
 def _fit(tile: int, dim: int) -> int:
@@ -51,24 +69,179 @@ def _fit(tile: int, dim: int) -> int:
   return dim if tile >= dim else tile
 
 
-def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) -> Tiling:
-  """Tiles for the TPU kernels: multiples of 128 (or the whole dimension).
+def _tpu_info():
+  """The target TPU's `TpuInfo` (the default device's), or None when it is not a TPU."""
+  try:
+    return pltpu.get_tpu_info()
+  except Exception:  # noqa: BLE001  (CPU: ValueError; older jax or no device: others)
+    return None
 
-  m-grouping: 128-row tiles while the average group is under 256 rows (a tile shared by
-  several groups is computed once per group), 256 otherwise (512 for M >= 8192 with 16-bit
-  operands). K and N steps of 512 (256 for 32-bit operands), which keeps the double-buffered
-  blocks plus the f32 accumulator at ~3 MB of VMEM. k-grouping: 512 K columns per item
-  when groups average >= 512 columns, else 128 or 256, and 256 x 512 output tiles.
+
+def vmem_capacity() -> int:
+  """Bytes of VMEM of the target TPU core (128 MiB on v5e/v6e when it cannot be asked)."""
+  info = _tpu_info()
+  return int(getattr(info, "vmem_capacity_bytes", 0) or DEFAULT_VMEM_CAPACITY)
+
+
+def mxu_rows() -> int:
+  """Rows of the MXU (128 on v5e, 256 on v6e): the row slice a partial item computes."""
+  info = _tpu_info()
+  return int(getattr(info, "mxu_column_size", 0) or DEFAULT_MXU_ROWS)
+
+
+# ------------------------------------------------------------------------------- VMEM
+
+
+def vmem_bytes(tiling: Tiling, group_type: str, *, lhs_itemsize: int, rhs_itemsize: int,
+               out_itemsize: int, dot_itemsize: int, k_steps: int, transpose_lhs: bool = False,
+               weight_cache: bool = False, has_bias: bool = False, scales: int = 0,
+               lhs_scale: bool = False) -> int:
+  """Bytes of VMEM one kernel invocation uses, modelled from its blocks.
+
+  Double-buffered input and output blocks, the f32/int32 accumulator (k-grouping always;
+  m-grouping with several K steps), the f32 dot result and one epilogue temporary, a cast
+  weight tile (cached or not) when rhs is cast, the transposed lhs tile, and the small bias/
+  scale blocks (a ``[1, tile_n]`` block pads to 8 sublanes, a ``[tile_m, 1]`` or
+  ``[tile_n, 1]`` one to 128 lanes; scale blocks are counted at the latter size).
   """
-  wide = 512 if itemsize <= 2 else 256
-  groups = max(1, cfg.num_local)
+  tm, tk, tn = tiling.tile_m, tiling.tile_k, tiling.tile_n
+  total = 2 * tm * tk * lhs_itemsize + 2 * tk * tn * rhs_itemsize + 2 * tm * tn * out_itemsize
+  if group_type == "k" or k_steps > 1:
+    total += tm * tn * 4
+  total += 2 * tm * tn * 4  # the dot's f32 result and an epilogue temporary
+  if weight_cache or rhs_itemsize != dot_itemsize:
+    total += tk * tn * dot_itemsize
+  if weight_cache:  # f32 temporaries of one dequantized slice
+    total += 2 * DEQUANT_ROWS * max(tk, tn) * 4
+  if transpose_lhs:
+    total += tm * tk * dot_itemsize
+  total += 2 * 8 * tn * 4 * int(has_bias)
+  total += 2 * tn * LANE * 4 * scales  # a [tile_n, 1] scale block pads to 128 lanes
+  if lhs_scale:
+    total += 2 * tm * LANE * 4
+  return int(total)
+
+
+def vmem_limit(needed: int, capacity: int | None = None) -> int:
+  """The ``vmem_limit_bytes`` for a kernel that needs `needed` bytes: 25% + 4 MiB headroom,
+  rounded up to a MiB, at most the capacity less Mosaic's reserve.
+
+  Raises:
+    NotImplementedError: `needed` does not fit (tiles too large for this TPU's VMEM).
+  """
+  capacity = vmem_capacity() if capacity is None else capacity
+  ceiling = capacity - VMEM_RESERVE
+  if needed > ceiling:
+    raise NotImplementedError(
+        f"the TPU kernel's blocks need about {needed / MIB:.1f} MiB of VMEM, more than the "
+        f"{ceiling / MIB:.0f} MiB available ({capacity / MIB:.0f} MiB less "
+        f"{VMEM_RESERVE / MIB:.0f} MiB reserve); use smaller tiles")
+  limit = needed + needed // 4 + VMEM_HEADROOM
+  return int(min(ceiling, -(-limit // MIB) * MIB))
+
+
+# ------------------------------------------------------------------------------ tiling
+
+
+def _lane_tiles(dim: int, largest: int, smallest: int = 256) -> list[int]:
+  """Candidate tiles for a lane-blocked dim, best first: the whole dim when it is at most
+  `largest`; then multiples of 128 that divide it (largest first, down to `smallest`); then
+  the powers of two below `largest` (a ragged edge)."""
+  out = [dim] if dim <= largest else []
+  if dim % LANE == 0:
+    out += [t for t in range(min(largest, dim - LANE) // LANE * LANE, smallest - 1, -LANE)
+            if dim % t == 0]
+  t = largest
+  while t >= LANE:
+    if t < dim:
+      out.append(t)
+    t //= 2
+  seen = []
+  for t in out:
+    if t not in seen:
+      seen.append(t)
+  return seen or [dim]
+
+
+def _device_rates() -> tuple[float, float]:
+  """(bf16 MXU flop/s, HBM bytes/s) of the target TPU (v5e's when it cannot be asked)."""
+  info = _tpu_info()
+  flops = float(getattr(info, "bf16_ops_per_second", 0) or 197e12)
+  bandwidth = float(getattr(info, "mem_bw_bytes_per_second", 0) or 820e9)
+  return flops, bandwidth
+
+
+STEP_OVERHEAD_S = 0.35e-6  # per grid step (pipeline bookkeeping), the usual Pallas TPU figure
+
+
+def modelled_seconds(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig, itemsize: int,
+                     row_chunk: int | None = None) -> float:
+  """A roofline estimate of one call with balanced groups: max(MXU time of the padded work,
+  HBM time of the DMAs the grid order implies) + a fixed cost per grid step. Used to rank
+  the tiles that fit in VMEM (`default_tiling`); `static_cost` models concrete counts."""
+  peak, bandwidth = _device_rates()
+  peak = peak * (2 / itemsize if itemsize > 2 else 1)  # f32 dots take several passes
+  row_chunk = mxu_rows() if row_chunk is None else row_chunk
+  tm, tk, tn = _fit(tiling.tile_m, m), _fit(tiling.tile_k, k), _fit(tiling.tile_n, n)
+  groups = max(1, min(cfg.num_local, m if cfg.group_type == "m" else k))
+  out_itemsize = cfg.out_dtype.itemsize
   if cfg.group_type == "m":
-    mean = m // groups
-    tile_m = 128 if mean < 256 else (512 if m >= 8192 and itemsize <= 2 else 256)
-    return Tiling(tile_m=tile_m, tile_k=wide, tile_n=wide)
-  mean = k // groups
-  tile_k = 128 if mean < 256 else (256 if mean < 512 else 512)
-  return Tiling(tile_m=256, tile_k=tile_k, tile_n=wide)
+    tiles, k_steps, n_tiles = math.ceil(m / tm), math.ceil(k / tk), math.ceil(n / tn)
+    items = tiles + groups - 1
+    rows = m + (groups - 1) * 2 * min(row_chunk, tm)  # slices at group boundaries
+    flops = 2 * rows * k * n_tiles * tn
+    lhs = m * k * itemsize * n_tiles * (items / tiles if k_steps > 1 else 1)
+    rhs = (items if k_steps > 1 else groups) * k * n_tiles * tn * itemsize
+    hbm = lhs + rhs + m * n * out_itemsize
+    steps = n_tiles * items * k_steps
+  else:
+    m_tiles, n_tiles = math.ceil(m / tm), math.ceil(n / tn)
+    items = math.ceil(k / tk) + groups - 1
+    flops = 2 * m_tiles * tm * n_tiles * tn * items * tk
+    hbm = (m * k * n_tiles + k * n * m_tiles) * itemsize + cfg.num_local * m * n * out_itemsize
+    steps = m_tiles * n_tiles * items
+  return max(flops / peak, hbm / bandwidth) + steps * STEP_OVERHEAD_S
+
+
+def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) -> Tiling:
+  """Tiles for the TPU kernels: of those that fit in half of the TPU's VMEM, the one with
+  the least `modelled_seconds` (balanced groups).
+
+  Candidates: m-grouping: 128/256/512 rows (or M), K whole or split evenly into multiples of
+  128 (>= 512), N whole up to 2048 or split evenly (>= 256, a ragged power of two when N
+  has no such divisor). k-grouping: output tiles with M and N whole up to 2048 or split
+  likewise, and K items of 128/256/512 columns by the mean group size.
+  """
+  budget = vmem_capacity() // 2
+  out_itemsize = cfg.out_dtype.itemsize
+  m, k, n = max(m, 1), max(k, 1), max(n, 1)
+
+  def fits(tiling, k_steps):
+    return vmem_bytes(tiling, cfg.group_type, lhs_itemsize=itemsize, rhs_itemsize=itemsize,
+                      out_itemsize=out_itemsize, dot_itemsize=itemsize, k_steps=k_steps,
+                      transpose_lhs=cfg.transpose_lhs, weight_cache=True,
+                      has_bias=True) <= budget
+
+  if cfg.group_type == "m":
+    candidates = [Tiling(tile_m=tm, tile_k=tk, tile_n=tn)
+                  for tm in ([t for t in (512, 256, 128) if t <= m] or [m])
+                  for tk in _lane_tiles(k, 16384, smallest=512)
+                  for tn in _lane_tiles(n, 2048)]
+    fallback = Tiling(tile_m=min(128, m), tile_k=min(512, k), tile_n=min(512, n))
+  else:
+    mean = k // max(1, cfg.num_local)
+    tile_k = 128 if mean < 256 else (256 if mean < 512 else 512)
+    candidates = [Tiling(tile_m=tm, tile_k=tile_k, tile_n=tn)
+                  for tm in _lane_tiles(m, 2048) for tn in _lane_tiles(n, 2048)]
+    fallback = Tiling(tile_m=min(256, m), tile_k=tile_k, tile_n=min(512, n))
+  candidates = [t for t in candidates if fits(t, math.ceil(k / t.tile_k))]
+  if not candidates:
+    return fallback
+  # Ties (within 1%) go to the larger tiles (fewer steps, fewer re-reads).
+  scored = [(modelled_seconds(t, m, k, n, cfg, itemsize), t) for t in candidates]
+  best = min(score for score, _ in scored)
+  return max((t for score, t in scored if score <= best * 1.01),
+             key=lambda t: (t.tile_k, t.tile_n, t.tile_m))
 
 
 def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig) -> None:
@@ -111,12 +284,51 @@ def unsupported_primitives(activation) -> set[str]:
   return common.unsupported_primitives(resolve_activation(kernel_activation(activation)), rules)
 
 
-def _padded_items(meta: metadata.TileMetadata):
-  """The item arrays with the padding items repeating the last active item's indices."""
-  item = jnp.arange(meta.item_start.shape[0], dtype=jnp.int32)
-  source = jnp.where(item < meta.num_items, item, jnp.maximum(meta.num_items - 1, 0))
-  return (meta.group_ids[source], meta.tile_ids[source], meta.item_start[source],
-          meta.item_end[source], jnp.reshape(meta.num_items, (1,)).astype(jnp.int32))
+# ------------------------------------------------------------------------------- items
+
+
+def m_items(counts, m: int, tile_m: int, group_offset, num_local: int, k_steps: int):
+  """The m-grouping kernel's items: `metadata.make_tile_metadata` items plus a zero item
+  for each row tile that no item touches, in row tile order.
+
+  Returns:
+    A tuple of int32 arrays ``(groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed)``
+    of one static length, and the int32 item count. A zero item (``real == 0``) owns no
+    rows; its group, lhs tile and K block (``k_fixed``) repeat the previous real item's last
+    blocks (the first real item's first blocks before it), so it triggers no DMA.
+  """
+  meta = metadata.make_tile_metadata(counts, m, tile_m, group_offset, num_local, ALIGN)
+  num_tiles = pl.cdiv(m, tile_m)
+  slots = meta.tile_ids.shape[0]
+  real_slot = jnp.arange(slots, dtype=jnp.int32) < meta.num_items
+  covered = jnp.zeros((num_tiles,), jnp.int32).at[meta.tile_ids].max(real_slot.astype(jnp.int32))
+  tile_key = jnp.concatenate([jnp.where(real_slot, meta.tile_ids, num_tiles),
+                              jnp.where(covered > 0, num_tiles, jnp.arange(num_tiles))])
+  order = jnp.argsort(tile_key, stable=True)
+  zeros = jnp.zeros((num_tiles,), jnp.int32)
+  pick = lambda a: jnp.concatenate([a.astype(jnp.int32), zeros])[order]  # noqa: E731
+  real = pick(real_slot)
+  out_tiles = jnp.minimum(tile_key[order], num_tiles - 1).astype(jnp.int32)
+  starts, ends = pick(meta.item_start) * real, pick(meta.item_end) * real
+  position = jnp.arange(slots + num_tiles, dtype=jnp.int32)
+  previous = lax.cummax(jnp.where(real > 0, position, -1))
+  source = jnp.where(previous >= 0, previous, jnp.argmax(real).astype(jnp.int32))
+  groups = pick(meta.group_ids)[source]
+  lhs_tiles = out_tiles[source]
+  k_fixed = jnp.where((real == 0) & (previous >= 0), k_steps - 1, 0).astype(jnp.int32)
+  count = (meta.num_items + num_tiles - jnp.sum(covered)).astype(jnp.int32)
+  return (groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed), count
+
+
+def k_items(counts, k: int, tile_k: int, group_offset, num_local: int):
+  """The k-grouping kernel's items (``cover=True``): ``(groups, tiles, starts, ends)`` and
+  the int32 item count."""
+  meta = metadata.make_tile_metadata(counts, k, tile_k, group_offset, num_local, ALIGN,
+                                     cover=True)
+  return (meta.group_ids, meta.tile_ids, meta.item_start, meta.item_end), meta.num_items
+
+
+# ------------------------------------------------------------------------------ kernels
 
 
 def _dot(x, w, cfg: GmmConfig, dot_dtype, acc_dtype):
@@ -136,82 +348,209 @@ def _mask_k(block, first, limit_lo, limit_hi, k_axis: int):
   return jnp.where((index >= limit_lo) & (index < limit_hi), block, jnp.zeros((), block.dtype))
 
 
-def _m_kernel(group_ids_ref, tile_ids_ref, item_start_ref, item_end_ref, num_items_ref,
-              lhs_ref, rhs_ref, *refs, dims, tiling: Tiling, cfg: GmmConfig, dot_dtype,
-              acc_dtype, has_bias: bool, quant: common.QuantStatic | None = None):
+def _dequantized(w_ref, scale_ref, zero_ref, cfg: GmmConfig, dot_dtype):
+  """The weight tile ``(w - zero) * scale`` in the dot dtype (the composed XLA path's
+  numerics); the scale/zero blocks are ``[1, tile_n]`` (``[tile_n, 1]`` when rhs is stored
+  ``[N, K]``)."""
+  return common.dequantize_tile(w_ref[...], scale_ref[...],
+                                None if zero_ref is None else zero_ref[...],
+                                cfg.transpose_rhs, dot_dtype)
+
+
+def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, real_ref,
+              k_fixed_ref, lhs_ref, rhs_ref, *refs, dims, tiling: Tiling, cfg: GmmConfig,
+              dot_dtype, acc_dtype, has_bias: bool, k_steps: int, row_chunk: int,
+              weight_cache: bool, quant: common.QuantStatic | None = None):
+  del lhs_tiles_ref, k_fixed_ref  # index maps only
   refs = list(refs)
   bias_ref = refs.pop(0) if has_bias else None
   scale_ref = refs.pop(0) if quant is not None else None
   zero_ref = refs.pop(0) if quant is not None and quant.has_zero else None
   lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode == "scaled" else None
-  out_ref, acc_ref = refs[-2], refs[-1]
+  out_ref = refs.pop(0)
+  acc_ref = refs.pop(0) if k_steps > 1 else None
+  cache_ref, cached_ref = (refs.pop(0), refs.pop(0)) if weight_cache else (None, None)
   weight_only = quant is not None and quant.mode == "weight_only"
-  _, k, _ = dims
+  k = dims[1]
   tile_m, tile_k = tiling.tile_m, tiling.tile_k
+  mask_edge = k_steps > 1 and k % tile_k != 0
   item, k_step = pl.program_id(1), pl.program_id(2)
-  last_k = pl.num_programs(2) - 1
-  active = item < num_items_ref[0]
+  last_k = k_step == k_steps - 1
+  real = real_ref[item] > 0
+  start, end = starts_ref[item], ends_ref[item]
+  tile_lo = out_tiles_ref[item] * tile_m
+  first_in_tile = (item == 0) | (out_tiles_ref[jnp.maximum(item - 1, 0)] != out_tiles_ref[item])
 
-  @pl.when(k_step == 0)
-  def _():
-    acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+  @pl.when(last_k & first_in_tile)
+  def _():  # rows of this tile that no item owns stay zero
+    out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
-  @pl.when(active)
-  def _():
-    x, w = lhs_ref[...], rhs_ref[...]
-    if weight_only:  # scale/zero blocks are [1, tile_n] ([tile_n, 1] for a transposed rhs)
-      w = common.dequantize_tile(w, scale_ref[...], None if zero_ref is None else zero_ref[...],
-                                 cfg.transpose_rhs, dot_dtype)
-    if k % tile_k:  # the padded K edge of the last step reads garbage: zero it in both
-      first = k_step * tile_k
-      x = _mask_k(x, first, 0, k, 0 if cfg.transpose_lhs else 1)
-      w = _mask_k(w, first, 0, k, 1 if cfg.transpose_rhs else 0)
-    acc_ref[...] += _dot(x, w, cfg, dot_dtype, acc_dtype)
+  if weight_cache:  # one K step: cast the weight tile once per group and column block
+    group = groups_ref[item]
 
-  @pl.when(active & (k_step == last_k))
-  def _():
-    bias = None if bias_ref is None else bias_ref[...]  # [1, tile_n]
-    acc = acc_ref[...]
-    if lhs_scale_ref is not None:  # int8 x int8: exact int32 sums, then both scales
-      acc = acc.astype(jnp.float32) * lhs_scale_ref[...] * scale_ref[...]
-    y = apply_epilogue(acc, bias, kernel_activation(cfg.activation), cfg.out_dtype)
-    rows = tile_ids_ref[item] * tile_m + lax.broadcasted_iota(jnp.int32, y.shape, 0)
-    mine = (rows >= item_start_ref[item]) & (rows < item_end_ref[item])
-    out_ref[...] = jnp.where(mine, y, out_ref[...])
+    @pl.when(item == 0)  # a new column block (or core): nothing cached yet
+    def _():
+      cached_ref[0] = -1
+
+    @pl.when(real & (cached_ref[0] != group))
+    def _():
+      # In slices of DEQUANT_ROWS stored rows, so the f32 temporaries stay small.
+      for lo in range(0, cache_ref.shape[0], DEQUANT_ROWS):
+        hi = min(lo + DEQUANT_ROWS, cache_ref.shape[0])
+        scale = scale_ref[lo:hi, :] if cfg.transpose_rhs else scale_ref[...]
+        zero = None if zero_ref is None else (
+            zero_ref[lo:hi, :] if cfg.transpose_rhs else zero_ref[...])
+        cache_ref[lo:hi, :] = common.dequantize_tile(rhs_ref[lo:hi, :], scale, zero,
+                                                     cfg.transpose_rhs, dot_dtype)
+      cached_ref[0] = group
+
+  def weights():
+    if weight_cache:
+      return cache_ref[...]
+    if weight_only:
+      return _dequantized(rhs_ref, scale_ref, zero_ref, cfg, dot_dtype)
+    return rhs_ref[...]
+
+  def rows(lo: int, size: int):
+    """The item's work on the rows ``[lo, lo + size)`` of the tile (static slice)."""
+
+    def product(masked: bool):
+      x = lhs_ref[:, lo:lo + size] if cfg.transpose_lhs else lhs_ref[lo:lo + size, :]
+      w = weights()
+      if masked:  # the padded K edge of the last step reads garbage: zero it in both
+        first = k_step * tile_k
+        x = _mask_k(x, first, 0, k, 0 if cfg.transpose_lhs else 1)
+        w = _mask_k(w, first, 0, k, 1 if cfg.transpose_rhs else 0)
+      return _dot(x, w, cfg, dot_dtype, acc_dtype)
+
+    def finish(acc):
+      if lhs_scale_ref is not None:  # int8 x int8: exact int32 sums, then both scales
+        acc = acc.astype(jnp.float32) * lhs_scale_ref[lo:lo + size, :] * scale_ref[...]
+      bias = None if bias_ref is None else bias_ref[...]  # [1, tile_n]
+      y = apply_epilogue(acc, bias, kernel_activation(cfg.activation), cfg.out_dtype)
+      row = tile_lo + lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+      mine = (row >= start) & (row < end)
+      out_ref[lo:lo + size, :] = jnp.where(mine, y, out_ref[lo:lo + size, :])
+
+    if k_steps == 1:
+      finish(product(False))
+      return
+
+    @pl.when(k_step == 0)
+    def _():
+      acc_ref[lo:lo + size, :] = product(False)
+
+    @pl.when((k_step > 0) & ~last_k)
+    def _():
+      acc_ref[lo:lo + size, :] += product(False)
+
+    @pl.when(last_k)
+    def _():
+      finish(acc_ref[lo:lo + size, :] + product(mask_edge))
+
+  chunks = tile_m // row_chunk if row_chunk < tile_m and tile_m % row_chunk == 0 else 1
+  if chunks == 1:
+    pl.when(real)(lambda: rows(0, tile_m))
+    return
+  full = (start <= tile_lo) & (end >= tile_lo + tile_m)
+  pl.when(real & full)(lambda: rows(0, tile_m))
+  for chunk in range(chunks):  # a partial item: only the MXU row slices it touches
+    lo = chunk * row_chunk
+    touched = (start < tile_lo + lo + row_chunk) & (end > tile_lo + lo)
+    pl.when(real & ~full & touched)(functools.partial(rows, lo, row_chunk))
 
 
-def _k_kernel(group_ids_ref, tile_ids_ref, item_start_ref, item_end_ref, num_items_ref,
-              lhs_ref, rhs_ref, *refs, dims, tiling: Tiling, cfg: GmmConfig, dot_dtype,
-              acc_dtype, has_bias: bool):
+def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *refs, dims,
+              tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype, has_bias: bool):
   bias_ref = refs[0] if has_bias else None
   out_ref, acc_ref = refs[-2], refs[-1]
   item = pl.program_id(2)
-  num_items = num_items_ref[0]
   last_item = pl.num_programs(2) - 1
-  group = group_ids_ref[item]
-  active = item < num_items
-  first_of_group = (item == 0) | (group_ids_ref[jnp.maximum(item - 1, 0)] != group)
-  last_of_group = (item == num_items - 1) | (
-      group_ids_ref[jnp.minimum(item + 1, last_item)] != group)
-  start, end = item_start_ref[item], item_end_ref[item]
+  group = groups_ref[item]
+  first_of_group = (item == 0) | (groups_ref[jnp.maximum(item - 1, 0)] != group)
+  last_of_group = (item == last_item) | (groups_ref[jnp.minimum(item + 1, last_item)] != group)
+  start, end = starts_ref[item], ends_ref[item]
+  first = tiles_ref[item] * tiling.tile_k
+  full = (start == first) & (end == first + tiling.tile_k)
 
-  @pl.when(active & first_of_group)
+  @pl.when(first_of_group)
   def _():
     acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
-  @pl.when(active & (end > start))
+  @pl.when(full)
   def _():
-    first = tile_ids_ref[item] * tiling.tile_k
-    # Columns of other groups in this K tile, and the padded K edge, are zeroed in both.
+    acc_ref[...] += _dot(lhs_ref[...], rhs_ref[...], cfg, dot_dtype, acc_dtype)
+
+  @pl.when(~full & (end > start))
+  def _():  # columns of other groups in this K tile, and the padded K edge: zero in both
     x = _mask_k(lhs_ref[...], first, start, end, 0 if cfg.transpose_lhs else 1)
     w = _mask_k(rhs_ref[...], first, start, end, 1 if cfg.transpose_rhs else 0)
     acc_ref[...] += _dot(x, w, cfg, dot_dtype, acc_dtype)
 
-  @pl.when(active & last_of_group)
+  @pl.when(last_of_group)
   def _():
     bias = None if bias_ref is None else bias_ref[...]  # [1, tile_n]
     out_ref[...] = apply_epilogue(acc_ref[...], bias, kernel_activation(cfg.activation),
-                       cfg.out_dtype)
+                                  cfg.out_dtype)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _transcendentals(cfg: GmmConfig, elements: int) -> int:
+  return 0 if cfg.activation in (None, "relu") else int(elements)
+
+
+def _cost_estimate(flops: int, transcendentals: int, bytes_accessed: int):
+  if not hasattr(pl, "CostEstimate"):
+    return {}
+  return dict(cost_estimate=pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals),
+                                            bytes_accessed=int(bytes_accessed)))
+
+
+def _nbytes(shape, dtype) -> int:
+  return int(np.prod(shape)) * np.dtype(dtype).itemsize
+
+
+def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
+  """What `gmm_tpu` would run for these operands: a dict with the tiles, grid (the items
+  axis as its static bound), VMEM estimate and limit; `Prepared` under "prepared".
+
+  Raises:
+    NotImplementedError: as `gmm_tpu`.
+  """
+  prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
+                             check_tiling=check_tiling, unsupported=unsupported_primitives,
+                             backend="Mosaic TPU", implementation="pallas_tpu", platform="tpu")
+  m, k, n = prepared.dims
+  k_blocks = max(k, 1)
+  tiling = prepared.tiling
+  tiling = Tiling(tile_m=_fit(tiling.tile_m, m) if m else 1,
+                  tile_k=_fit(tiling.tile_k, k_blocks), tile_n=_fit(tiling.tile_n, n) if n else 1)
+  quant = prepared.quant
+  weight_only = quant is not None and quant.mode == "weight_only"
+  k_steps = pl.cdiv(k_blocks, tiling.tile_k)
+  weight_cache = cfg.group_type == "m" and k_steps == 1 and weight_only
+  rhs_dtype = prepared.rhs.dtype
+  needed = vmem_bytes(
+      tiling, cfg.group_type, lhs_itemsize=prepared.lhs.dtype.itemsize,
+      rhs_itemsize=rhs_dtype.itemsize, out_itemsize=cfg.out_dtype.itemsize,
+      dot_itemsize=prepared.dot_dtype.itemsize, k_steps=k_steps,
+      transpose_lhs=cfg.transpose_lhs, weight_cache=weight_cache,
+      has_bias=True, scales=0 if quant is None else 2, lhs_scale=quant is not None)
+  info = dict(tiling=tiling, k_steps=k_steps, weight_cache=weight_cache, vmem_bytes=needed,
+              row_chunk=mxu_rows(), prepared=prepared)
+  if prepared.empty:
+    return info
+  info["vmem_limit_bytes"] = vmem_limit(needed)
+  num_m, num_n = pl.cdiv(m, tiling.tile_m), pl.cdiv(n, tiling.tile_n)
+  if cfg.group_type == "m":
+    items = metadata.max_work_items(m, tiling.tile_m, cfg.num_local, ALIGN) + num_m
+    info["grid"] = (num_n, items, k_steps)
+  else:
+    items = metadata.max_work_items(k_blocks, tiling.tile_k, cfg.num_local, ALIGN, cover=True)
+    info["grid"] = (num_m, num_n, items)
+  return info
 
 
 def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
@@ -232,91 +571,99 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     ``[M, N]`` (m-grouping) or ``[num_local, M, N]`` (k-grouping) of ``cfg.out_dtype``.
 
   Raises:
-    NotImplementedError: a tile Mosaic cannot block (see `check_tiling`), or an activation
-      with a primitive Mosaic cannot lower (compiled mode only).
+    NotImplementedError: a tile Mosaic cannot block (see `check_tiling`), blocks that do not
+      fit in VMEM, or an activation with a primitive Mosaic cannot lower (compiled mode).
   """
-  prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
-                             check_tiling=check_tiling, unsupported=unsupported_primitives,
-                             backend="Mosaic TPU")
+  info = plan(lhs, rhs, counts, cfg, tiling)
+  prepared = info["prepared"]
   if prepared.empty:
     return jnp.zeros(prepared.out_shape, cfg.out_dtype)
-  lhs, rhs, quant, tiling = prepared.lhs, prepared.rhs, prepared.quant, prepared.tiling
+  lhs, rhs, quant, tiling = prepared.lhs, prepared.rhs, prepared.quant, info["tiling"]
   m, k, n = prepared.dims
   dot_dtype, acc_dtype, out_shape = prepared.dot_dtype, prepared.acc_dtype, prepared.out_shape
-  k_blocks = max(k, 1)
-  tile_m, tile_k, tile_n = _fit(tiling.tile_m, m), _fit(tiling.tile_k, k_blocks), _fit(
-      tiling.tile_n, n)
-  tiling = Tiling(tile_m=tile_m, tile_k=tile_k, tile_n=tile_n)
+  tile_m, tile_k, tile_n = tiling.tile_m, tiling.tile_k, tiling.tile_n
+  k_steps = info["k_steps"]
   has_bias = bias is not None
   kernel_options = dict(dims=(m, k, n), tiling=tiling, cfg=cfg, dot_dtype=dot_dtype,
                         acc_dtype=acc_dtype, has_bias=has_bias)
   lhs_block = (tile_k, tile_m) if cfg.transpose_lhs else (tile_m, tile_k)
   rhs_block = (tile_n, tile_k) if cfg.transpose_rhs else (tile_k, tile_n)
-  scratch = [pltpu.VMEM((tile_m, tile_n), acc_dtype)]
   biases = [] if bias is None else [bias.reshape(cfg.num_local, 1, n)]
   num_m_tiles, num_n_tiles = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n)
+  out_bytes = _nbytes(out_shape, cfg.out_dtype)
+  lhs_bytes, rhs_bytes = _nbytes(lhs.shape, lhs.dtype), _nbytes(rhs.shape, rhs.dtype)
+  flops = 2 * m * k * n
 
   if cfg.group_type == "m":
-    meta = metadata.make_tile_metadata(counts, m, tile_m, group_offset, cfg.num_local, ALIGN)
-    scalars = _padded_items(meta)
+    scalars, count = m_items(counts, m, tile_m, group_offset, cfg.num_local, k_steps)
 
-    def lhs_map(n_i, i, k_i, groups, tiles, *_):
-      return (k_i, tiles[i]) if cfg.transpose_lhs else (tiles[i], k_i)
+    def k_of(k_i, i, real, k_fixed):
+      return k_i * real[i] + k_fixed[i]  # a zero item keeps its neighbour's K block
 
-    def rhs_map(n_i, i, k_i, groups, *_):
-      return (groups[i], n_i, k_i) if cfg.transpose_rhs else (groups[i], k_i, n_i)
+    def lhs_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed):
+      kb = k_of(k_i, i, real, k_fixed)
+      return (kb, lhs_tiles[i]) if cfg.transpose_lhs else (lhs_tiles[i], kb)
 
-    in_specs = [pl.BlockSpec(lhs_block, lhs_map),
-                pl.BlockSpec((None, *rhs_block), rhs_map)]
+    def rhs_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed):
+      kb = k_of(k_i, i, real, k_fixed)
+      return (groups[i], n_i, kb) if cfg.transpose_rhs else (groups[i], kb, n_i)
+
+    def group_row_map(n_i, i, k_i, groups, *_):
+      return (groups[i], 0, n_i)
+
+    in_specs = [pl.BlockSpec(lhs_block, lhs_map), pl.BlockSpec((None, *rhs_block), rhs_map)]
     if has_bias:
-      in_specs.append(pl.BlockSpec((None, 1, tile_n),
-                                   lambda n_i, i, k_i, groups, *_: (groups[i], 0, n_i)))
+      in_specs.append(pl.BlockSpec((None, 1, tile_n), group_row_map))
     quant_operands = []
     if quant is not None and quant.mode == "weight_only":
       per_group = quant.k_block < max(k, 1)
-      # [L, Kb, 1, N] (or [L, Kb, N, 1] for a transposed rhs): a [1, tile_n] ([tile_n, 1])
-      # block of the K step's scale row.
-      axis = 3 if cfg.transpose_rhs else 2
 
-      def scale_map(n_i, i, k_i, groups, *_):
-        kb = k_i if per_group else 0
+      def scale_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed):
+        kb = k_of(k_i, i, real, k_fixed) if per_group else 0
         return (groups[i], kb, n_i, 0) if cfg.transpose_rhs else (groups[i], kb, 0, n_i)
 
-      block = (None, None, tile_n, 1) if cfg.transpose_rhs else (None, None, 1, tile_n)
+      # [L, Kb, N] -> [L, Kb, 1, N] ([L, Kb, N, 1] to scale a tile stored [N, K]).
+      axis, block = (3, (None, None, tile_n, 1)) if cfg.transpose_rhs else (
+          2, (None, None, 1, tile_n))
+
       for array in (quant.rhs_scale, quant.rhs_zero):
         if array is not None:
           quant_operands.append(jnp.expand_dims(array, axis))
           in_specs.append(pl.BlockSpec(block, scale_map))
     elif quant is not None:  # scaled: [L, 1, N] column scales, [M, 1] row scales
       quant_operands = [quant.rhs_scale[:, :1, :], quant.lhs_scale]
-      in_specs.append(pl.BlockSpec((None, 1, tile_n),
-                                   lambda n_i, i, k_i, groups, *_: (groups[i], 0, n_i)))
-      in_specs.append(pl.BlockSpec((tile_m, 1),
-                                   lambda n_i, i, k_i, groups, tiles, *_: (tiles[i], 0)))
+      in_specs.append(pl.BlockSpec((None, 1, tile_n), group_row_map))
+      in_specs.append(pl.BlockSpec((tile_m, 1), lambda n_i, i, k_i, g, o, lhs_tiles, *_: (
+          lhs_tiles[i], 0)))
+    scratch = [pltpu.VMEM((tile_m, tile_n), acc_dtype)] if k_steps > 1 else []
+    if info["weight_cache"]:
+      scratch += [pltpu.VMEM(rhs_block, dot_dtype), pltpu.SMEM((1,), jnp.int32)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
-        grid=(num_n_tiles, scalars[0].shape[0], pl.cdiv(k_blocks, tile_k)),
+        grid=(num_n_tiles, count, k_steps),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((tile_m, tile_n),
-                               lambda n_i, i, k_i, groups, tiles, *_: (tiles[i], n_i)),
+                               lambda n_i, i, k_i, groups, out_tiles, *_: (out_tiles[i], n_i)),
         scratch_shapes=scratch,
     )
-    out = pl.pallas_call(
-        functools.partial(_m_kernel, quant=common.quant_static(quant), **kernel_options),
+    # Balanced estimate: lhs once per column block, each weight once, the output once.
+    hbm = lhs_bytes * num_n_tiles + rhs_bytes + out_bytes
+    return common.pallas_call(
+        functools.partial(_m_kernel, quant=common.quant_static(quant), k_steps=k_steps,
+                          row_chunk=info["row_chunk"], weight_cache=info["weight_cache"],
+                          **kernel_options),
+        info["prepared"], tiles=(tile_m, tile_k, tile_n),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=info["vmem_limit_bytes"]),
         interpret=cfg.interpret,
         name="gmm_m_tpu",
+        **_cost_estimate(flops, _transcendentals(cfg, m * n), hbm),
     )(*scalars, lhs, rhs, *biases, *quant_operands)
-    # Rows that no item owns were never written (or hold another tile's leftovers).
-    owned = metadata.row_group_ids(counts, m, group_offset, cfg.num_local) >= 0
-    return jnp.where(owned[:, None], out, jnp.zeros((), out.dtype))
 
-  meta = metadata.make_tile_metadata(counts, k_blocks if k else 0, tile_k, group_offset,
-                                    cfg.num_local, ALIGN, cover=True)
-  scalars = _padded_items(meta)
+  scalars, count = k_items(counts, max(k, 1) if k else 0, tile_k, group_offset, cfg.num_local)
 
   def k_lhs_map(m_i, n_i, i, groups, tiles, *_):
     return (tiles[i], m_i) if cfg.transpose_lhs else (m_i, tiles[i])
@@ -330,18 +677,130 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
                                  lambda m_i, n_i, i, groups, *_: (groups[i], 0, n_i)))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),
-      grid=(num_m_tiles, num_n_tiles, scalars[0].shape[0]),
+      grid=(num_m_tiles, num_n_tiles, count),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, tile_m, tile_n),
                              lambda m_i, n_i, i, groups, *_: (groups[i], m_i, n_i)),
-      scratch_shapes=scratch,
+      scratch_shapes=[pltpu.VMEM((tile_m, tile_n), acc_dtype)],
   )
-  return pl.pallas_call(
-      functools.partial(_k_kernel, **kernel_options),
+  hbm = lhs_bytes * num_n_tiles + rhs_bytes * num_m_tiles + out_bytes
+  return common.pallas_call(
+      functools.partial(_k_kernel, **kernel_options), info["prepared"],
+      tiles=(tile_m, tile_k, tile_n),
       grid_spec=grid_spec,
       out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=info["vmem_limit_bytes"]),
       interpret=cfg.interpret,
       name="gmm_k_tpu",
+      **_cost_estimate(flops, _transcendentals(cfg, cfg.num_local * m * n), hbm),
   )(*scalars, lhs, rhs, *biases)
+
+
+# ------------------------------------------------------------------------- cost model
+
+
+def _block_bytes(index, tile: int, dim: int) -> np.ndarray:
+  """Elements of blocks `index` of `tile` along a dim of `dim` (the edge block is short)."""
+  return np.clip(dim - np.asarray(index) * tile, 0, tile)
+
+
+def _dma_bytes(keys: np.ndarray, sizes: np.ndarray) -> int:
+  """Bytes fetched along a sequence of grid steps: a block is fetched when its index
+  (a row of `keys`) differs from the previous step's."""
+  if keys.shape[0] == 0:
+    return 0
+  changed = np.ones(keys.shape[0], bool)
+  changed[1:] = np.any(keys[1:] != keys[:-1], axis=1)
+  return int(np.sum(sizes[changed]))
+
+
+def static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
+                itemsize: int = 2, *, group_offset: int = 0, row_chunk: int | None = None,
+                out_itemsize: int | None = None) -> dict:
+  """A host-side model of what the kernels do for concrete group sizes.
+
+  Args:
+    counts: int ``[G]`` group sizes (concrete).
+    m, k, n: the problem (M, K, N as `GmmConfig` defines them).
+    cfg: group type and ``num_local`` (transposes do not change the model).
+    tiling: the tiles (edges fitted to the dims as the kernels do).
+    itemsize: bytes per lhs/rhs element; `out_itemsize` (default ``cfg.out_dtype``'s).
+    group_offset: the first global group held locally.
+    row_chunk: rows of a partial item's MXU slices (default: the target's `mxu_rows`).
+
+  Returns:
+    A dict: ``useful_rows`` (rows of the grouped dim owned by local groups, per column
+    block), ``mma_rows`` (rows streamed through the MXU per column block: whole tiles for
+    items that own a whole tile, touched ``row_chunk`` slices otherwise; k-grouping: K
+    columns incl. the tile padding of partial items), ``grid_steps`` and ``work_steps``
+    (steps that compute), ``hbm_bytes`` (lhs/rhs blocks fetched when their index changes
+    between consecutive steps + output blocks written back once per visit),
+    ``ideal_bytes`` (each operand once + the output once), ``items``, and
+    ``group_aligned_rows`` (m-grouping: the rows any scheme that streams whole
+    ``row_chunk``-row MXU passes per group needs, ``sum(ceil(count / row_chunk)) *
+    row_chunk``: the floor for `mma_rows`; k-grouping: ``useful_rows``).
+  """
+  counts = jnp.asarray(np.asarray(counts), jnp.int32)
+  out_itemsize = cfg.out_dtype.itemsize if out_itemsize is None else out_itemsize
+  row_chunk = mxu_rows() if row_chunk is None else row_chunk
+  kb = max(k, 1)
+  tm, tk, tn = _fit(tiling.tile_m, m), _fit(tiling.tile_k, kb), _fit(tiling.tile_n, n)
+  num_m, num_k, num_n = pl.cdiv(m, tm), pl.cdiv(kb, tk), pl.cdiv(n, tn)
+  ideal = (m * kb + cfg.num_local * kb * n if cfg.group_type == "m" else m * kb + kb * n)
+  ideal = ideal * itemsize + (m * n if cfg.group_type == "m" else cfg.num_local * m * n) * (
+      out_itemsize)
+  if cfg.group_type == "m":
+    arrays, count = m_items(counts, m, tm, jnp.int32(group_offset), cfg.num_local, num_k)
+    groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed = (
+        np.asarray(a)[:int(count)] for a in arrays)
+    real = real.astype(bool)
+    owned = ends - starts
+    lo = out_tiles * tm
+    full = (starts <= lo) & (ends >= lo + tm)
+    chunks = tm // row_chunk if row_chunk < tm and tm % row_chunk == 0 else 1
+    if chunks > 1:
+      chunk_lo = lo[:, None] + np.arange(chunks)[None, :] * row_chunk
+      touched = (starts[:, None] < chunk_lo + row_chunk) & (ends[:, None] > chunk_lo)
+      rows = np.where(full, tm, touched.sum(axis=1) * row_chunk)
+    else:
+      rows = np.full_like(starts, tm)
+    mma_rows = int(np.sum(np.where(real, rows, 0)))
+    items = len(groups)
+    n_i, item, k_i = (a.ravel() for a in np.meshgrid(np.arange(num_n), np.arange(items),
+                                                     np.arange(num_k), indexing="ij"))
+    k_eff = np.where(real[item], k_i, k_fixed[item])
+    lhs_keys = np.stack([lhs_tiles[item], k_eff], 1)
+    lhs_sizes = _block_bytes(lhs_tiles[item], tm, m) * _block_bytes(k_eff, tk, kb)
+    rhs_keys = np.stack([groups[item], k_eff, n_i], 1)
+    rhs_sizes = _block_bytes(k_eff, tk, kb) * _block_bytes(n_i, tn, n)
+    out_keys = np.stack([out_tiles[item], n_i], 1)
+    out_sizes = _block_bytes(out_tiles[item], tm, m) * _block_bytes(n_i, tn, n)
+    useful = int(np.sum(np.where(real, owned, 0)))
+    work = int(np.sum(real)) * num_n * num_k
+    group_starts, group_ends = (np.asarray(a) for a in metadata.local_group_bounds(
+        counts, m, jnp.int32(group_offset), cfg.num_local))
+    bound_chunk = min(row_chunk, tm)
+    bound = int(np.sum(-(-(group_ends - group_starts) // bound_chunk)) * bound_chunk)
+  else:
+    arrays, count = k_items(counts, kb if k else 0, tk, jnp.int32(group_offset), cfg.num_local)
+    groups, tiles, starts, ends = (np.asarray(a)[:int(count)] for a in arrays)
+    items = len(groups)
+    useful = int(np.sum(ends - starts))
+    mma_rows = int(np.sum(np.where(ends > starts, tk, 0)))
+    m_i, n_i, item = (a.ravel() for a in np.meshgrid(np.arange(num_m), np.arange(num_n),
+                                                     np.arange(items), indexing="ij"))
+    lhs_keys = np.stack([tiles[item], m_i], 1)
+    lhs_sizes = _block_bytes(tiles[item], tk, kb) * _block_bytes(m_i, tm, m)
+    rhs_keys = np.stack([tiles[item], n_i], 1)
+    rhs_sizes = _block_bytes(tiles[item], tk, kb) * _block_bytes(n_i, tn, n)
+    out_keys = np.stack([groups[item], m_i, n_i], 1)
+    out_sizes = _block_bytes(m_i, tm, m) * _block_bytes(n_i, tn, n)
+    work = int(np.sum(ends > starts)) * num_m * num_n
+    bound = useful
+  hbm = (_dma_bytes(lhs_keys, lhs_sizes) + _dma_bytes(rhs_keys, rhs_sizes)) * itemsize
+  hbm += _dma_bytes(out_keys, out_sizes) * out_itemsize
+  return dict(useful_rows=useful, mma_rows=mma_rows, group_aligned_rows=bound,
+              grid_steps=int(len(lhs_keys)),
+              work_steps=work, hbm_bytes=int(hbm), ideal_bytes=int(ideal), items=items)

@@ -1,0 +1,470 @@
+"""Compiles every gmm kernel variant for real accelerators without the hardware.
+
+``python -m gmm_jax.aot`` lowers and fully compiles (deviceless, ahead of time) the gmms of
+MoE-shaped forward and training-step programs for NVIDIA H100 and H200 (sm_90a) and TPU v5e
+and v6e, on a CPU host. gmm picks its kernels itself: each program is traced under
+``jax.default_device(<target device>)``, so the dispatcher serves the target's platform and
+the tile tables its device kind. It prints one row per kernel launch: the implementation,
+the tiles and where they came from, the grid, and (GPU) registers, spills and shared memory
+from ptxas. A compile error, a register spill, shared-memory or VMEM overflow, or a gmm that
+falls back to the XLA path on an accelerator is a failure (exit status 1).
+
+Needs jax >= 0.12 with the CUDA plugin (GPU targets) and libtpu (TPU targets); see
+README.md ("Kernels compiled for real targets"). ``--setup DIR`` creates such a virtual
+environment. Targets whose compiler this jax lacks are reported as skipped (or fail with
+``--require``).
+
+Usage::
+
+  python -m gmm_jax.aot                       # every target, every case
+  python -m gmm_jax.aot --targets h200 v5e --cases mixtral-train
+  python -m gmm_jax.aot --list                # the cases
+  python -m gmm_jax.aot --json out.json --markdown table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+
+import gmm_jax
+from gmm_jax._src import dispatch, tuning
+
+TARGET_DIR = pathlib.Path(__file__).with_name("targets")
+# name -> (platform, topology, target config file (GPU))
+TARGETS = {
+    "h100": ("gpu", "1x1x1", "nvidia_h100.txtpb"),
+    "h200": ("gpu", "1x1x1", "nvidia_h200.txtpb"),
+    "v5e": ("tpu", "v5e:1x1", None),
+    "v6e": ("tpu", "v6e:1x1", None),
+}
+# MoE shapes: (M, K, N, G).
+SHAPES = {
+    "mixtral": (16384, 4096, 14336, 8),   # Mixtral-8x7B-like expert FFN, 16k tokens
+    "deepseek": (8192, 2048, 1408, 64),   # DeepSeek-MoE-like fine-grained experts
+    "decode": (64, 4096, 14336, 8),       # decode: a few tokens per expert
+    "small": (512, 256, 384, 4),          # quick coverage of the other variants
+}
+_CHILD_ENV = "GMM_JAX_AOT_CHILD"
+_SPILL_FLAG = "--xla_gpu_fail_ptx_compilation_on_register_spilling=true"
+
+
+# ---------------------------------------------------------------------------------- cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One program: ``kind`` "fwd" (gmm) or "train" (grad of a loss: forward, dlhs, drhs)."""
+
+  name: str
+  shape: str
+  kind: str = "fwd"
+  dtype: str = "bfloat16"
+  group_type: str = "m"
+  activation: str | None = None
+  bias: bool = False
+  transpose_lhs: bool = False
+  transpose_rhs: bool = False
+  weights: str | None = None  # quantized rhs: "int8", "int4", "float8_e4m3fn"
+  weight_tile: int | None = None  # per-group scales along K
+  activations_q: str | None = None  # quantized lhs (scaled mode): "int8", "float8_e4m3fn"
+  group_offset: bool = False  # expert parallelism: half the groups held locally
+  platforms: tuple[str, ...] = ("gpu", "tpu")
+
+  def describe(self) -> str:
+    m, k, n, g = SHAPES[self.shape]
+    parts = [f"{self.kind} {self.group_type}-grouped M={m} K={k} N={n} G={g} {self.dtype}"]
+    if self.weights:
+      parts.append(f"{self.weights} weights" + (f" (K blocks of {self.weight_tile})"
+                                                if self.weight_tile else ""))
+    if self.activations_q:
+      parts.append(f"{self.activations_q} activations")
+    for flag, text in ((self.activation, f"{self.activation}"), (self.bias, "bias"),
+                       (self.transpose_lhs, "lhs^T"), (self.transpose_rhs, "rhs^T"),
+                       (self.group_offset, "group_offset")):
+      if flag:
+        parts.append(text)
+    return ", ".join(parts)
+
+
+CASES = (
+    # The MoE training steps: forward, dlhs (m-grouped, rhs^T) and drhs (k-grouped).
+    Case("mixtral-train", "mixtral", "train", activation="silu"),
+    Case("deepseek-train", "deepseek", "train", activation="silu"),
+    Case("decode-fwd", "decode", "fwd", activation="silu"),
+    Case("mixtral-gelu-bias", "mixtral", "fwd", activation="gelu", bias=True),
+    Case("deepseek-rhsT-train", "deepseek", "train", transpose_rhs=True, bias=True),
+    Case("small-f16-train", "small", "train", dtype="float16", activation="relu"),
+    Case("small-f32-train", "small", "train", dtype="float32", activation="gelu"),
+    Case("small-lhsT", "small", "fwd", transpose_lhs=True),
+    Case("small-offset-train", "small", "train", group_offset=True, bias=True),
+    Case("small-k-grouped", "small", "fwd", group_type="k", activation="silu", bias=True),
+    # Quantized: weight-only (dequantized in-kernel) and both operands (scaled mode).
+    Case("mixtral-int8-weights", "mixtral", weights="int8"),
+    Case("decode-int8-weights", "decode", weights="int8"),
+    Case("deepseek-int4-blocked", "deepseek", weights="int4", weight_tile=128),
+    Case("mixtral-fp8-weights", "mixtral", weights="float8_e4m3fn"),
+    Case("mixtral-int8xint8", "mixtral", weights="int8", activations_q="int8",
+         dtype="float32"),
+    Case("mixtral-fp8xfp8", "mixtral", weights="float8_e4m3fn",
+         activations_q="float8_e4m3fn", dtype="float32"),
+)
+
+
+def _abstract(shape, dtype, sharding):
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+# The role of each gmm of a program, noted by tiling callables that leave the choice to gmm.
+_ROLE_OF: dict = {}
+
+
+def _note(role):
+  def note(problem):
+    _ROLE_OF[problem] = role
+  return note
+
+
+_ROLE_NOTES = gmm_jax.Tilings(fwd=_note("fwd"), dlhs=_note("dlhs"), drhs=_note("drhs"))
+
+
+def build(case: Case, sharding):
+  """(function, abstract arguments) of a case, placed on the target by `sharding`."""
+
+  m, k, n, g = SHAPES[case.shape]
+  dtype = jnp.dtype(case.dtype)
+  local = g // 2 if case.group_offset else g
+  if case.group_type == "m":
+    lhs_shape = (k, m) if case.transpose_lhs else (m, k)
+    rhs_shape = (local, n, k) if case.transpose_rhs else (local, k, n)
+  else:
+    lhs_shape = (k, m) if case.transpose_lhs else (m, k)
+    rhs_shape = (n, k) if case.transpose_rhs else (k, n)
+  place = lambda tree: jax.tree.map(lambda a: _abstract(a.shape, a.dtype, sharding), tree)
+  x = _abstract(lhs_shape, dtype, sharding)
+  w = _abstract(rhs_shape, dtype, sharding)
+  sizes = _abstract((g,), jnp.int32, sharding)
+  bias = _abstract((local, n), dtype, sharding) if case.bias else None
+  options = dict(group_type=case.group_type, activation=case.activation, tiling=_ROLE_NOTES,
+                 transpose_lhs=case.transpose_lhs, transpose_rhs=case.transpose_rhs)
+  if case.group_offset:
+    options["group_offset"] = g - local
+  if case.weights:
+    k_axis = 2 if case.transpose_rhs else 1
+    n_axis = 1 if case.transpose_rhs else 2
+    tiles = {k_axis: case.weight_tile} if case.weight_tile else None
+    spec = lambda a: gmm_jax.quantize(a, jnp.dtype(case.weights),
+                                      channelwise_axes=(0, n_axis), tiled_axes=tiles)
+    w = place(jax.eval_shape(spec, jax.ShapeDtypeStruct(rhs_shape, jnp.float32)))
+  if case.activations_q:
+    spec = lambda a: gmm_jax.quantize(a, jnp.dtype(case.activations_q), channelwise_axes=(0,))
+    x = place(jax.eval_shape(spec, jax.ShapeDtypeStruct(lhs_shape, jnp.float32)))
+    options["preferred_element_type"] = jnp.bfloat16
+
+  def forward(x, w, sizes, bias):
+    return gmm_jax.gmm(x, w, sizes, bias=bias, **options)
+
+  if case.kind == "fwd":
+    return forward, (x, w, sizes, bias)
+
+  def loss(x, w, sizes, bias):
+    return jnp.sum(jnp.square(forward(x, w, sizes, bias).astype(jnp.float32)))
+
+  argnums = (0, 1, 3) if case.bias else (0, 1)
+  return jax.grad(loss, argnums=argnums), (x, w, sizes, bias)
+
+
+# ------------------------------------------------------------------------------ compiling
+
+
+@dataclasses.dataclass
+class Row:
+  """One kernel launch of one compiled case."""
+
+  target: str
+  case: str
+  gmm: str  # "fwd", "dlhs", "drhs" (in trace order)
+  implementation: str
+  kernel: str = ""
+  tiling: str = ""
+  source: str = ""
+  grid: str = ""
+  registers: int | None = None
+  spills: int | None = None
+  smem: int | None = None
+  vmem_limit: int | None = None
+  seconds: float = 0.0
+  status: str = "ok"
+  error: str = ""
+
+
+def _topology(target: str):
+  platform, topology, config = TARGETS[target]
+  if platform == "tpu":
+    return topologies.get_topology_desc(topology, platform="tpu")
+  return topologies.get_topology_desc(platform="cuda", topology=topology,
+                                      target_config=(TARGET_DIR / config).read_text())
+
+
+class _CapturedOutput:
+  """Redirects the process's stdout and stderr file descriptors (where XLA's C++ logging
+  and ptxas reports go) into a temporary file."""
+
+  def __enter__(self):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    self.file = tempfile.TemporaryFile()
+    self.saved = [os.dup(1), os.dup(2)]
+    os.dup2(self.file.fileno(), 1)
+    os.dup2(self.file.fileno(), 2)
+    return self
+
+  def __exit__(self, *exc):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for fd, saved in zip((1, 2), self.saved):
+      os.dup2(saved, fd)
+      os.close(saved)
+    self.file.seek(0)
+    self.text = self.file.read().decode(errors="replace")
+    self.file.close()
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_REGS = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_SMEM = re.compile(r"Shared memory usage: (\d+) B")
+_MOSAIC_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def ptxas_report(log: str) -> dict[str, list[dict]]:
+  """Per kernel name, in compile order: registers, spilled bytes, shared memory (Triton's
+  dynamic shared memory as XLA reports it, else ptxas's static smem)."""
+  kernels: dict[str, list[dict]] = {}
+  pending_smem = None
+  current = None
+  for line in log.splitlines():
+    if (match := _SMEM.search(line)):
+      pending_smem = int(match.group(1))
+    elif (match := _ENTRY.search(line)):
+      current = {"registers": None, "spills": 0, "smem": pending_smem}
+      kernels.setdefault(match.group(1), []).append(current)
+      pending_smem = None
+    elif current is not None and (match := _REGS.search(line)):
+      current["registers"] = int(match.group(1))
+    elif current is not None and (match := _SPILL.search(line)):
+      current["spills"] += int(match.group(1)) + int(match.group(2))
+    elif current is not None and current["smem"] is None and (
+        match := _MOSAIC_SMEM.search(line)):
+      current["smem"] = int(match.group(1))
+  return kernels
+
+
+def compile_case(target: str, case: Case) -> list[Row]:
+  """Lowers and compiles one case for one target; one `Row` per kernel launch."""
+
+  platform = TARGETS[target][0]
+  topology = _topology(target)
+  mesh = topologies.make_mesh(topology, (1,), ("x",))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  start = time.perf_counter()
+  fn, args = build(case, sharding)
+  rows: list[Row] = []
+  _ROLE_OF.clear()
+  try:
+    with jax.default_device(topology.devices[0]), dispatch.record() as decisions, \
+        tuning.record() as choices, tuning.record_launches() as launches:
+      lowered = jax.jit(fn).lower(*args)
+    with _CapturedOutput() as captured:
+      lowered.compile()
+    error = None
+  except Exception as err:  # noqa: BLE001  (a compile failure is a reported result)
+    error = f"{type(err).__name__}: {err}"
+    captured = None
+  seconds = time.perf_counter() - start
+  report = ptxas_report(captured.text) if captured is not None else {}
+  seen: dict[str, int] = {}
+  for i, launch in enumerate(launches):
+    row = Row(target, case.name, _ROLE_OF.get(launch.problem, "?"),
+              launch.implementation, kernel=launch.name,
+              grid="x".join("dyn" if g < 0 else str(g) for g in launch.grid),
+              vmem_limit=launch.vmem_limit, seconds=seconds)
+    row.tiling = "x".join(str(v) for v in launch.tiles)
+    choice = next((c for c in reversed(choices) if c.problem == launch.problem), None)
+    row.source = choice.source if choice is not None else ""
+    index = seen.get(launch.name, 0)
+    seen[launch.name] = index + 1
+    stats = report.get(launch.name, [])
+    if platform == "gpu" and index < len(stats):
+      row.registers = stats[index]["registers"]
+      row.spills = stats[index]["spills"]
+      row.smem = stats[index]["smem"]
+    rows.append(row)
+  served = [d.implementation for d in decisions]
+  problems = []
+  if error:
+    problems.append(error)
+  if any(name in ("xla", "reference") for name in served):
+    problems.append(f"a gmm fell back to the XLA path on {platform}: {served}")
+  if not launches and not error:
+    problems.append("no kernel was launched")
+  for row in rows:
+    if row.spills:
+      problems.append(f"{row.kernel} spills {row.spills} bytes")
+  if problems:
+    if not rows:
+      rows.append(Row(target, case.name, "-", ",".join(served) or "-", seconds=seconds))
+    for row in rows:
+      row.status, row.error = "FAIL", "; ".join(problems)[:2000]
+  return rows
+
+
+# ------------------------------------------------------------------------------- running
+
+
+def _child(targets, cases, json_path):
+  results = []
+  for target in targets:
+    try:
+      _topology(target)
+    except Exception as err:  # noqa: BLE001  (no libtpu / CUDA plugin: many kinds)
+      results.append(dataclasses.asdict(Row(target, "*", "-", "-", status="skipped",
+                                            error=f"no {target} compiler: {err}"[:500])))
+      continue
+    for case in cases:
+      if TARGETS[target][0] not in case.platforms:
+        continue
+      try:
+        rows = compile_case(target, case)
+      except Exception:  # noqa: BLE001  (building the case failed: report, go on)
+        rows = [Row(target, case.name, "-", "-", status="FAIL",
+                    error=traceback.format_exc()[-2000:])]
+      for row in rows:
+        print(_line(row), flush=True)
+        results.append(dataclasses.asdict(row))
+  pathlib.Path(json_path).write_text(json.dumps(results, indent=1))
+
+
+def _line(row: Row) -> str:
+  stats = ""
+  if row.registers is not None:
+    stats = f" regs={row.registers} spills={row.spills} smem={row.smem}"
+  if row.vmem_limit:
+    stats += f" vmem_limit={row.vmem_limit}"
+  text = (f"[{row.status}] {row.target} {row.case} {row.gmm}: {row.implementation} "
+          f"{row.kernel} tiles={row.tiling} ({row.source}) grid={row.grid}{stats} "
+          f"{row.seconds:.1f}s")
+  return text + (f"\n    {row.error}" if row.error else "")
+
+
+def markdown(rows: list[dict]) -> str:
+  """The results as a Markdown table."""
+  head = ("| target | case | gmm | implementation | kernel | tiles (m x k x n) | tile source | "
+          "grid | registers | spills (B) | shared memory (B) | VMEM limit (B) | compile s | "
+          "status |")
+  lines = [head, "|" + "---|" * 14]
+  blank = lambda v: "" if v is None else str(v)
+  for r in rows:
+    lines.append(
+        f"| {r['target']} | {r['case']} | {r['gmm']} | {r['implementation']} | {r['kernel']} | "
+        f"{r['tiling']} | {r['source']} | {r['grid']} | {blank(r['registers'])} | "
+        f"{blank(r['spills'])} | {blank(r['smem'])} | {blank(r['vmem_limit'])} | "
+        f"{r['seconds']:.1f} | {r['status']} |")
+  return "\n".join(lines) + "\n"
+
+
+def _child_env() -> dict[str, str]:
+  env = dict(os.environ)
+  env[_CHILD_ENV] = "1"
+  env["JAX_PLATFORMS"] = "cpu"  # the plugins register without touching a device
+  env["TF_CPP_MIN_LOG_LEVEL"] = "0"
+  env["TF_CPP_VMODULE"] = "nvjitlink=3,xtile_compiler=2"
+  env["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # the compile processes each load libtpu
+  flags = env.get("XLA_FLAGS", "")
+  if _SPILL_FLAG not in flags:
+    env["XLA_FLAGS"] = (flags + " " + _SPILL_FLAG).strip()
+  return env
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m gmm_jax.aot", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--targets", nargs="+", choices=tuple(TARGETS), default=list(TARGETS))
+  parser.add_argument("--cases", nargs="+", choices=[c.name for c in CASES],
+                      default=[c.name for c in CASES])
+  parser.add_argument("--jobs", type=int, default=2,
+                      help="compile processes (targets are split between them)")
+  parser.add_argument("--json", help="write the rows as JSON here")
+  parser.add_argument("--markdown", help="write the Markdown table here")
+  parser.add_argument("--require", action="store_true",
+                      help="a target whose compiler is missing is a failure, not a skip")
+  parser.add_argument("--list", action="store_true", help="list the cases and exit")
+  parser.add_argument("--child-json", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  cases = [c for c in CASES if c.name in args.cases]
+  if args.list:
+    for case in CASES:
+      print(f"{case.name}: {case.describe()}")
+    return 0
+  if args.child_json:
+    _child(args.targets, cases, args.child_json)
+    return 0
+  jobs = max(1, min(args.jobs, len(args.targets)))
+  # Interleave GPU and TPU targets so that each process gets a mix.
+  ordered = sorted(args.targets, key=lambda t: list(TARGETS).index(t))
+  shards = [ordered[i::jobs] for i in range(jobs)]
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory() as tmp:
+    procs = []
+    for i, shard in enumerate(shards):
+      out = pathlib.Path(tmp) / f"{i}.json"
+      command = [sys.executable, "-m", "gmm_jax.aot", "--child-json", str(out), "--targets",
+                 *shard, "--cases", *[c.name for c in cases]]
+      procs.append((subprocess.Popen(command, env=_child_env(), stderr=subprocess.DEVNULL),
+                    out))
+    rows = []
+    for proc, out in procs:
+      proc.wait()
+      if out.exists():
+        rows.extend(json.loads(out.read_text()))
+      else:
+        rows.append(dataclasses.asdict(Row("?", "?", "-", "-", status="FAIL",
+                                           error=f"compile process exited {proc.returncode}")))
+  order = {t: i for i, t in enumerate(TARGETS)}
+  names = [c.name for c in CASES]
+  rows.sort(key=lambda r: (order.get(r["target"], 99),
+                           names.index(r["case"]) if r["case"] in names else -1))
+  table = markdown(rows)
+  print()
+  print(table)
+  failed = [r for r in rows if r["status"] == "FAIL"]
+  skipped = [r for r in rows if r["status"] == "skipped"]
+  print(f"{len(rows) - len(failed) - len(skipped)} kernel launches compiled, {len(failed)} "
+        f"failed, {len(skipped)} targets skipped, in {time.perf_counter() - start:.0f} s")
+  for r in skipped:
+    print(f"skipped {r['target']}: {r['error']}")
+  for r in failed:
+    print(f"FAILED {r['target']} {r['case']}: {r['error']}")
+  if args.json:
+    pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+  if args.markdown:
+    pathlib.Path(args.markdown).write_text(table)
+  return 1 if failed or (skipped and args.require) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,508 @@
+"""Pallas Mosaic GPU gmm kernel for Hopper (sm_90a): m-grouping, bf16/f16 operands.
+
+One persistent kernel: a grid of as many programs as the GPU has SMs, each looping over
+(work item, N tile) pairs in an L2-friendly order (`_snake`: a band of BAND consecutive
+work items, mostly of one group, walks the N tiles together, every other band backwards, so
+the band's lhs rows and each rhs tile are read from HBM about once). A work item is
+`metadata.make_tile_metadata(..., align="tile")`: the rows ``[item_start, item_end)`` of one
+local group inside the ``tile_m``-row window ``tile_ids * tile_m``. Windows start at
+multiples of 8 because the TMA writes the tiled + swizzled shared-memory layout that wgmma
+reads, whose rows come in tiles of 8: a window starting at any row (align="group") cannot
+be loaded into it (the descriptor addresses row r as tile r // 8, row r % 8).
+
+Per (item, N tile): a multi-stage TMA -> shared-memory ring feeds wgmma with f32
+accumulators in registers. Tiles of 128 or more columns are warp-specialized
+(`plgpu.emit_pipeline_warp_specialized`): a producer warpgroup issues the TMA loads, two
+consumer warpgroups each multiply the window by one half of the columns; narrower tiles run
+one warpgroup (`plgpu.emit_pipeline`). One wgmma stays in flight (its stage is released a
+step later). The K edge is zero-filled by the TMA (each dimension of the descriptor is
+bounded separately, so a K block past K reads zeros, never the next group's weights).
+Each consumer's epilogue adds the group's bias, applies the activation, casts, writes its
+tile to shared memory and stores only the item's rows with TMA stores of 2^j rows each (a
+static ladder of descriptors: the row count is only known at run time), so rows of other
+groups in the window are never written; columns past N are clipped by the TMA. The output
+is a zero array passed in as a mutable Ref (aliased), so rows no item owns (past the group
+total, or of groups that are not local) stay exactly 0. A tile's stores overlap the next
+tile's main loop (they are waited for before the staging buffer is rewritten).
+
+Refuses (NotImplementedError, so the dispatcher falls back to Triton): k-grouping,
+quantized operands, a transposed lhs, operands other than bf16 x bf16 / f16 x f16 (the
+dlhs of a gmm with an activation multiplies an f32 cotangent: Triton's), K or N not a
+multiple of 8 (TMA strides are multiples of 16 bytes), activations without a Mosaic GPU
+lowering, any GPU other than an sm_90 (wgmma is Hopper-only), and interpret mode through
+the dispatcher. jax 0.12's Mosaic GPU interpreter runs the kernel on the CPU (simulating
+shared memory, TMA, barriers and wgmma) when `gmm_mosaic_gpu` is called directly with
+``direct_interpret=True``; its ordered IO callbacks cannot be lowered inside the gmm op, and
+jax 0.10's interpreter cannot run the kernel at all.
+
+The target GPU is the device the program is lowered for. A deviceless compile runs under
+``jax.default_device(<a device of the target topology>)``, so it is
+``jax.config.jax_default_device`` (its ``compute_capability`` and ``core_count``); else the
+abstract mesh's abstract device (a device kind, e.g. the tests' cross-lowering); else the
+first local GPU. With none of these the kernel refuses: it cannot know it targets an sm_90.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gmm_jax.pallas import common
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from gmm_jax._src import metadata
+from gmm_jax._src.config import GmmConfig, Tiling, problem_dims
+from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
+from gmm_jax._src.qarray import QArray
+
+# A jax without (this much of) Pallas Mosaic GPU raises ImportError here or above, and
+# backends.py then skips the registration.
+_NEEDED = ("kernel", "emit_pipeline", "wgmma", "wgmma_wait", "ACC", "SMEM", "BlockSpec",
+           "nd_loop", "TilingTransform", "SwizzleTransform", "find_swizzle",
+           "copy_smem_to_gmem", "commit_smem", "commit_smem_to_gmem_group",
+           "wait_smem_to_gmem", "load", "Layout", "LoweringSemantics")
+_MISSING = [name for name in _NEEDED if not hasattr(plgpu, name)]
+if _MISSING or not hasattr(jax, "new_ref"):
+  raise ImportError(f"this jax's Pallas Mosaic GPU lacks {_MISSING or ['jax.new_ref']}")
+
+try:
+  from jax._src.pallas.mosaic_gpu.core import PrimitiveSemantics as _PrimitiveSemantics
+  _WARPGROUP_THREADS = _PrimitiveSemantics.Warpgroup
+except (ImportError, AttributeError):
+  _WARPGROUP_THREADS = None
+
+ALIGN = "tile"  # windows start at multiples of tile_m (a multiple of 8): see the docstring
+SUPPORTED = ("the Mosaic GPU kernel serves m-grouping with bf16 x bf16 or f16 x f16 "
+             "operands (lhs [M, K], rhs [G, K, N] or [G, N, K]), K and N multiples of 8, "
+             "on sm_90a (Hopper) GPUs")
+LOWERING_SEMANTICS = plgpu.LoweringSemantics.Warpgroup
+SMEM_BYTES = 227 * 1024  # sm_90: 228 KiB per SM, 1 KiB reserved
+DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
+COMPUTE_WGS = 2  # warp-specialized kernel: consumer warpgroups, each owning tile_n / 2 columns
+BAND = 8  # work items walked together over the N tiles (L2 reuse of rhs tiles)
+# Primitives with a Mosaic GPU lowering rule but no layout inference rule (jax 0.12): they
+# fail at lowering, so the kernel refuses them up front ("gelu" is jax.nn.gelu's erfc;
+# Triton serves it with a rational erf).
+NO_LAYOUT_RULE = ("erf", "erfc", "erf_inv")
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
+
+
+# ------------------------------------------------------------------------- target GPU
+
+
+
+
+def _parse_capability(value) -> tuple[int, int] | None:
+  try:
+    major, _, minor = str(value).partition(".")
+    return int(major), int(minor or 0)
+  except ValueError:
+    return None
+
+
+def target_gpu() -> tuple[tuple[int, int] | None, int, str]:
+  """(compute capability or None, number of SMs, a description) of the GPU being targeted.
+
+  Looked up in order: jax's default device (set by ``jax.default_device`` around a
+  deviceless compile for a GPU topology), the abstract mesh's abstract device (its device
+  kind), the first local GPU.
+  """
+  device = jax.config.jax_default_device
+  if device is not None and getattr(device, "platform", None) in ("gpu", "cuda"):
+    capability = _parse_capability(getattr(device, "compute_capability", None))
+    return capability, int(getattr(device, "core_count", DEFAULT_NUM_SMS) or DEFAULT_NUM_SMS), (
+        f"default device {device.device_kind}")
+  try:
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+  except Exception:  # noqa: BLE001  (older jax: no abstract device)
+    abstract = None
+  if abstract is not None and getattr(abstract, "platform", None) in ("gpu", "cuda"):
+    kind = str(abstract.device_kind)
+    capability = (9, 0) if any(name in kind for name in HOPPER_KINDS) else None
+    cores = getattr(abstract, "num_cores", None) or DEFAULT_NUM_SMS
+    return capability, int(cores), f"abstract device {kind}"
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    devices = []
+  if devices:
+    capability = _parse_capability(getattr(devices[0], "compute_capability", None))
+    return capability, int(getattr(devices[0], "core_count", DEFAULT_NUM_SMS)), (
+        f"local device {devices[0].device_kind}")
+  return None, DEFAULT_NUM_SMS, "no GPU device in sight"
+
+
+def _check_target() -> int:
+  """The number of SMs of the target GPU; NotImplementedError unless it is an sm_90."""
+  capability, num_sms, description = target_gpu()
+  if capability is None or capability[0] != 9:
+    raise NotImplementedError(
+        f"the Mosaic GPU gmm kernel needs sm_90a (Hopper: wgmma); target: {description}, "
+        f"compute capability {capability}")
+  return num_sms
+
+
+# ----------------------------------------------------------------------------- tiles
+
+
+def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) -> Tiling:
+  """64-element K steps (one 128-byte swizzle row of bf16); 128-row windows, or 64 when
+  the average group is shorter (a window never spans two groups); 256 columns (two
+  warpgroups of 128) for 16-bit outputs, 128 for f32 ones (the staging tile must fit next
+  to the ring), fewer for a narrow N."""
+  del k, itemsize
+  tile_m = 128 if m // max(1, cfg.num_local) >= 128 else 64
+  widest = 256 if np.dtype(cfg.out_dtype).itemsize <= 2 else 128
+  return Tiling(tile_m=tile_m, tile_k=64, tile_n=min(widest, max(64, common.next_power_of_2(n))))
+
+
+def warp_specialized(tiling: Tiling) -> bool:
+  """Tiles of at least 128 columns run warp-specialized (two consumer warpgroups)."""
+  return tiling.tile_n >= 128 and hasattr(plgpu, "emit_pipeline_warp_specialized")
+
+
+def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig) -> None:
+  """tile_m in {64, 128} (wgmma rows of one warpgroup), tile_k a multiple of 64, tile_n a
+  multiple of 64 up to 256 (split between two consumer warpgroups from 128 on), and at
+  most 128 x 128 f32 accumulator elements per warpgroup (registers)."""
+  del m, k, n, cfg
+  per_warpgroup = tiling.tile_n // (COMPUTE_WGS if warp_specialized(tiling) else 1)
+  if (tiling.tile_m not in (64, 128) or tiling.tile_k % 64 or tiling.tile_n % 64
+      or tiling.tile_n > 256 or tiling.tile_m * per_warpgroup > 128 * 128):
+    raise NotImplementedError(
+        "the Mosaic GPU kernel needs tile_m in (64, 128), tile_k a multiple of 64, tile_n a "
+        "multiple of 64 (<= 256) and at most 128 x 128 accumulator elements per warpgroup, "
+        f"got {tiling}")
+
+
+def _stages(tiling: Tiling, k: int, itemsize: int, out_itemsize: int) -> int:
+  """Pipeline depth: up to 4 stages, as many as fit next to the output staging tile (at
+  least 2: one wgmma stays in flight while the next stage loads)."""
+  stage = (tiling.tile_m + tiling.tile_n) * tiling.tile_k * itemsize
+  budget = SMEM_BYTES - tiling.tile_m * tiling.tile_n * out_itemsize - 2048  # + barriers
+  stages = min(4, budget // stage, math.ceil(k / tiling.tile_k) + 1)
+  if stages < 2:
+    raise NotImplementedError(
+        f"two pipeline stages of {tiling} and a {out_itemsize}-byte output tile exceed the "
+        f"{SMEM_BYTES} bytes of shared memory of an sm_90")
+  return stages
+
+
+def unsupported_primitives(activation) -> set[str]:
+  """Primitives of `activation` (on an f32 tile) without a Mosaic GPU lowering rule (best
+  effort: empty when the private lowering table cannot be read)."""
+  try:
+    from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
+    rules = mgpu_lowering.mosaic_lowering_rules
+  except (ImportError, AttributeError):
+    return set()
+  # Keyed by (lowering semantics, thread semantics); the kernel lowers Warpgroup x Warpgroup.
+  rules = rules.get((LOWERING_SEMANTICS, _WARPGROUP_THREADS), rules)
+  rules = {p: rule for p, rule in rules.items() if p.name not in NO_LAYOUT_RULE}
+  return common.unsupported_primitives(resolve_activation(activation), rules)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _transforms(shape, dtype, rows_per_tile: int = 8):
+  swizzle = plgpu.find_swizzle(shape[-1] * jnp.dtype(dtype).itemsize * 8)
+  elements = swizzle // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((rows_per_tile, elements)), plgpu.SwizzleTransform(swizzle))
+
+
+_LOAD_TAKES_INDEX = "idx" in inspect.signature(plgpu.load).parameters
+
+
+def _load(ref, layout):
+  """`plgpu.load` across jax versions (0.10 takes an index argument)."""
+  if _LOAD_TAKES_INDEX:
+    return plgpu.load(ref, (), layout=layout, optimized=False)
+  return plgpu.load(ref, layout=layout, optimized=False)
+
+
+def _snake(linear, n_tiles: int):
+  """(work item, N tile) of the `linear`-th unit of work: bands of BAND consecutive items
+  walk the N tiles together, every other band backwards (the rhs tile at the turn is still
+  in L2). Only static divisors: a division by a run-time value is a subroutine call in
+  SASS, and ptxas then serializes every wgmma of the kernel."""
+  per_band = BAND * n_tiles
+  band = linear // per_band
+  within = linear % per_band
+  n_tile = within // BAND
+  n_tile = jnp.where(band % 2 == 1, n_tiles - 1 - n_tile, n_tile)
+  return band * BAND + within % BAND, n_tile
+
+
+def _specs(tiling: Tiling, cfg: GmmConfig, dtype, delay_release: int):
+  """BlockSpecs of the lhs window ``[tile_m, K]`` and the rhs columns ``[K, tile_n]`` (or
+  ``[tile_n, K]``) in K steps, tiled and swizzled for wgmma."""
+  tile_m, tile_k, tile_n = tiling.tile_m, tiling.tile_k, tiling.tile_n
+  rhs_block = (tile_n, tile_k) if cfg.transpose_rhs else (tile_k, tile_n)
+  rhs_index = (lambda step: (0, step)) if cfg.transpose_rhs else (lambda step: (step, 0))
+  return [plgpu.BlockSpec((tile_m, tile_k), lambda step: (0, step),
+                          transforms=_transforms((tile_m, tile_k), dtype),
+                          delay_release=delay_release),
+          plgpu.BlockSpec(rhs_block, rhs_index, transforms=_transforms(rhs_block, dtype),
+                          delay_release=delay_release)]
+
+
+def _store_rows(acc, out_smem, out_gmem, bias_gmem, group, window, start, size, cols,
+                activation):
+  """The epilogue of one accumulator tile: bias, activation, cast, then TMA stores of the
+  item's `size` rows only (from row ``start - window`` of the tile), one per set bit of
+  `size` (a descriptor's row count is static). The staging buffer is rewritten only after
+  the previous tile's stores have read it."""
+  tile_m, width = acc.shape
+  bias = None
+  if bias_gmem is not None:  # padded to whole N tiles by the wrapper
+    bias = _load(bias_gmem.at[group, cols], plgpu.Layout.WGMMA.reduce(0))
+    bias = jax.lax.broadcast_in_dim(bias.astype(jnp.float32), (tile_m, width), (1,))
+  out = apply_epilogue(acc, bias, activation, out_smem.dtype)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  out_smem[...] = out
+  plgpu.commit_smem()
+  offset = start - window
+  chunk = tile_m
+  while chunk:
+    @pl.when(size & chunk != 0)
+    def _store(chunk=chunk, offset=offset):
+      plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(offset, chunk)],
+                              out_gmem.at[pl.ds(window + offset, chunk), cols],
+                              commit_group=False)
+    offset = offset + (size & chunk)
+    chunk //= 2
+  plgpu.commit_smem_to_gmem_group()
+
+
+def _out_smem(shape, dtype):
+  # Rows of the staging tile are stored from any row offset: tiles of 1 row.
+  return plgpu.SMEM(shape, dtype, transforms=_transforms(shape, dtype, 1))
+
+
+class _Work:
+  """The scalars of one (work item, N tile)."""
+
+  def __init__(self, refs, linear, n_tiles: int, tile_m: int, tile_n: int):
+    window_ref, start_ref, end_ref, group_ref = refs
+    item, n_tile = _snake(linear, n_tiles)
+    self.start = start_ref[item]
+    self.size = end_ref[item] - self.start  # 0 for padding items
+    self.window = pl.multiple_of(window_ref[item], tile_m)
+    self.group = group_ref[item]
+    self.n_first = pl.multiple_of(n_tile * tile_n, tile_n)
+
+
+def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
+            *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int):
+  """One warpgroup per program: the TMA ring (`emit_pipeline`) and wgmma in one thread."""
+  bias_gmem = refs[0] if has_bias else None
+  out_gmem = refs[-1]  # the aliased zero buffer (a Ref operand), written in place
+  _, k, n = dims
+  tile_m, tile_k, tile_n = tiling.tile_m, tiling.tile_k, tiling.tile_n
+  n_tiles = pl.cdiv(n, tile_n)
+  num_items = window_ref.shape[0]  # a multiple of BAND (see `_snake`)
+  activation = resolve_activation(cfg.activation)
+  # Keep one wgmma in flight: its stage is released a step later (with 2+ steps).
+  in_flight = 1 if pl.cdiv(k, tile_k) > 1 else 0
+  specs = _specs(tiling, cfg, lhs_gmem.dtype, delay_release=in_flight)
+
+  def mma(_, lhs_smem, rhs_smem, acc_ref):
+    plgpu.wgmma(acc_ref, lhs_smem, rhs_smem.T if cfg.transpose_rhs else rhs_smem)
+    plgpu.wgmma_wait(in_flight)
+    return acc_ref
+
+  @functools.partial(pl.run_scoped, out_smem=_out_smem((tile_m, tile_n), out_gmem.dtype))
+  def _scope(out_smem):
+    @plgpu.nd_loop((num_items * n_tiles,), collective_axes="sm")
+    def _loop(loop_info):
+      work = _Work((window_ref, start_ref, end_ref, group_ref), loop_info.index[0], n_tiles,
+                   tile_m, tile_n)
+
+      @pl.when(work.size > 0)  # padding items are empty
+      def _item():
+        cols = pl.ds(work.n_first, tile_n)
+        rhs_cols = rhs_gmem.at[work.group, cols, :] if cfg.transpose_rhs else rhs_gmem.at[
+            work.group, :, cols]
+
+        def accumulate(acc_ref):
+          plgpu.emit_pipeline(functools.partial(mma, acc_ref=acc_ref), grid=(pl.cdiv(k, tile_k),),
+                              in_specs=specs, max_concurrent_steps=stages)(
+                                  lhs_gmem.at[pl.ds(work.window, tile_m), :], rhs_cols)
+          return acc_ref[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
+        _store_rows(acc, out_smem, out_gmem, bias_gmem, work.group, work.window, work.start,
+                    work.size, cols, activation)
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel_ws(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
+               *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int):
+  """Warp-specialized: a producer warpgroup issues the TMA loads of the ring, two consumer
+  warpgroups run wgmma on the two column halves of the tile and store their halves."""
+  bias_gmem = refs[0] if has_bias else None
+  out_gmem = refs[-1]
+  _, k, n = dims
+  tile_m, tile_k, tile_n = tiling.tile_m, tiling.tile_k, tiling.tile_n
+  half = tile_n // COMPUTE_WGS
+  n_tiles = pl.cdiv(n, tile_n)
+  num_items = window_ref.shape[0]
+  activation = resolve_activation(cfg.activation)
+  in_flight = 1 if pl.cdiv(k, tile_k) > 1 else 0
+  specs = _specs(tiling, cfg, lhs_gmem.dtype, delay_release=in_flight)
+
+  def pipeline(body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(pl.cdiv(k, tile_k),), memory_registers=40, in_specs=specs,
+        wg_axis="wg", num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=stages,
+        compute_context=context)
+
+  def ignore(*_, **__):  # the allocations do not depend on the body
+    return None
+
+  @functools.partial(
+      pl.run_scoped,
+      allocations=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem.at[0]),
+      out_smem=_out_smem((COMPUTE_WGS, tile_m, half), out_gmem.dtype),
+      collective_axes="wg")
+  def _scope(allocations, out_smem):
+    wg = jax.lax.axis_index("wg")
+
+    @plgpu.nd_loop((num_items * n_tiles,), collective_axes="sm")
+    def _loop(loop_info):
+      work = _Work((window_ref, start_ref, end_ref, group_ref), loop_info.index[0], n_tiles,
+                   tile_m, tile_n)
+      halves = pl.ds(wg * half, half)
+
+      def mma(_, lhs_smem, rhs_smem, acc_ref):
+        rhs_half = rhs_smem.at[halves, :].T if cfg.transpose_rhs else rhs_smem.at[:, halves]
+        plgpu.wgmma(acc_ref, lhs_smem, rhs_half)
+        plgpu.wgmma_wait(in_flight)
+        return acc_ref
+
+      def context(eval_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, half), jnp.float32))
+        def _acc(acc_ref):
+          eval_pipeline(acc_ref)
+          cols = pl.ds(pl.multiple_of(work.n_first + wg * half, half), half)
+          _store_rows(acc_ref[...], out_smem.at[wg], out_gmem, bias_gmem, work.group,
+                      work.window, work.start, work.size, cols, activation)
+
+      @pl.when(work.size > 0)  # the same branch in every warpgroup
+      def _item():
+        cols = pl.ds(work.n_first, tile_n)
+        rhs_cols = rhs_gmem.at[work.group, cols, :] if cfg.transpose_rhs else rhs_gmem.at[
+            work.group, :, cols]
+        pipeline(mma, context)(lhs_gmem.at[pl.ds(work.window, tile_m), :], rhs_cols,
+                               allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+INTERPRET_NUM_SMS = 2  # programs of the persistent loop in interpret mode (CPU threads)
+
+
+def _interpret_params():
+  """The GPU interpreter's parameters (Pallas Mosaic GPU interpret mode, which simulates
+  shared memory, barriers, TMA and wgmma on the CPU), or NotImplementedError."""
+  # jax 0.10's interpreter exists but cannot run this kernel (it has no memory space for
+  # a Ref operand); jax 0.12 exports the parameters publicly and runs it.
+  if not hasattr(plgpu, "InterpretGPUParams"):
+    raise NotImplementedError(
+        f"{SUPPORTED}; interpret mode needs jax's Mosaic GPU interpreter (jax >= 0.12)")
+  return plgpu.InterpretGPUParams()
+
+
+def check_operands(lhs, rhs, cfg: GmmConfig) -> None:
+  """Static refusals (shapes and dtypes only): NotImplementedError naming what is served."""
+  if cfg.group_type != "m":
+    raise NotImplementedError(f"{SUPPORTED}; got group_type={cfg.group_type!r}")
+  if isinstance(lhs, QArray) or isinstance(rhs, QArray):
+    raise NotImplementedError(f"{SUPPORTED}; got quantized operands")
+  if cfg.transpose_lhs:
+    raise NotImplementedError(f"{SUPPORTED}; got a transposed lhs")
+  dtypes = {np.dtype(lhs.dtype), np.dtype(rhs.dtype)}
+  if len(dtypes) != 1 or dtypes.pop() not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+    raise NotImplementedError(f"{SUPPORTED}; got {lhs.dtype} x {rhs.dtype}")
+  _, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
+  if k == 0 or k % 8 or n % 8:
+    raise NotImplementedError(f"{SUPPORTED}; got K={k}, N={n}")
+  if not jnp.issubdtype(cfg.out_dtype, jnp.floating) or np.dtype(cfg.out_dtype).itemsize > 4:
+    raise NotImplementedError(f"{SUPPORTED}; got out_dtype {cfg.out_dtype}")
+
+
+def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
+                   tiling: Tiling | None = None, *, direct_interpret: bool = False):
+  """m-grouped gmm on canonical operands (see `GmmConfig`) with the Mosaic GPU kernel.
+
+  Args:
+    lhs: ``[M, K]`` bf16 or f16.
+    rhs: ``[num_local, K, N]`` (``[num_local, N, K]`` if ``cfg.transpose_rhs``), lhs's dtype.
+    counts: int32 ``[G]`` global group sizes.
+    group_offset: int32 scalar, the first global group held locally.
+    bias: None or ``[num_local, N]``.
+    cfg: the static options.
+    tiling: tiles (see `check_tiling`); default ``cfg.tiling``, else `default_tiling`.
+    direct_interpret: with ``cfg.interpret``, run jax's Mosaic GPU interpreter (jax >=
+      0.12). Only for a direct call under jit: the interpreter's ordered IO callbacks get
+      no effect token inside the gmm op's lowering (KeyError: OrderedIOEffect), so the
+      dispatcher's calls refuse interpret mode and Triton's interpreter serves them.
+
+  Returns:
+    ``[M, N]`` of ``cfg.out_dtype``; rows no local group owns are 0.
+
+  Raises:
+    NotImplementedError: see the module docstring (the dispatcher then tries Triton).
+  """
+  check_operands(lhs, rhs, cfg)
+  if cfg.interpret and not direct_interpret:
+    raise NotImplementedError(
+        f"{SUPPORTED}; interpret mode runs jax's Mosaic GPU interpreter, whose ordered "
+        "callbacks cannot run inside the gmm op: Triton's interpreter serves the dispatcher")
+  interpret = _interpret_params() if cfg.interpret else None
+  num_sms = INTERPRET_NUM_SMS if cfg.interpret else _check_target()
+  prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
+                             check_tiling=check_tiling, unsupported=unsupported_primitives,
+                             backend="Pallas Mosaic GPU", implementation="pallas_mosaic_gpu",
+                             platform="gpu")
+  if prepared.empty:
+    return jnp.zeros(prepared.out_shape, cfg.out_dtype)
+  lhs, rhs, tiling = prepared.lhs, prepared.rhs, prepared.tiling
+  m, k, n = prepared.dims
+  n_tiles = pl.cdiv(n, tiling.tile_n)
+  meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
+                                     ALIGN)
+  # Static loop bounds (see `_snake`): the item arrays padded to whole bands with empty
+  # items, which the kernel skips.
+  pad = (0, -meta.item_start.shape[0] % BAND)
+  items = [jnp.pad(a, pad) for a in (meta.tile_ids * tiling.tile_m, meta.item_start,
+                                     meta.item_end, meta.group_ids)]
+  operands = [*items, lhs, rhs]
+  if bias is not None:  # whole N tiles: the epilogue loads tile_n bias columns
+    operands.append(jnp.pad(bias, ((0, 0), (0, n_tiles * tiling.tile_n - n))))
+  stages = _stages(tiling, k, lhs.dtype.itemsize, cfg.out_dtype.itemsize)
+  specialized = warp_specialized(tiling)
+  threads = {"num_threads": COMPUTE_WGS + 1, "thread_name": "wg"} if specialized else {}
+  out = jax.new_ref(jnp.zeros((m, n), cfg.out_dtype))
+  common.note_launch(prepared, "gmm_m_mosaic_gpu", (num_sms,),
+                     (tiling.tile_m, tiling.tile_k, tiling.tile_n))
+  plgpu.kernel(
+      functools.partial(_kernel_ws if specialized else _kernel, dims=(m, k, n),
+                        tiling=tiling, cfg=cfg, has_bias=bias is not None, stages=stages),
+      out_type=(),
+      grid=(num_sms,),
+      grid_names=("sm",),
+      **threads,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=LOWERING_SEMANTICS),
+      **({} if interpret is None else {"interpret": interpret}),
+  )(*operands, out)
+  return jax.freeze(out) if hasattr(jax, "freeze") else out[...]

@@ -1,0 +1,219 @@
+"""The Pallas Mosaic GPU (Hopper) kernel: numerics in jax's GPU interpreter on CPU (jax >=
+0.12; it simulates shared memory, TMA, barriers and wgmma), its refusals (the dispatcher
+then falls back to Triton), the target-GPU detection, and a deviceless compile for an H200
+(needs the CUDA plugin; skipped without it).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gmm_test_base import make_operands
+from oracle import f64, gmm_oracle, tolerances
+
+import gmm_jax
+from gmm_jax._src import dispatch
+from gmm_jax._src.config import GmmConfig, Tiling
+
+mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
+                             reason="this jax's Pallas Mosaic GPU lacks the kernel's API")
+plgpu = mosaic.plgpu
+
+H200 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "targets" / "nvidia_h200.txtpb"
+HAS_INTERPRETER = hasattr(plgpu, "InterpretGPUParams")
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+def _run(lhs, rhs, sizes, offset, bias, cfg, tiling):
+  def kernel(*args):
+    return mosaic.gmm_mosaic_gpu(*args, cfg, tiling, direct_interpret=True)
+
+  return jax.jit(kernel)(
+      lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset), bias)
+
+
+# ------------------------------------------------------------- numerics (GPU interpreter)
+
+
+def _np_sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+# (M, K, N, sizes, num_local, group_offset, transpose_rhs, activation, operand and out
+# dtypes, tiling):
+# K and N not multiples of the tiles (TMA zero-fill and clipped stores), groups straddling
+# 64-row windows, empty groups, rows past the total, a group offset, 128-row windows; tiles
+# of 128+ columns run the warp-specialized kernel, 64 columns the single-warpgroup one.
+NUMERIC_CASES = [
+    pytest.param(200, 72, 80, [70, 0, 65, 40], 3, 1, False, "gelu_tanh", jnp.bfloat16,
+                 jnp.float32, Tiling(64, 64, 128), id="specialized-offset1-gelu-tanh-ragged"),
+    pytest.param(200, 136, 80, [70, 0, 65, 40], 4, 0, True, None, jnp.float16, jnp.float16,
+                 Tiling(64, 64, 64), id="one-warpgroup-transpose-rhs-f16"),
+    pytest.param(130, 64, 256, [3, 120, 5], 3, 0, True, "silu", jnp.bfloat16, jnp.float32,
+                 Tiling(128, 64, 256), id="specialized-tile128-silu"),
+    pytest.param(48, 64, 64, [0, 0, 0], 3, 0, False, jax.nn.sigmoid, jnp.bfloat16,
+                 jnp.float32, Tiling(64, 64, 64), id="all-empty-sigmoid"),
+]
+
+
+@pytest.mark.skipif(not HAS_INTERPRETER, reason="no Mosaic GPU interpreter in this jax")
+@pytest.mark.parametrize("m, k, n, sizes, num_local, offset, transpose_rhs, activation, "
+                         "dtype, out_dtype, tiling", NUMERIC_CASES)
+def test_matches_oracle_in_interpreter(m, k, n, sizes, num_local, offset, transpose_rhs,
+                                       activation, dtype, out_dtype, tiling):
+  lhs, rhs, bias = make_operands("m", m=m, k=k, n=n, num_local=num_local,
+                                 lhs_dtype=dtype, transpose_rhs=transpose_rhs,
+                                 with_bias=activation is not None, seed=7)
+  cfg = GmmConfig(group_type="m", num_local=num_local, transpose_rhs=transpose_rhs,
+                  activation=activation, out_dtype=np.dtype(out_dtype), interpret=True)
+  got = _run(lhs, rhs, sizes, offset, bias, cfg, tiling)
+  oracle_act = _np_sigmoid if activation is jax.nn.sigmoid else activation
+  want = gmm_oracle(lhs, rhs, sizes, "m", bias=bias, activation=oracle_act,
+                    transpose_rhs=transpose_rhs, group_offset=offset, num_local=num_local)
+  assert got.shape == (m, n) and got.dtype == np.dtype(out_dtype)
+  np.testing.assert_allclose(f64(got), want, **tolerances(dtype, out_dtype, k=k))
+  # Rows no local group owns are exactly 0 (no bias, no activation: sigmoid(0) != 0).
+  owned = np.zeros(m, bool)
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  for g in range(offset, min(offset + num_local, len(sizes))):
+    owned[bounds[g]:bounds[g + 1]] = True
+  assert not np.any(f64(got)[~owned])
+
+
+def test_the_dispatcher_hands_interpret_mode_to_triton():
+  # The GPU interpreter's ordered callbacks cannot run inside the gmm op's lowering, so in
+  # interpret mode the kernel refuses and the next implementation serves, gradients too.
+  lhs, rhs, _ = make_operands("m", m=48, k=64, n=64, num_local=3, lhs_dtype=jnp.bfloat16,
+                              seed=3)
+  sizes = jnp.asarray([20, 0, 25], jnp.int32)
+
+  def loss(implementation, lhs, rhs):
+    out = gmm_jax.gmm(lhs, rhs, sizes, implementation=implementation,
+                      interpret=implementation != "xla")
+    return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+  with dispatch.record() as decisions:
+    got = jax.jit(jax.grad(lambda *a: loss(("pallas_mosaic_gpu", "pallas_triton"), *a),
+                           argnums=(0, 1)))(lhs, rhs)
+  assert {d.implementation for d in decisions} == {"pallas_triton"}
+  assert all("interpret" in d.refusals[0] for d in decisions if d.cfg.group_type == "m")
+  want = jax.jit(jax.grad(lambda *a: loss("xla", *a), argnums=(0, 1)))(lhs, rhs)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(f64(g), f64(w), rtol=2e-2,
+                               atol=2e-2 * float(np.abs(f64(w)).max()))
+
+
+@pytest.mark.skipif(HAS_INTERPRETER, reason="this jax has the Mosaic GPU interpreter")
+def test_interpret_mode_is_refused_without_the_interpreter():
+  lhs, rhs, _ = make_operands("m", m=16, k=64, n=64, num_local=1, lhs_dtype=jnp.bfloat16)
+  cfg = GmmConfig(group_type="m", num_local=1, interpret=True)
+  with pytest.raises(NotImplementedError, match="interpret"):
+    _run(lhs, rhs, [16], 0, None, cfg, None)
+
+
+# -------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"group_type": "k"}, "group_type='k'"),
+    ({"transpose_lhs": True}, "transposed lhs"),
+    ({"lhs_dtype": jnp.float32}, "float32"),
+    ({"k": 60}, "K=60"),
+])
+def test_refuses_what_it_does_not_serve(change, match):
+  group_type = change.get("group_type", "m")
+  transpose_lhs = change.get("transpose_lhs", False)
+  lhs, rhs, _ = make_operands(group_type, m=32, k=change.get("k", 64), n=64, num_local=2,
+                              lhs_dtype=change.get("lhs_dtype", jnp.bfloat16),
+                              transpose_lhs=transpose_lhs)
+  cfg = GmmConfig(group_type=group_type, num_local=2, transpose_lhs=transpose_lhs)
+  with pytest.raises(NotImplementedError, match=match):
+    mosaic.gmm_mosaic_gpu(lhs, rhs, jnp.asarray([10, 12], jnp.int32), jnp.int32(0), None, cfg)
+
+
+def test_refuses_activations_it_cannot_lower():
+  # erf lowers but has no layout inference rule in Mosaic GPU (jax 0.12): the exact GELU is
+  # refused before lowering (Triton serves it), the tanh GELU is not.
+  assert mosaic.unsupported_primitives("gelu")
+  assert mosaic.unsupported_primitives(lambda x: jax.lax.erf(x)) == {"erf"}
+  assert not mosaic.unsupported_primitives("gelu_tanh")
+
+
+def test_refuses_quantized_weights():
+  lhs, _, _ = make_operands("m", m=32, k=64, n=64, num_local=2, lhs_dtype=jnp.bfloat16)
+  weights = gmm_jax.quantize(np.ones((2, 64, 64), np.float32), jnp.int8,
+                             channelwise_axes=(0, 2))
+  cfg = GmmConfig(group_type="m", num_local=2)
+  with pytest.raises(NotImplementedError, match="quantized"):
+    mosaic.check_operands(lhs, weights, cfg)
+
+
+def test_refuses_without_a_hopper_target():
+  # This host has no GPU: the kernel cannot tell it is lowered for an sm_90 and refuses
+  # (naming sm_90a) before building anything, so the chain moves on to Triton.
+  lhs, rhs, _ = make_operands("m", m=32, k=64, n=64, num_local=2, lhs_dtype=jnp.bfloat16)
+  cfg = GmmConfig(group_type="m", num_local=2)
+  with (jax.default_device(jax.devices("cpu")[0]),
+        pytest.raises(NotImplementedError, match="sm_90a")):
+    mosaic.gmm_mosaic_gpu(lhs, rhs, jnp.asarray([10, 12], jnp.int32), jnp.int32(0), None, cfg)
+
+
+@pytest.mark.skipif(not hasattr(jax.sharding, "AbstractDevice"), reason="jax < 0.11")
+@pytest.mark.parametrize("kind, hopper", [("NVIDIA H100", True), ("NVIDIA H200", True),
+                                          ("NVIDIA A100-SXM4-80GB", False),
+                                          ("NVIDIA B200", False)])
+def test_target_from_the_abstract_device(kind, hopper):
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                   abstract_device=device)
+  with jax.sharding.use_abstract_mesh(mesh):
+    capability, num_sms, _ = mosaic.target_gpu()
+    if hopper:
+      assert capability == (9, 0) and num_sms == mosaic.DEFAULT_NUM_SMS
+    else:
+      with pytest.raises(NotImplementedError, match="sm_90a"):
+        mosaic._check_target()
+
+
+def test_is_first_in_the_gpu_chain():
+  chain = dispatch.candidates(GmmConfig(group_type="m", num_local=1), "gpu")
+  assert chain[:2] == ("pallas_mosaic_gpu", "pallas_triton")
+
+
+# ---------------------------------------------------------------- deviceless H200 compile
+
+
+def _h200():
+  if not H200.exists():
+    pytest.skip(f"no GPU target description at {H200}")
+  from jax.experimental import topologies
+  try:
+    return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                        target_config=H200.read_text())
+  except Exception as err:  # noqa: BLE001  (no CUDA plugin: jax raises many kinds)
+    pytest.skip(f"no CUDA topology in this jax install: {err}")
+
+
+def test_deviceless_h200_compile_picks_the_mosaic_kernel():
+  from jax.experimental import topologies
+  topology = _h200()
+  placed = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)),
+                                      jax.sharding.PartitionSpec())
+  m, k, n, g = 512, 256, 256, 4
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=placed)
+  w = jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16, sharding=placed)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32, sharding=placed)
+
+  def loss(x, w, sizes):  # forward, dlhs (m-grouped, transposed rhs) and drhs (k-grouped)
+    return jnp.sum(jnp.square(gmm_jax.gmm(x, w, sizes).astype(jnp.float32)))
+
+  with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, sizes)
+  served = {(d.cfg.group_type, d.cfg.transpose_rhs): d.implementation for d in decisions}
+  assert served == {("m", False): "pallas_mosaic_gpu", ("m", True): "pallas_mosaic_gpu",
+                    ("k", False): "pallas_triton"}
+  lowered.compile()  # ptxas accepts the kernels for sm_90a
