@@ -238,6 +238,8 @@ class Prepared(NamedTuple):
     out_shape: the result's shape.
     empty: nothing to compute (no group, or M or N is 0): the result is zeros.
     problem: the `Problem` the tiling was chosen for (None with an explicit tiling).
+    automatic: the tiling came from the autotune cache, a tile table or the heuristic (a
+      kernel may adapt it), not from the user.
   """
 
   lhs: jax.Array
@@ -250,6 +252,7 @@ class Prepared(NamedTuple):
   out_shape: tuple[int, ...]
   empty: bool
   problem: Problem | None = None
+  automatic: bool = False
 
 
 def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
@@ -281,12 +284,13 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
   mode = quant_mode(lhs, rhs, cfg)
   lhs, rhs, quant = prepare_quant(lhs, rhs, cfg, m, k, n, scaled_types=scaled_types)
   dot_dtype, acc_dtype = kernel_dtypes(lhs, rhs, quant)
-  problem = None
+  problem, automatic = None, False
   if tiling is None:
     problem = tuning.make_problem(implementation, platform, lhs, rhs, counts, cfg, (m, k, n),
                                   mode)
-    tiling = tuning.choose(problem, cfg.tiling,
-                           lambda: default_tiling(m, k, n, cfg, dot_dtype.itemsize))
+    tiling, source = tuning.choose_with_source(
+        problem, cfg.tiling, lambda: default_tiling(m, k, n, cfg, dot_dtype.itemsize))
+    automatic = source not in ("user", "callable")
   tiling = with_quant_k_step(tiling, quant, k)
   check_tiling(tiling, m, k, n, cfg)
   if not cfg.interpret:
@@ -305,7 +309,7 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
     lhs = jnp.zeros((1, m) if cfg.transpose_lhs else (m, 1), lhs.dtype)
     rhs = jnp.zeros(rhs.shape[:-2] + ((n, 1) if cfg.transpose_rhs else (1, n)), rhs.dtype)
   return Prepared(lhs, rhs, quant, (m, k, n), dot_dtype, acc_dtype, tiling, out_shape, empty,
-                  problem)
+                  problem, automatic)
 
 
 def pallas_call(kernel, prepared: Prepared, *, name: str, tiles: tuple[int, ...], **options):

@@ -275,6 +275,12 @@ def record():
 
 
 def choose(problem: Problem, tiling, default: Callable[[], Tiling]) -> Tiling:
+  """The tiling of `choose_with_source`."""
+  return choose_with_source(problem, tiling, default)[0]
+
+
+def choose_with_source(problem: Problem, tiling,
+                       default: Callable[[], Tiling]) -> tuple[Tiling, str]:
   """The tiling for `problem`: `tiling` (``GmmConfig.tiling``: a Tiling, a callable or
   `Tilings`), else the autotune cache, else the built-in table, else ``default()``.
 
@@ -300,7 +306,7 @@ def choose(problem: Problem, tiling, default: Callable[[], Tiling]) -> Tiling:
     chosen, source = default(), "heuristic"
   for recorder in _RECORDERS:
     recorder.append(Choice(problem, chosen, source))
-  return chosen
+  return chosen, source
 
 
 # ------------------------------------------------------------------------------ launches
