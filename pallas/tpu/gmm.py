@@ -51,6 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
+from gmm_jax._src.qarray import QArray
 from gmm_jax.pallas import common
 
 ALIGN = "tile"  # BlockSpec index maps address whole tiles
@@ -574,6 +575,17 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     NotImplementedError: a tile Mosaic cannot block (see `check_tiling`), blocks that do not
       fit in VMEM, or an activation with a primitive Mosaic cannot lower (compiled mode).
   """
+  plain = [x for x in (lhs, rhs) if not isinstance(x, QArray)]
+  if any(x.dtype == jnp.float16 for x in plain) or cfg.out_dtype == np.float16:
+    # Mosaic has no f16 vector loads or stores on v5e/v6e (the deviceless compile fails to
+    # legalize them): f16 runs as f32, which holds every f16 value exactly.
+    widen = lambda x: (x.astype(jnp.float32)
+                       if not isinstance(x, QArray) and x.dtype == jnp.float16 else x)
+    out = gmm_tpu(widen(lhs), widen(rhs), counts, group_offset,
+                  None if bias is None else widen(bias),
+                  cfg.replace(out_dtype=jnp.float32 if cfg.out_dtype == jnp.float16
+                              else cfg.out_dtype), tiling)
+    return out.astype(cfg.out_dtype)
   info = plan(lhs, rhs, counts, cfg, tiling)
   prepared = info["prepared"]
   if prepared.empty:
