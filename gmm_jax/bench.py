@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import importlib
 import re
-import time
 from typing import Callable
 
 import jax
@@ -41,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gmm_jax import GmmSharding, QuantSpec, autotune, gmm, quantize, routed_gmm
 from gmm_jax._src import dispatch, tuning
+from gmm_jax._src.autotune import min_wall_time
 from gmm_jax._src.config import GmmConfig, Problem
 
 
@@ -63,14 +63,9 @@ def group_sizes(m: int, num_groups: int, distribution: str, seed: int = 0) -> np
 
 
 def time_fn(fn: Callable, args, repeats: int = 5) -> float:
-  """Minimum wall time in seconds of a compiled call (after one warm-up)."""
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - start)
-  return best
+  """Minimum wall time in seconds of a compiled call (after one warm-up): the autotuner's
+  timer."""
+  return min_wall_time(fn, args, repeats)
 
 
 def temp_bytes(fn: Callable, args) -> int | None:

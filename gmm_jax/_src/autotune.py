@@ -65,7 +65,8 @@ def default_candidates(problem: Problem) -> tuple[Tiling, ...]:
   return tuple(out)
 
 
-def _time(fn, args, repeats: int) -> float:
+def min_wall_time(fn, args, repeats: int = 5) -> float:
+  """Minimum wall time in seconds of a compiled call (after one warm-up)."""
   jax.block_until_ready(fn(*args))
   best = float("inf")
   for _ in range(repeats):
@@ -186,7 +187,7 @@ def autotune(m: int, k: int, n: int, num_groups: int, *, group_type: str = "m",
     def run_with(tiling, role=role, problem=problem, pinned=pinned):
       choose = lambda p, t=tiling: t if p == problem else None
       fn = program(Tilings(**{role: choose}), role, pinned)
-      return sum(_time(fn, (lhs, rhs, c), repeats) for c in counts)
+      return sum(min_wall_time(fn, (lhs, rhs, c), repeats) for c in counts)
 
     default_seconds = run_with(None)
     timings = []
