@@ -16,6 +16,15 @@ Platform = Literal["cpu", "gpu", "tpu"]
 GROUP_TYPES: tuple[str, ...] = get_args(GroupType)
 PLATFORMS: tuple[str, ...] = get_args(Platform)
 Activation = Union[str, Callable[[Any], Any], None]
+# Gated activations: the rhs holds 2N columns, the gate half ``[:N]`` then the up half
+# ``[N:]``, and ``act(z[:, :N]) * z[:, N:]`` gives N output columns (the functions live in
+# `epilogue.GATED_ACTIVATIONS`, whose names must be these).
+GATED_ACTIVATIONS: tuple[str, ...] = ("swiglu", "geglu", "geglu_tanh", "swiglu_clamped")
+
+
+def is_gated(activation) -> bool:
+  """Whether `activation` names a gated activation (2N pre-activation columns -> N)."""
+  return isinstance(activation, str) and activation in GATED_ACTIVATIONS
 
 # Tile sizes index int32 arrays inside the kernels.
 _MAX_TILE = 2**31 - 1
@@ -129,6 +138,14 @@ class GmmConfig:
       a callable ``Problem -> Tiling | None``, or `Tilings` (per gmm of a training step;
       the op hands each backward gmm its entry).
     platform: None (the platform the call is lowered for) or a platform whose chain to use.
+    gather_rows: m-grouping: None, or R when an int32 ``[R]`` lhs_indices operand is
+      present: row r of the grouped problem reads ``lhs[lhs_indices[r]]`` (lhs ``[T, K]``
+      for any T; the group list covers the R rows; an out-of-range index reads a zero row).
+    row_weights: m-grouping: an f32-able ``[R]`` row_weights operand is present: row r of
+      the result is multiplied by it after the activation, in f32 before the cast.
+    out_rows: m-grouping: None, or the rows of the result when an int32 ``[R]``
+      out_indices operand is present: row r is written to output row ``out_indices[r]``
+      (written indices unique; out-of-range ones write nothing); unwritten rows are 0.
   """
 
   group_type: GroupType
@@ -142,6 +159,9 @@ class GmmConfig:
   interpret: bool = False
   tiling: Any = None
   platform: Platform | None = None
+  gather_rows: int | None = None
+  row_weights: bool = False
+  out_rows: int | None = None
 
   def __post_init__(self):
     implementation = self.implementation
@@ -156,6 +176,18 @@ class GmmConfig:
 
   def replace(self, **changes) -> "GmmConfig":
     return dataclasses.replace(self, **changes)
+
+  @property
+  def gated(self) -> bool:
+    return is_gated(self.activation)
+
+  @property
+  def has_rows(self) -> bool:
+    """Whether the call gathers, weights or scatters rows (see `epilogue.Rows`)."""
+    return self.gather_rows is not None or self.row_weights or self.out_rows is not None
+
+  def without_rows(self) -> "GmmConfig":
+    return dataclasses.replace(self, gather_rows=None, row_weights=False, out_rows=None)
 
 
 def accumulator_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
@@ -174,13 +206,25 @@ def preactivation_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
 
 
 def problem_dims(lhs_shape, rhs_shape, cfg: GmmConfig) -> tuple[int, int, int]:
-  """(M, K, N) of a validated call."""
+  """(M, K, N) of a validated call: M the grouped problem's rows (R with gathered rows), N
+  the product's columns (2N' for a gated activation)."""
   m, k = (lhs_shape[1], lhs_shape[0]) if cfg.transpose_lhs else tuple(lhs_shape)
+  if cfg.gather_rows is not None:
+    m = cfg.gather_rows
   n = rhs_shape[-2] if cfg.transpose_rhs else rhs_shape[-1]
   return m, k, n
 
 
+def out_columns(n: int, cfg: GmmConfig) -> int:
+  """The result's columns for a product of `n` columns (half of them when gated)."""
+  return n // 2 if cfg.gated else n
+
+
 def output_shape(lhs_shape, rhs_shape, cfg: GmmConfig) -> tuple[int, ...]:
-  """``[M, N]`` for m-grouping, ``[num_local, M, N]`` for k-grouping."""
+  """``[M, N]`` for m-grouping (``[out_rows, N]`` when rows are scattered),
+  ``[num_local, M, N]`` for k-grouping; N halved by a gated activation."""
   m, _, n = problem_dims(lhs_shape, rhs_shape, cfg)
-  return (m, n) if cfg.group_type == "m" else (cfg.num_local, m, n)
+  n = out_columns(n, cfg)
+  if cfg.group_type == "m":
+    return (m if cfg.out_rows is None else cfg.out_rows, n)
+  return (cfg.num_local, m, n)

@@ -1,4 +1,6 @@
-"""The fused epilogue: bias in the accumulator, activation, output scale, cast.
+"""The fused epilogue: bias in the accumulator, activation (plain or gated), per-row
+weights, output scale, cast; and the row operations around it (gathered input rows,
+scattered output rows).
 
 Floor 0: imports nothing from gmm_jax. The same functions serve the kernels (on a tile of
 the accumulator) and the layers above the op (on a whole pre-activation).
@@ -6,7 +8,7 @@ the accumulator) and the layers above the op (on a whole pre-activation).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,15 +28,60 @@ ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
 }
 
 
+# gpt-oss's clamped SwiGLU: the gate clamped above, the up projection on both sides, a
+# sharper sigmoid and ``up + 1``.
+SWIGLU_ALPHA = 1.702
+SWIGLU_LIMIT = 7.0
+
+
+def _halves(z):
+  n = z.shape[-1] // 2
+  return z[..., :n], z[..., n:]
+
+
+def _swiglu(z):
+  gate, up = _halves(z)
+  return jax.nn.silu(gate) * up
+
+
+def _geglu(z):
+  gate, up = _halves(z)
+  return jax.nn.gelu(gate, approximate=False) * up
+
+
+def _geglu_tanh(z):
+  gate, up = _halves(z)
+  return jax.nn.gelu(gate, approximate=True) * up
+
+
+def _swiglu_clamped(z):
+  gate, up = _halves(z)
+  gate = jnp.minimum(gate, SWIGLU_LIMIT)
+  up = jnp.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
+  return gate * jax.nn.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
+
+
+# ``[..., 2N] -> [..., N]``: the gate half first, then the up half (`config.GATED_ACTIVATIONS`
+# holds the same names).
+GATED_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "swiglu": _swiglu,
+    "geglu": _geglu,
+    "geglu_tanh": _geglu_tanh,
+    "swiglu_clamped": _swiglu_clamped,
+}
+
+
 def resolve_activation(activation) -> Callable[[jax.Array], jax.Array] | None:
   """Maps None, a name of `ACTIVATIONS` or a jnp-traceable callable to a callable."""
   if activation is None:
     return None
   if isinstance(activation, str):
+    if activation in GATED_ACTIVATIONS:
+      return GATED_ACTIVATIONS[activation]
     if activation not in ACTIVATIONS:
       raise ValueError(
-          f"unknown activation {activation!r}; use one of {sorted(ACTIVATIONS)}, None, or a "
-          "jnp-traceable callable"
+          f"unknown activation {activation!r}; use one of {sorted(ACTIVATIONS)}, a gated "
+          f"one of {sorted(GATED_ACTIVATIONS)}, None, or a jnp-traceable callable"
       )
     return ACTIVATIONS[activation]
   if callable(activation):
@@ -42,29 +89,35 @@ def resolve_activation(activation) -> Callable[[jax.Array], jax.Array] | None:
   raise ValueError(f"activation must be a name, a callable or None, got {activation!r}")
 
 
-def apply_epilogue(acc: jax.Array, bias, activation, out_dtype) -> jax.Array:
-  """``cast(activation(acc + bias))`` computed in the accumulator's precision.
+def apply_epilogue(acc: jax.Array, bias, activation, out_dtype, row_weights=None) -> jax.Array:
+  """``cast(activation(acc + bias) * row_weights)`` computed in the accumulator's precision
+  (f32 once weighted).
 
   Args:
-    acc: the f32 (or int32 for integer inputs) accumulator.
+    acc: the f32 (or int32 for integer inputs) accumulator, ``[rows, N]`` (``[rows, 2N]``
+      for a gated activation, which halves it).
     bias: None or an array broadcasting against `acc`.
     activation: a name, callable or None (see `resolve_activation`).
     out_dtype: the dtype of the result.
+    row_weights: None or ``[rows]`` floats multiplying each row after the activation.
   """
   fn = resolve_activation(activation)
   if jnp.issubdtype(acc.dtype, jnp.integer) and (
-      fn is not None or (bias is not None and not jnp.issubdtype(bias.dtype, jnp.integer))):
-    # An integer accumulator meets a float bias or an activation: continue in f32.
+      fn is not None or row_weights is not None
+      or (bias is not None and not jnp.issubdtype(bias.dtype, jnp.integer))):
+    # An integer accumulator meets a float bias, an activation or weights: continue in f32.
     acc = acc.astype(jnp.float32)
   if bias is not None:
     acc = acc + bias.astype(acc.dtype)
   if fn is not None:
     acc = fn(acc)
+  if row_weights is not None:
+    acc = acc * row_weights.astype(acc.dtype)[:, None]
   return acc.astype(out_dtype)
 
 
 def finish(z: jax.Array, activation, out_dtype, *, row_mask=None, output_scale=None,
-           output_offset=None) -> jax.Array:
+           output_offset=None, row_weights=None) -> jax.Array:
   """A float pre-activation (bias already added) -> the result.
 
   ``activation(z) * output_scale + output_offset``, then the cast; an integer `out_dtype`
@@ -77,9 +130,12 @@ def finish(z: jax.Array, activation, out_dtype, *, row_mask=None, output_scale=N
     out_dtype: the dtype of the result.
     row_mask: None or bool ``[M]``.
     output_scale, output_offset: None or arrays broadcasting against `z`.
+    row_weights: None or ``[M]`` floats multiplying each row after the activation.
   """
   fn = resolve_activation(activation)
   y = z if fn is None else fn(z)
+  if row_weights is not None:
+    y = y * row_weights.astype(y.dtype)[:, None]
   if output_scale is not None:
     y = y * output_scale
   if output_offset is not None:
@@ -92,3 +148,56 @@ def finish(z: jax.Array, activation, out_dtype, *, row_mask=None, output_scale=N
   if row_mask is not None:
     y = jnp.where(row_mask[:, None], y, jnp.zeros((), y.dtype))
   return y
+
+
+# ------------------------------------------------------------------------- row operations
+
+
+class Rows(NamedTuple):
+  """The row operands of an m-grouped gmm (each None when absent; see `GmmConfig`).
+
+  Fields:
+    lhs_indices: int32 ``[R]``: row r of the grouped problem reads ``lhs[lhs_indices[r]]``.
+    row_weights: float ``[R]``: row r of the result is multiplied by it after the
+      activation.
+    out_indices: int32 ``[R]``: row r is written to result row ``out_indices[r]``.
+  """
+
+  lhs_indices: jax.Array | None = None
+  row_weights: jax.Array | None = None
+  out_indices: jax.Array | None = None
+
+
+NO_ROWS = Rows()
+
+
+def gather_rows(lhs: jax.Array, lhs_indices: jax.Array) -> jax.Array:
+  """``[R, K]``: row r is ``lhs[lhs_indices[r]]``, a zero row where the index is out of
+  ``[0, T)`` (a traced bad index reads nothing)."""
+  rows = lhs.shape[0]
+  valid = (lhs_indices >= 0) & (lhs_indices < rows)
+  taken = jnp.take(lhs, jnp.clip(lhs_indices, 0, max(rows - 1, 0)), axis=0)
+  return jnp.where(valid[:, None], taken, jnp.zeros((), lhs.dtype))
+
+
+def scatter_targets(out_indices: jax.Array, written: jax.Array | None, out_rows: int):
+  """int32 ``[R]`` target rows for `scatter_rows`: ``out_indices`` where the row is written
+  and the index lies in ``[0, out_rows)``, else a distinct row past the result (dropped), so
+  the targets stay unique whenever the written indices are."""
+  num = out_indices.shape[0]
+  valid = (out_indices >= 0) & (out_indices < out_rows)
+  if written is not None:
+    valid = valid & written
+  past = out_rows + jnp.arange(num, dtype=jnp.int32)
+  return jnp.where(valid, out_indices.astype(jnp.int32), past)
+
+
+def scatter_rows(y: jax.Array, out_indices: jax.Array, out_rows: int,
+                 written: jax.Array | None = None) -> jax.Array:
+  """``[out_rows, N]`` zeros with row ``out_indices[r]`` set to ``y[r]`` for the rows r that
+  are `written` (all when None) and whose index is in range. The written indices must be
+  unique (a permutation of some rows): then this is a plain scatter whose transpose is a
+  gather, deterministic on every platform."""
+  targets = scatter_targets(out_indices, written, out_rows)
+  out = jnp.zeros((out_rows,) + y.shape[1:], y.dtype)
+  return out.at[targets].set(y, mode="drop", unique_indices=True)
