@@ -25,6 +25,8 @@ from gmm_jax._src.qarray import dequantize as dequantize
 from gmm_jax._src.qarray import quantize as quantize
 from gmm_jax._src.ragged_dot import ragged_dot as ragged_dot
 from gmm_jax._src.ragged_dot import ragged_dot_general as ragged_dot_general
+from gmm_jax._src.routing import Routing as Routing
+from gmm_jax._src.routing import route as route
 from gmm_jax._src.routing import routed_apply as routed_apply
 from gmm_jax._src.routing import routed_gmm as routed_gmm
 from gmm_jax._src.sharding import GmmSharding as GmmSharding

@@ -17,8 +17,9 @@ from jax import lax
 from gmm_jax._src import backends  # noqa: F401  (registers the implementations)
 from gmm_jax._src import dispatch, group_list, op, quantized
 from gmm_jax._src import sharding as sharding_lib
-from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling, Tilings
-from gmm_jax._src.epilogue import resolve_activation
+from gmm_jax._src import metadata
+from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling, Tilings, is_gated
+from gmm_jax._src.epilogue import NO_ROWS, Rows, resolve_activation
 from gmm_jax._src.grouped_array import GroupedArray
 from gmm_jax._src.qarray import QArray, QuantSpec, as_qarray, quant_mode
 
@@ -186,8 +187,13 @@ def _per_group_vector(value, name: str, num_local: int, n: int):
 
 
 def _activation(activation, n: int):
-  """The activation, checked to keep the shape of what it is applied to."""
+  """The activation, checked to keep the shape of what it is applied to (a gated one to
+  halve an even number of columns)."""
   fn = resolve_activation(activation)
+  if is_gated(activation) and n % 2:
+    raise ValueError(
+        f"gated activation {activation!r} needs rhs with 2N columns ([gate | up] halves), "
+        f"got N={n}")
   if fn is None or isinstance(activation, str):
     return activation
   probe = jax.ShapeDtypeStruct((2, max(n, 1)), jnp.float32)
@@ -282,6 +288,7 @@ class _Call:
   output_scale: Array | None
   output_offset: Array | None
   sharding: sharding_lib.GmmSharding | None
+  rows: Rows = NO_ROWS
 
 
 def _unwrap_grouped_array(lhs, groups, group_type, group_list_type, transpose_lhs):
@@ -300,10 +307,101 @@ def _unwrap_grouped_array(lhs, groups, group_type, group_list_type, transpose_lh
   return lhs.values, lhs.offsets, inferred, "cumsum", lhs.offsets if inferred == "m" else None
 
 
+def _index_vector(value, name: str, length: int | None):
+  if isinstance(value, (list, tuple)):
+    value = np.asarray(value)
+  try:
+    value = jnp.asarray(value)
+  except (TypeError, ValueError) as err:
+    raise ValueError(f"{name} must be an int array, got {value!r}: {err}") from None
+  if value.ndim != 1 or not jnp.issubdtype(value.dtype, jnp.integer):
+    raise ValueError(f"{name} must be a 1-D int array, got {jax.typeof(value)}")
+  if length is not None and value.shape[0] != length:
+    raise ValueError(f"{name} must have the {length} rows of the grouped problem, got "
+                     f"{jax.typeof(value)}")
+  return value.astype(jnp.int32)
+
+
+def _row_operands(lhs, lhs_indices, row_weights, out_indices, out_rows, *, group_type,
+                  transpose_lhs, quantized_dynamic, sharding):
+  """(Rows, gather_rows, out_rows, R) of a call: the row operands checked for shape and
+  dtype (their values are checked with the group list, `_check_row_values`)."""
+  given = [name for name, v in (("lhs_indices", lhs_indices), ("row_weights", row_weights),
+                                ("out_indices", out_indices), ("out_rows", out_rows))
+           if v is not None]
+  if not given:
+    return NO_ROWS, None, None, None
+  supported = ("lhs_indices, row_weights and out_indices/out_rows are supported for "
+               "group_type='m' with a float or weight-only-quantized gmm, untransposed lhs, "
+               "no dynamic quantization and no sharding= (use them per shard)")
+  if group_type != "m" or quantized_dynamic or sharding is not None:
+    raise NotImplementedError(f"{supported}; got {', '.join(given)} with group_type="
+                              f"{group_type!r}" + (", dynamic quantization" if
+                                                   quantized_dynamic else "")
+                              + (", sharding=" if sharding is not None else ""))
+  gather_rows = None
+  if lhs_indices is not None:
+    if transpose_lhs or isinstance(lhs, QArray):
+      raise NotImplementedError(f"{supported}; got lhs {_describe(lhs)} with transpose_lhs="
+                                f"{transpose_lhs}")
+    lhs_indices = _index_vector(lhs_indices, "lhs_indices", None)
+    gather_rows = lhs_indices.shape[0]
+  num_rows = gather_rows if gather_rows is not None else (
+      lhs.shape[1] if transpose_lhs else lhs.shape[0])
+  if row_weights is not None:
+    row_weights = jnp.asarray(row_weights)
+    if row_weights.shape != (num_rows,) or not jnp.issubdtype(row_weights.dtype, jnp.floating):
+      raise ValueError(f"row_weights must be a float [R] = [{num_rows}] vector (one weight per "
+                       f"row of the grouped problem), got {jax.typeof(row_weights)}")
+  if out_indices is None and out_rows is not None:
+    raise ValueError("out_rows needs out_indices (where each row of the grouped problem goes)")
+  if out_indices is not None:
+    out_indices = _index_vector(out_indices, "out_indices", num_rows)
+    out_rows = num_rows if out_rows is None else out_rows
+    if not _is_int(out_rows) or out_rows < 0:
+      raise ValueError(f"out_rows must be a non-negative int, got {out_rows!r}")
+    out_rows = int(out_rows)
+  return Rows(lhs_indices, row_weights, out_indices), gather_rows, out_rows, num_rows
+
+
+def _concrete(x) -> bool:
+  return x is not None and not isinstance(x, jax.core.Tracer)
+
+
+def _check_row_values(rows: Rows, counts, group_offset, num_local: int, num_rows: int,
+                      num_tokens: int, out_rows):
+  """Concrete indices of the rows that are written (rows of local groups): lhs_indices in
+  [0, T), out_indices in [0, out_rows) and unique. Traced ones have defined results (an
+  out-of-range index reads or writes nothing)."""
+  if rows.lhs_indices is None and rows.out_indices is None:
+    return
+  if not all(_concrete(x) for x in (counts, group_offset)) or not any(
+      _concrete(x) for x in (rows.lhs_indices, rows.out_indices)):
+    return
+  written = np.asarray(metadata.row_group_ids(counts, num_rows, group_offset, num_local) >= 0)
+  if _concrete(rows.lhs_indices):
+    values = np.asarray(rows.lhs_indices)[written]
+    bad = values[(values < 0) | (values >= num_tokens)]
+    if bad.size:
+      raise ValueError(f"lhs_indices must lie in [0, {num_tokens}) (the rows of lhs) for the "
+                       f"rows of local groups, got {bad[:8].tolist()}")
+  if _concrete(rows.out_indices):
+    values = np.asarray(rows.out_indices)[written]
+    bad = values[(values < 0) | (values >= out_rows)]
+    if bad.size:
+      raise ValueError(f"out_indices must lie in [0, out_rows={out_rows}) for the rows of local "
+                       f"groups, got {bad[:8].tolist()}")
+    unique, seen = np.unique(values, return_counts=True)
+    if (seen > 1).any():
+      raise ValueError(f"out_indices of the rows of local groups must be unique (each result "
+                       f"row written once); repeated: {unique[seen > 1][:8].tolist()}")
+
+
 def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias, activation,
               transpose_lhs, transpose_rhs, preferred_element_type, precision, group_offset,
               implementation, interpret, tiling, output_scale, output_offset, quantize_lhs,
-              quantize_rhs, straight_through, sharding, platform) -> _Call:
+              quantize_rhs, straight_through, sharding, platform, lhs_indices=None,
+              row_weights=None, out_indices=None, out_rows=None) -> _Call:
   """Every check of a gmm call, and its canonical form."""
   transpose_lhs = _check_bool(transpose_lhs, "transpose_lhs")
   transpose_rhs = _check_bool(transpose_rhs, "transpose_rhs")
@@ -324,11 +422,20 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
     raise ValueError(f"with a quantized rhs, lhs must be a float array or a QArray, got "
                      f"{_describe(lhs)}")
   m, k, n = _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs)
+  rows, gather_rows, out_rows, num_rows = _row_operands(
+      lhs, lhs_indices, row_weights, out_indices, out_rows, group_type=group_type,
+      transpose_lhs=transpose_lhs,
+      quantized_dynamic=quantize_lhs is not None or quantize_rhs is not None,
+      sharding=sharding)
+  num_tokens = m
+  if gather_rows is not None:
+    m = gather_rows
   dim_size, dim_name = (m, "M") if group_type == "m" else (k, "K")
   counts, num_total, num_local = _group_counts(
       groups, group_list_type, num_groups, group_type, rhs.shape, group_offset, dim_size,
       dim_name)
   offset = _group_offset(group_offset, num_total)
+  _check_row_values(rows, counts, offset, num_local, num_rows or m, num_tokens, out_rows)
   bias = _bias(bias, num_local, n)
   output_scale = _per_group_vector(output_scale, "output_scale", num_local, n)
   output_offset = _per_group_vector(output_offset, "output_offset", num_local, n)
@@ -348,9 +455,12 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
       out_dtype=_out_dtype(preferred_element_type, lhs, rhs, quantized_call, float_activations),
       precision=_precision(precision),
       implementation=dispatch.check_implementation(implementation), interpret=interpret,
-      tiling=tiling, platform=_platform(platform))
+      tiling=tiling, platform=_platform(platform), gather_rows=gather_rows,
+      row_weights=rows.row_weights is not None, out_rows=out_rows)
+  if rows.row_weights is not None and not jnp.issubdtype(cfg.out_dtype, jnp.floating):
+    raise NotImplementedError(f"row_weights need a floating result, got {cfg.out_dtype}")
   return _Call(lhs, rhs, counts, offset, bias, cfg, quantize_lhs, quantize_rhs,
-               straight_through, output_scale, output_offset, sharding)
+               straight_through, output_scale, output_offset, sharding, rows)
 
 
 def _route(call: _Call):
@@ -369,8 +479,8 @@ def _route(call: _Call):
     return quantized.dynamic_gmm(*args, call.quantize_lhs, call.quantize_rhs,
                                  call.straight_through, call.output_scale, call.output_offset)
   if isinstance(call.lhs, QArray) or isinstance(call.rhs, QArray):
-    return quantized.gmm_quantized(*args, call.output_scale, call.output_offset)
-  return op.gmm(*args)
+    return quantized.gmm_quantized(*args, call.output_scale, call.output_offset, call.rows)
+  return op.gmm(*args, rows=call.rows)
 
 
 def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
@@ -382,7 +492,8 @@ def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
         output_offset=None, quantize_lhs: QuantSpec | None = None,
         quantize_rhs: QuantSpec | None = None, straight_through: bool = True,
         sharding: sharding_lib.GmmSharding | None = None,
-        platform: str | None = None) -> Array | GroupedArray:
+        platform: str | None = None, lhs_indices=None, row_weights=None, out_indices=None,
+        out_rows: int | None = None) -> Array | GroupedArray:
   """Grouped matrix multiplication with a fused bias + activation epilogue.
 
   m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
@@ -451,6 +562,25 @@ def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
       topology's abstract mesh, ``jax.default_device``, or the default backend), or "cpu",
       "gpu", "tpu" to use that platform's chain of implementations.
 
+  Row operands (m-grouping; an MoE layer's token dispatch and combine inside the gmm, with
+  no permuted copy of the activations):
+
+  * lhs_indices: int ``[R]``: row r of the grouped problem reads ``lhs[lhs_indices[r]]``;
+    lhs is ``[T, K]`` for any T and the group list covers the R rows.
+  * row_weights: float ``[R]``: row r of the result is multiplied by it after the
+    activation, in f32 before the cast (the router probability); differentiable.
+  * out_indices: int ``[R]`` (with out_rows, default R): row r is written to row
+    ``out_indices[r]`` of an ``[out_rows, N]`` result; the written rows' indices must be
+    unique; rows nothing writes are exactly 0 (top-k combine: ``out_rows = T*k`` slots,
+    then a sum over k).
+
+  Concrete out-of-range or repeated (out_indices) indices of written rows raise ValueError;
+  traced ones read a zero row / write nothing. The gradient w.r.t. lhs sums each token's
+  rows in a fixed order (`gmm_jax.route` makes the indices). A gated activation
+  ("swiglu", "geglu", "geglu_tanh", "swiglu_clamped": gpt-oss's clamped SwiGLU) takes rhs
+  with 2N columns, the gate half then the up half, and gives N: ``act(z[:, :N]) * z[:, N:]``
+  (bias ``[G, 2N]``).
+
   Quantized operands (a `QArray`, or a qwix QArray) select a mode: float lhs x QArray rhs is
   weight-only (``x @ dequantize(W)``); QArray x QArray multiplies the quantized values
   exactly (int32 accumulation for integers) and applies both scales, per K block when a
@@ -476,7 +606,12 @@ def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
       precision=precision, group_offset=group_offset, implementation=implementation,
       interpret=interpret, tiling=tiling, output_scale=output_scale,
       output_offset=output_offset, quantize_lhs=quantize_lhs, quantize_rhs=quantize_rhs,
-      straight_through=straight_through, sharding=sharding, platform=platform)
+      straight_through=straight_through, sharding=sharding, platform=platform,
+      lhs_indices=lhs_indices, row_weights=row_weights, out_indices=out_indices,
+      out_rows=out_rows)
+  if out_offsets is not None and call.cfg.has_rows:
+    raise ValueError("a GroupedArray lhs carries its own row layout; pass row operands "
+                     "(lhs_indices, row_weights, out_indices) with a plain lhs")
   out = _route(call)
   return out if out_offsets is None else GroupedArray(out, out_offsets, 0)
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import importlib
 
 from gmm_jax._src import dispatch
-from gmm_jax._src.reference import gmm_reference
-from gmm_jax._src.xla import gmm_xla
+from gmm_jax._src import reference, xla
 
 # Preference order per platform; names that did not register are skipped.
 CHAINS = {
@@ -29,19 +28,21 @@ KERNELS = (
 
 def _register() -> None:
   every_platform = tuple(CHAINS)
-  dispatch.register(dispatch.Backend("reference", gmm_reference, platforms=every_platform))
-  dispatch.register(dispatch.Backend("xla", lambda *args: gmm_xla(*args),
-                                     platforms=every_platform))
+  dispatch.register(dispatch.Backend("reference", reference.gmm_reference,
+                                     platforms=every_platform, features=reference.FEATURES))
+  dispatch.register(dispatch.Backend("xla", lambda *args, **kw: xla.gmm_xla(*args, **kw),
+                                     platforms=every_platform, features=xla.FEATURES))
   for name, module_name, function, platform in KERNELS:
     try:  # an optional dependency: this jax's Pallas backend for the platform
       module = importlib.import_module(module_name)
     except ImportError:
       continue
     fn = getattr(module, function)
-    dispatch.register(dispatch.Backend(name, lambda *args, fn=fn: fn(*args),
+    dispatch.register(dispatch.Backend(name, lambda *args, fn=fn, **kw: fn(*args, **kw),
                                        platforms=(platform,),
                                        quant_modes=("none", "weight_only", "scaled"),
-                                       check=module.check_operands))
+                                       check=module.check_operands,
+                                       features=getattr(module, "FEATURES", ())))
   for platform, chain in CHAINS.items():
     dispatch.set_chain(platform, chain)
 

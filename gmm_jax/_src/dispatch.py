@@ -22,19 +22,27 @@ from typing import Callable
 import jax
 import numpy as np
 
+from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig
+from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gather_rows, scatter_rows
 from gmm_jax._src.qarray import quant_mode as _quant_mode
+
+# What an implementation may do natively beyond the plain gmm (`Backend.features`).
+FEATURES = ("gather", "row_weights", "scatter", "gated")
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
   """A registered gmm implementation.
 
-  ``fn(lhs, rhs, counts, group_offset, bias, cfg)`` computes the forward on canonical
-  operands (see `GmmConfig`; lhs/rhs are QArrays in a quantized mode) or raises
-  NotImplementedError for a case it cannot serve. ``check(lhs, rhs, cfg)``, if given, is
-  the static part of that refusal (shapes and dtypes only, so it also runs on abstract
-  values): the layers above the op ask it before they hand over QArrays.
+  ``fn(lhs, rhs, counts, group_offset, bias, cfg, rows=Rows(...))`` computes the forward
+  on canonical operands (see `GmmConfig`; lhs/rhs are QArrays in a quantized mode) or
+  raises NotImplementedError for a case it cannot serve. ``check(lhs, rhs, cfg)``, if
+  given, is the static part of that refusal (shapes and dtypes only, so it also runs on
+  abstract values): the layers above the op ask it before they hand over QArrays.
+  ``features`` (of `FEATURES`) are the row operations and gated activations it does
+  natively; for the others the dispatcher gathers lhs before it and applies the
+  activation, row weights and scatter after it (`run`).
   """
 
   name: str
@@ -43,6 +51,7 @@ class Backend:
   group_types: tuple[str, ...] = ("m", "k")
   quant_modes: tuple[str, ...] = ("none",)
   check: Callable | None = None
+  features: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -60,11 +69,14 @@ class Decision:
   platform: str
   implementation: str
   refusals: tuple[str, ...]
+  materialized: tuple[str, ...] = ()
 
   def describe(self) -> str:
     text = (f"{self.cfg.group_type}-grouped gmm, quantization {self.quant_mode!r}, "
             f"{self.cfg.num_local} local groups, out {np.dtype(self.cfg.out_dtype).name} on "
             f"{self.platform}: {self.implementation}")
+    if self.materialized:
+      text += f" ({', '.join(self.materialized)} around it, not fused)"
     return text + "".join(f"\n      (skipped {reason})" for reason in self.refusals)
 
 
@@ -205,25 +217,63 @@ def serves(lhs, rhs, cfg: GmmConfig, platform: str) -> bool:
   return False
 
 
-def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, platform: str):
+def needed_features(cfg: GmmConfig) -> tuple[str, ...]:
+  """The `FEATURES` a call uses."""
+  used = (cfg.gather_rows is not None, cfg.row_weights, cfg.out_rows is not None, cfg.gated)
+  return tuple(name for name, use in zip(FEATURES, used) if use)
+
+
+def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
+            rows: Rows, missing: tuple[str, ...]):
+  """`backend` on a call whose row operations (or gated activation) it lacks: lhs gathered
+  before it; after it the activation (when gated or weighted), the row weights and the
+  scatter, on its f32 result."""
+  if cfg.gather_rows is not None:
+    lhs = gather_rows(lhs, rows.lhs_indices)
+  after = cfg.gated or cfg.row_weights
+  inner = cfg.without_rows()
+  if after:
+    inner = inner.replace(activation=None, out_dtype=np.dtype(np.float32))
+  y = backend.fn(lhs, rhs, counts, group_offset, bias, inner)
+  m = y.shape[0]
+  row_ids = metadata.row_group_ids(counts, m, group_offset, cfg.num_local)
+  if after:
+    y = finish(y, cfg.activation, cfg.out_dtype, row_mask=row_ids >= 0,
+               row_weights=rows.row_weights if cfg.row_weights else None)
+  if cfg.out_rows is not None:
+    y = scatter_rows(y, rows.out_indices, cfg.out_rows, row_ids >= 0)
+  return y
+
+
+def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, platform: str,
+        rows: Rows = NO_ROWS):
   """Runs the first implementation that serves this call on `platform` (lhs/rhs may be
-  QArrays; the quantization mode then follows from them).
+  QArrays; the quantization mode then follows from them). The row operands (`rows`, see
+  `GmmConfig`) and a gated activation go to an implementation that does them natively
+  (its ``features``), and around one that does not.
 
   Raises:
     NotImplementedError: no implementation serves it; the message lists each reason.
   """
   mode = _quant_mode(lhs, rhs, cfg)
+  needed = needed_features(cfg)
   reasons = []
   for name in candidates(cfg, platform):
     backend = _REGISTRY[name]
+    missing = tuple(f for f in needed if f not in backend.features)
     try:
       _check_support(backend, cfg, mode, platform)
-      out = backend.fn(lhs, rhs, counts, group_offset, bias, cfg)
+      if missing:
+        out = _around(backend, lhs, rhs, counts, group_offset, bias, cfg, rows, missing)
+      elif needed:
+        out = backend.fn(lhs, rhs, counts, group_offset, bias, cfg, rows=rows)
+      else:
+        out = backend.fn(lhs, rhs, counts, group_offset, bias, cfg)
     except NotImplementedError as err:
       reasons.append(f"{name}: {err}")
     else:
       for recorder in _RECORDERS:
-        recorder.append(Decision(cfg, mode, platform, name, tuple(reasons)))
+        recorder.append(Decision(cfg, mode, platform, name, tuple(reasons), missing))
       return out
   raise NotImplementedError(
       f"no gmm implementation serves group_type={cfg.group_type!r}, quantization "

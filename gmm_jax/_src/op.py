@@ -48,7 +48,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src import dispatch, group_list, metadata, strategy, tuning
 from gmm_jax._src.config import GmmConfig, output_shape, preactivation_dtype
-from gmm_jax._src.epilogue import finish, resolve_activation
+from gmm_jax._src.epilogue import (NO_ROWS, Rows, finish, gather_rows, resolve_activation,
+                                   rows_sum, scatter_rows)
 from gmm_jax._src.qarray import QArray, dequantize, quant_mode
 
 gmm_p = Primitive("gmm_jax_gmm")
@@ -87,7 +88,8 @@ def _same_vma(operands):
           for x, v in zip(operands, sets)]
 
 
-def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None) -> jax.Array:
+def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
+        rows: Rows = NO_ROWS) -> jax.Array:
   """The differentiable gmm on canonical operands (see `GmmConfig`).
 
   Args:
@@ -99,12 +101,19 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None) -> 
     cfg: the static options.
     out_hint: None or a PartitionSpec for the output's dims that no operand decides (the
       groups of a k-grouped output: the weight gradient takes the weights' sharding).
+    rows: the row operands that `cfg` announces (``cfg.gather_rows``, ``cfg.row_weights``,
+      ``cfg.out_rows``; see `GmmConfig`).
   """
   lhs_leaves, lhs_tree = jax.tree.flatten(lhs)
   rhs_leaves, rhs_tree = jax.tree.flatten(rhs)
   operands = [*lhs_leaves, *rhs_leaves, counts, group_offset]
   if bias is not None:
     operands.append(bias)
+  for present, value in ((cfg.gather_rows is not None, rows.lhs_indices),
+                         (cfg.row_weights, rows.row_weights),
+                         (cfg.out_rows is not None, rows.out_indices)):
+    if present:
+      operands.append(value)
   operands = _same_vma([jnp.asarray(x) for x in operands])
   return _primitive().bind(*operands, cfg=cfg, trees=(lhs_tree, rhs_tree),
                            has_bias=bias is not None, out_hint=out_hint)
@@ -119,6 +128,14 @@ def _unpack(operands, trees, has_bias):
   rhs = jax.tree.unflatten(rhs_tree, operands[num_lhs:num_lhs + num_rhs])
   rest = operands[num_lhs + num_rhs:]
   return lhs, rhs, rest[0], rest[1], rest[2] if has_bias else None
+
+
+def _rows(operands, trees, has_bias, cfg: GmmConfig) -> Rows:
+  """The row operands (or their avals, tangents, batch dims) after the bias."""
+  rest = iter(operands[trees[0].num_leaves + trees[1].num_leaves + 2 + int(has_bias):])
+  return Rows(next(rest) if cfg.gather_rows is not None else None,
+              next(rest) if cfg.row_weights else None,
+              next(rest) if cfg.out_rows is not None else None)
 
 
 def _is_plain(tree) -> bool:
@@ -146,6 +163,10 @@ def _abstract_eval(*avals, cfg, trees, has_bias, out_hint):
   mesh = meshes[0] if meshes else avals[0].sharding.mesh
   if mesh.empty:
     return jax.core.ShapedArray(shape, cfg.out_dtype)
+  if cfg.has_rows:  # gathered/scattered rows: XLA's propagation shards it (replicated type)
+    return jax.core.ShapedArray(shape, cfg.out_dtype,
+                                sharding=NamedSharding(mesh, P(*[None] * len(shape))),
+                                manual_axis_type=avals[0].mat)
   # With Explicit mesh axes the output's type is sharded as the partitioning rule will
   # make it (see `strategy.choose`); inside shard_map the result varies over the mesh axes
   # its (cast) operands vary over.
@@ -183,15 +204,16 @@ def _as_float(x, dtype=jnp.float32):
 
 def _implementation(*operands, platform, cfg, trees, has_bias):
   lhs, rhs, counts, group_offset, bias = _unpack(operands, trees, has_bias)
-  return _run_on(platform)(lhs, rhs, counts, group_offset, bias, cfg)
+  rows = _rows(operands, trees, has_bias, cfg)
+  return _run_on(platform)(lhs, rhs, counts, group_offset, bias, cfg, rows)
 
 
 def _run_on(platform):
   """The unsharded gmm on `platform`, as `strategy.local_gmm` calls it."""
 
-  def run(lhs, rhs, counts, group_offset, bias, cfg):
+  def run(lhs, rhs, counts, group_offset, bias, cfg, rows=NO_ROWS):
     try:
-      return dispatch.run(lhs, rhs, counts, group_offset, bias, cfg, platform)
+      return dispatch.run(lhs, rhs, counts, group_offset, bias, cfg, platform, rows)
     except NotImplementedError as err:
       if quant_mode(lhs, rhs, cfg) == "none":
         raise
@@ -201,7 +223,8 @@ def _run_on(platform):
       rhs_float = _as_float(rhs, lhs_float.dtype
                             if jnp.issubdtype(lhs_float.dtype, jnp.floating) else jnp.float32)
       try:
-        return dispatch.run(lhs_float, rhs_float, counts, group_offset, bias, cfg, platform)
+        return dispatch.run(lhs_float, rhs_float, counts, group_offset, bias, cfg, platform,
+                            rows)
       except NotImplementedError as float_err:
         raise NotImplementedError(f"{err}; dequantized: {float_err}") from None
 
@@ -348,7 +371,9 @@ def _lowering(ctx, *operands, platform, **params):
     platform = params["cfg"].platform
   elif platform is None:
     platform = dispatch.normalize_platform(ctx.module_context.platforms[0])
-  if _needs_partitioning(ctx):
+  # Gathered or scattered rows are not split by the partitioning rule: XLA's propagation
+  # shards them (the MoE layers run them per shard, inside `routed_apply`).
+  if _needs_partitioning(ctx) and not params["cfg"].has_rows:
     static = (params["cfg"], params["trees"], params["has_bias"], platform)
     return mlir.lower_fun(lambda *xs: _partitioned(static, xs),
                           multiple_results=False)(ctx, *operands)
@@ -397,25 +422,52 @@ def _bias_term(bias, counts, group_offset, cfg: GmmConfig, out_shape, dtype):
   return jnp.where((ids >= 0)[:, None], bias[jnp.maximum(ids, 0)], jnp.zeros((), dtype))
 
 
-def _tangent(lhs, rhs, counts, group_offset, tangents, cfg: GmmConfig, out_shape, out_hint):
+def _grouped_rows(cfg: GmmConfig, lhs) -> int:
+  """R: the rows of an m-grouped problem (gathered rows, else lhs's)."""
+  if cfg.gather_rows is not None:
+    return cfg.gather_rows
+  value = jax.tree.leaves(lhs)[0]
+  return value.shape[1] if cfg.transpose_lhs else value.shape[0]
+
+
+def _rows_out(values, rows: Rows, counts, group_offset, cfg: GmmConfig):
+  """Per-row values of the R grouped rows (``[R, N]``) as the result holds them: weighted
+  (in f32) and scattered as `cfg` says, in its out_dtype."""
+  if cfg.row_weights:
+    values = values.astype(jnp.float32) * rows.row_weights.astype(jnp.float32)[:, None]
+  values = values.astype(cfg.out_dtype)
+  if cfg.out_rows is not None:
+    written = metadata.row_group_ids(counts, values.shape[0], group_offset, cfg.num_local) >= 0
+    values = scatter_rows(values, rows.out_indices, cfg.out_rows, written)
+  return values
+
+
+def _tangent(lhs, rhs, counts, group_offset, tangents, cfg: GmmConfig, out_shape, out_hint,
+             rows: Rows = NO_ROWS):
   """The linear part: gmm(dlhs, rhs) + gmm(lhs, drhs) + bias(dbias), or None when every
-  tangent is zero. `cfg` has no activation; its out_dtype is the tangent's dtype."""
+  tangent is zero. `cfg` has no activation; its out_dtype is the tangent's dtype; its row
+  operations (gather, constant row weights, scatter) apply to every term."""
   t_lhs, t_rhs, t_bias = tangents
   terms = []
   if _has_tangent(t_lhs):
     if isinstance(lhs, QArray):
       terms.append(gmm(_dequantized_tangent(lhs, t_lhs), _as_float(rhs), counts,
-                       group_offset, None, cfg, out_hint))
+                       group_offset, None, cfg, out_hint, rows))
     else:
       terms.append(gmm(ad.instantiate_zeros(t_lhs), rhs, counts, group_offset, None, cfg,
-                       out_hint))
+                       out_hint, rows))
   if _has_tangent(t_rhs):
     if isinstance(rhs, QArray):
       t_rhs = _dequantized_tangent(rhs, t_rhs)
     terms.append(gmm(_as_float(lhs), ad.instantiate_zeros(t_rhs), counts, group_offset, None,
-                     cfg, out_hint))
+                     cfg, out_hint, rows))
   if t_bias is not None and not _is_zero(t_bias):
-    terms.append(_bias_term(t_bias, counts, group_offset, cfg, out_shape, cfg.out_dtype))
+    if cfg.has_rows:
+      shape = (_grouped_rows(cfg, lhs), t_bias.shape[-1])
+      terms.append(_rows_out(_bias_term(t_bias, counts, group_offset, cfg, shape, jnp.float32),
+                             rows, counts, group_offset, cfg))
+    else:
+      terms.append(_bias_term(t_bias, counts, group_offset, cfg, out_shape, cfg.out_dtype))
   if not terms:
     return None
   return functools.reduce(jnp.add, [t.astype(cfg.out_dtype) for t in terms])
@@ -426,6 +478,9 @@ def _value_dtype(x):
 
 
 def _jvp(primals, tangents, *, cfg, trees, has_bias, out_hint):
+  if cfg.has_rows:
+    return _jvp_rows(primals, tangents, cfg=cfg, trees=trees, has_bias=has_bias,
+                     out_hint=out_hint)
   lhs, rhs, counts, group_offset, bias = _unpack(primals, trees, has_bias)
   t_lhs, t_rhs, _, _, t_bias = _unpack(tangents, trees, has_bias)
   if cfg.activation is None:
@@ -453,6 +508,58 @@ def _jvp(primals, tangents, *, cfg, trees, has_bias, out_hint):
   if mask is not None:
     dy = jnp.where(mask[:, None], dy, jnp.zeros((), dy.dtype))
   return out, dy.astype(cfg.out_dtype)
+
+
+def _jvp_rows(primals, tangents, *, cfg, trees, has_bias, out_hint):
+  """The jvp of an m-grouped gmm with row operands. Without an activation and with
+  constant row weights it is linear: the tangent gmms carry the same row operations.
+  Otherwise the f32 pre-activation z of the R grouped rows (gathered, not weighted or
+  scattered) is one gmm; the activation, the weights (their tangent times the activation)
+  and the scatter follow in jnp."""
+  lhs, rhs, counts, group_offset, bias = _unpack(primals, trees, has_bias)
+  t_lhs, t_rhs, _, _, t_bias = _unpack(tangents, trees, has_bias)
+  rows = _rows(primals, trees, has_bias, cfg)
+  t_weights = _rows(tangents, trees, has_bias, cfg).row_weights
+  weights_vary = t_weights is not None and not _is_zero(t_weights)
+  float_out = jnp.issubdtype(cfg.out_dtype, jnp.inexact)
+  if cfg.activation is None and not weights_vary:
+    out = gmm(lhs, rhs, counts, group_offset, bias, cfg, out_hint, rows)
+    dy = None
+    if float_out:
+      dy = _tangent(lhs, rhs, counts, group_offset, (t_lhs, t_rhs, t_bias), cfg, out.shape,
+                    out_hint, rows)
+    return out, (ad.Zero(jax.typeof(out).to_tangent_aval()) if dy is None else dy)
+  gathered = Rows(rows.lhs_indices, None, None)
+  linear_cfg = cfg.replace(activation=None, row_weights=False, out_rows=None,
+                           out_dtype=preactivation_dtype(_value_dtype(lhs), _value_dtype(rhs)))
+  z = gmm(lhs, rhs, counts, group_offset, bias, linear_cfg, out_hint, gathered)  # [R, N]
+  written = metadata.row_group_ids(counts, z.shape[0], group_offset, cfg.num_local) >= 0
+  dz = None
+  if float_out:
+    dz = _tangent(lhs, rhs, counts, group_offset, (t_lhs, t_rhs, t_bias), linear_cfg, z.shape,
+                  out_hint, gathered)
+  fn = resolve_activation(cfg.activation)
+  if fn is None:
+    a, da = z, dz
+  elif dz is None:
+    a, da = fn(z), None
+  else:
+    a, da = jax.jvp(fn, (z,), (dz,))
+  weights = rows.row_weights if cfg.row_weights else None
+  out = finish(a, None, cfg.out_dtype, row_mask=written, row_weights=weights)
+  if cfg.out_rows is not None:
+    out = scatter_rows(out, rows.out_indices, cfg.out_rows, written)
+  if not float_out or (da is None and not weights_vary):
+    return out, ad.Zero(jax.typeof(out).to_tangent_aval())
+  dy = jnp.zeros(a.shape, a.dtype) if da is None else da
+  if weights is not None:
+    dy = dy * weights.astype(dy.dtype)[:, None]
+  if weights_vary:
+    dy = dy + a * t_weights.astype(a.dtype)[:, None]
+  dy = jnp.where(written[:, None], dy, jnp.zeros((), dy.dtype)).astype(cfg.out_dtype)
+  if cfg.out_rows is not None:
+    dy = scatter_rows(dy, rows.out_indices, cfg.out_rows, written)
+  return out, dy
 
 
 for _prim in PRIMITIVES:
@@ -483,6 +590,11 @@ def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
   lhs, rhs, counts, group_offset, bias = _unpack(operands, trees, has_bias)
   if ad.is_undefined_primal(counts) or ad.is_undefined_primal(group_offset):
     raise ValueError("gmm is not linear in its group sizes or group_offset")
+  rows = _rows(operands, trees, has_bias, cfg)
+  if any(x is not None and ad.is_undefined_primal(x) for x in rows):
+    raise NotImplementedError(
+        "transposing gmm with respect to its row operands is not supported (the op "
+        "differentiates row_weights in its jvp; indices are not differentiable)")
   results = [None] * len(operands)
   if _is_zero(ct):
     return results
@@ -498,7 +610,10 @@ def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
   drhs_tiling = tuning.backward_tiling(cfg.tiling, "drhs")
   tl, tr = cfg.transpose_lhs, cfg.transpose_rhs
   ct_lhs = ct_rhs = ct_bias = None
-  if cfg.group_type == "m":
+  if cfg.has_rows:
+    ct_lhs, ct_rhs, ct_bias = _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows,
+                                              cfg, base, dlhs_tiling, drhs_tiling)
+  elif cfg.group_type == "m":
     if ad.is_undefined_primal(lhs):
       ct_lhs = gmm(ct, rhs, counts, group_offset, None,
                      base.replace(transpose_lhs=False, transpose_rhs=not tr,
@@ -540,6 +655,57 @@ def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
   if ct_bias is not None:
     results[num_lhs + num_rhs + 2] = ct_bias
   return results
+
+
+def _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows: Rows, cfg: GmmConfig,
+                    base: GmmConfig, dlhs_tiling, drhs_tiling):
+  """The transpose of a linear m-grouped gmm with row operands: out = scatter(w * (gather(
+  lhs) @ rhs[g] + bias[g])). The cotangent of the grouped rows is ``ct[out_indices] * w``:
+  the dlhs gmm gathers ct's rows and weights its result rows itself; the gather of lhs
+  transposes to `rows_sum` (a fixed-order sum per token, no atomics). The weight and bias
+  gradients take the gathered, weighted rows."""
+  num_rows = _grouped_rows(cfg, lhs)
+  written = metadata.row_group_ids(counts, num_rows, group_offset, cfg.num_local) >= 0
+  weights = rows.row_weights if cfg.row_weights else None
+  scattered = cfg.out_rows is not None
+  ct_lhs = ct_rhs = ct_bias = None
+  if ad.is_undefined_primal(lhs):
+    d_cfg = base.replace(transpose_lhs=False, transpose_rhs=not cfg.transpose_rhs,
+                         out_dtype=lhs.aval.dtype, tiling=dlhs_tiling,
+                         gather_rows=num_rows if scattered else None,
+                         row_weights=weights is not None, out_rows=None)
+    d_rows = gmm(ct, rhs, counts, group_offset, None, d_cfg,
+                 rows=Rows(rows.out_indices if scattered else None, weights, None))  # [R, K]
+    if cfg.gather_rows is not None:
+      indices = jnp.where(written, rows.lhs_indices, -1)
+      ct_lhs = rows_sum(d_rows, indices, lhs.aval.shape[0])
+    else:
+      ct_lhs = d_rows.T if cfg.transpose_lhs else d_rows
+  if ad.is_undefined_primal(rhs) or (bias is not None and ad.is_undefined_primal(bias)):
+    ct_rows = gather_rows(ct, rows.out_indices) if scattered else ct  # [R, N]
+    if weights is not None:
+      ct_rows = (ct_rows.astype(jnp.float32)
+                 * weights.astype(jnp.float32)[:, None]).astype(ct.dtype)
+    if ad.is_undefined_primal(rhs):
+      x_rows = _as_float(lhs)
+      transpose_lhs = cfg.transpose_lhs
+      if cfg.gather_rows is not None:
+        x_rows, transpose_lhs = gather_rows(x_rows, rows.lhs_indices), False
+      k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype, tiling=drhs_tiling,
+                           gather_rows=None, row_weights=False, out_rows=None)
+      hint = _spec_hint(rhs)
+      if cfg.transpose_rhs:  # [L, N, K] = ct_g^T x_g
+        ct_rhs = gmm(ct_rows, x_rows, counts, group_offset, None,
+                     k_cfg.replace(transpose_lhs=True, transpose_rhs=transpose_lhs), hint)
+      else:  # [L, K, N] = x_g^T ct_g
+        ct_rhs = gmm(x_rows, ct_rows, counts, group_offset, None,
+                     k_cfg.replace(transpose_lhs=not transpose_lhs, transpose_rhs=False), hint)
+    if bias is not None and ad.is_undefined_primal(bias):
+      ids = metadata.row_group_ids(counts, num_rows, group_offset, cfg.num_local)
+      ids = jnp.where(ids >= 0, ids, cfg.num_local)
+      ct_bias = jax.ops.segment_sum(ct_rows.astype(jnp.float32), ids, cfg.num_local + 1)
+      ct_bias = ct_bias[:cfg.num_local].astype(bias.aval.dtype)
+  return ct_lhs, ct_rhs, ct_bias
 
 
 for _prim in PRIMITIVES:
@@ -612,7 +778,7 @@ def _batch(operands, dims, *, cfg, trees, has_bias, out_hint):
   lhs_dims, rhs_dims, counts_dim, offset_dim, bias_dim = _unpack(dims, trees, has_bias)
   lhs_batched = any(d is not None for d in jax.tree.leaves(lhs_dims))
   rhs_batched = any(d is not None for d in jax.tree.leaves(rhs_dims))
-  shared_groups = counts_dim is None and offset_dim is None
+  shared_groups = counts_dim is None and offset_dim is None and not cfg.has_rows
   if shared_groups and _is_plain(trees[0]) and lhs_batched and not rhs_batched and (
       bias_dim is None):
     return _fold_into_rows(lhs, lhs_dims, size, rhs, counts, group_offset, bias, cfg)

@@ -27,6 +27,7 @@ import numpy as np
 
 from gmm_jax._src import dispatch, metadata, op
 from gmm_jax._src.config import PLATFORMS, GmmConfig, problem_dims
+from gmm_jax._src.epilogue import NO_ROWS, Rows
 from gmm_jax._src.epilogue import finish
 from gmm_jax._src.qarray import (QArray, QuantSpec, as_qarray, broadcast_scale, compute_dtype,
                                  dequantize, quant_mode)
@@ -94,7 +95,7 @@ def finish_quantized(z, counts, group_offset, cfg: GmmConfig, output_scale=None,
 
 
 def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_scale=None,
-                  output_offset=None):
+                  output_offset=None, rows: Rows = NO_ROWS):
   """gmm with QArray operands (canonical layout otherwise; see `GmmConfig`).
 
   On each platform: the QArrays go to the op when an implementation there serves the mode
@@ -103,7 +104,20 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
 
   Args:
     output_scale, output_offset: None or f32 ``[L, N]`` (already broadcast).
+    rows: row operands (weight-only mode without requantization only: the api checks).
   """
+  if cfg.has_rows:
+    if quant_mode(lhs, rhs, cfg) != "weight_only" or output_scale is not None or (
+        output_offset is not None):
+      raise NotImplementedError("row operands (lhs_indices, row_weights, out_indices) with "
+                                "quantized operands: supported for weight-only rhs without "
+                                "output_scale/output_offset")
+    platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
+    if all(dispatch.serves(lhs, rhs, cfg, p) for p in platforms):
+      return op.gmm(lhs, rhs, counts, group_offset, bias, cfg, rows=rows)
+    float_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
+    return op.gmm(lhs, dequantize(rhs, float_dtype), counts, group_offset, bias, cfg,
+                  rows=rows)
   int_bias = bias is not None and _is_int(bias.dtype)
   platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
   served = {p: not int_bias and dispatch.serves(lhs, rhs, cfg, p) for p in platforms}

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 
 from gmm_jax._src import metadata
-from gmm_jax._src.config import GmmConfig, accumulator_dtype
-from gmm_jax._src.epilogue import apply_epilogue
+from gmm_jax._src.config import GmmConfig, accumulator_dtype, out_columns
+from gmm_jax._src.epilogue import NO_ROWS, Rows, apply_epilogue, gather_rows, scatter_rows
 
 
 def _dot(a, b, cfg, acc_dtype):
@@ -22,22 +22,31 @@ def _dot(a, b, cfg, acc_dtype):
   return jnp.matmul(a, b, precision=cfg.precision, preferred_element_type=acc_dtype)
 
 
-def gmm_reference(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig) -> jax.Array:
-  """Reference gmm on canonical operands (see `GmmConfig`)."""
+FEATURES = ("gather", "row_weights", "scatter", "gated")
+
+
+def gmm_reference(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
+                  rows: Rows = NO_ROWS) -> jax.Array:
+  """Reference gmm on canonical operands (see `GmmConfig`; `rows` the row operands)."""
   acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
   lhs = lhs.T if cfg.transpose_lhs else lhs  # [M, K]
+  if cfg.gather_rows is not None:
+    lhs = gather_rows(lhs, rows.lhs_indices)  # [R, K]
   rhs = jnp.swapaxes(rhs, -1, -2) if cfg.transpose_rhs else rhs  # [..., K, N]
   m, k = lhs.shape
   n = rhs.shape[-1]
   zero_lhs = jnp.zeros((), lhs.dtype)
   if cfg.group_type == "m":
     group_of_row = metadata.row_group_ids(counts, m, group_offset, cfg.num_local)
-    out = jnp.zeros((m, n), cfg.out_dtype)
+    out = jnp.zeros((m, out_columns(n, cfg)), cfg.out_dtype)
     for g in range(cfg.num_local):
-      rows = (group_of_row == g)[:, None]
-      acc = _dot(jnp.where(rows, lhs, zero_lhs), rhs[g], cfg, acc_dtype)
-      y = apply_epilogue(acc, None if bias is None else bias[g], cfg.activation, cfg.out_dtype)
-      out = jnp.where(rows, y, out)
+      in_group = (group_of_row == g)[:, None]
+      acc = _dot(jnp.where(in_group, lhs, zero_lhs), rhs[g], cfg, acc_dtype)
+      y = apply_epilogue(acc, None if bias is None else bias[g], cfg.activation, cfg.out_dtype,
+                         rows.row_weights if cfg.row_weights else None)
+      out = jnp.where(in_group, y, out)
+    if cfg.out_rows is not None:
+      out = scatter_rows(out, rows.out_indices, cfg.out_rows, group_of_row >= 0)
     return out
   group_of_col = metadata.row_group_ids(counts, k, group_offset, cfg.num_local)
   outs = []

@@ -1,13 +1,16 @@
-"""Token routing for data- and expert-parallel MoE: tokens are grouped by expert within
-their shard, or travel to the devices of their experts and back, around any per-expert
-function (`routed_apply`), and `routed_gmm` on it. Works on any mesh (Auto or Explicit
-axes, `jax.set_mesh`).
+"""Token routing for MoE: `route` turns each token's chosen experts into the row operands
+of a fused gmm (which rows to read, where to write, with which weight); for data- and
+expert-parallel MoE, tokens are grouped by expert within their shard, or travel to the
+devices of their experts and back, around any per-expert function (`routed_apply`), and
+`routed_gmm` on it. Works on any mesh (Auto or Explicit axes, `jax.set_mesh`).
 
 Floor 6: built on the public API (`gmm`, `GmmSharding`'s operand specs, `QArray`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
@@ -102,6 +105,137 @@ def _route_ragged(x, ids, *, axis, num_devices, local_experts, capacity, compute
   rank = jnp.arange(tokens, dtype=jnp.int32) - starts[dest]
   y_sorted = jnp.where((rank < capacity)[:, None], y_sorted, jnp.zeros((), y_sorted.dtype))
   return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("lhs_indices", "out_indices", "group_sizes", "row_weights",
+                                "kept", "inverse"),
+                   meta_fields=("num_tokens", "top_k"))
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """Tokens' expert choices as the row operands of a fused gmm (see `route`).
+
+  The grouped problem has R rows, expert-contiguous: the kept assignments (token t's j-th
+  choice is slot ``t * top_k + j``) sorted by expert, tokens in order within an expert,
+  then padding rows (past ``sum(group_sizes)``: gmm writes nothing for them).
+
+  Fields:
+    lhs_indices: int32 ``[R]``: the token of each row (gmm's ``lhs_indices``).
+    out_indices: int32 ``[R]``: the slot of each row (gmm's ``out_indices`` with
+      ``out_rows=num_slots``); padding rows hold ``num_slots`` (out of range).
+    group_sizes: int32 ``[E]``: rows per expert.
+    row_weights: f32 ``[R]`` weight of each row's assignment (0 on padding), or None.
+    kept: bool ``[T, top_k]``: which assignments have a row (all valid ones when dropless).
+    inverse: int32 ``[T * top_k]``: the row of each slot, R where it has none.
+    num_tokens, top_k: T and k (static).
+  """
+
+  lhs_indices: jax.Array
+  out_indices: jax.Array
+  group_sizes: jax.Array
+  row_weights: jax.Array | None
+  kept: jax.Array
+  inverse: jax.Array
+  num_tokens: int
+  top_k: int
+
+  @property
+  def num_slots(self) -> int:
+    """T * top_k: the rows of the scattered result (gmm's ``out_rows``)."""
+    return self.num_tokens * self.top_k
+
+  @property
+  def num_rows(self) -> int:
+    """R: the rows of the grouped problem."""
+    return self.lhs_indices.shape[0]
+
+  def combine(self, slots: jax.Array) -> jax.Array:
+    """``[T * top_k, N]`` per-slot results -> ``[T, N]``: each token's k slots summed in a
+    fixed order (in f32, then the slots' dtype)."""
+    summed = jnp.sum(slots.reshape(self.num_tokens, self.top_k, -1).astype(jnp.float32),
+                     axis=1)
+    return summed.astype(slots.dtype)
+
+
+def route(expert_ids, num_experts: int, *, weights=None, capacity: int | None = None
+          ) -> Routing:
+  """The row operands of a fused MoE gmm for the experts each token chose.
+
+  Args:
+    expert_ids: int ``[T, k]`` (or ``[T]`` for top-1): token t's experts; ids outside
+      ``[0, num_experts)`` are no assignment.
+    num_experts: E.
+    weights: None or float ``[T, k]`` router weights of the assignments (differentiable:
+      `Routing.row_weights` gathers them).
+    capacity: None (dropless: R = T * k rows) or the most rows one expert takes: earlier
+      tokens first; the buffers have ``R = min(T * k, E * capacity)`` rows and a dropped
+      assignment has no row (its slot stays 0 in the result).
+
+  Returns:
+    A `Routing`. The expert FFN of a top-k MoE layer, with no permuted copy of x::
+
+      r = route(top_e, E, weights=top_p)
+      h = gmm(x, w_gate_up, r.group_sizes, lhs_indices=r.lhs_indices, activation="swiglu")
+      y = gmm(h, w_down, r.group_sizes, row_weights=r.row_weights,
+              out_indices=r.out_indices, out_rows=r.num_slots)
+      y = r.combine(y)  # [T, D]
+
+  Raises:
+    ValueError: non-integer ids, weights of another shape, a negative capacity.
+  """
+  expert_ids = jnp.asarray(expert_ids)
+  if not jnp.issubdtype(expert_ids.dtype, jnp.integer) or expert_ids.ndim not in (1, 2):
+    raise ValueError(f"expert_ids must be an int [T, k] (or [T]) array, got "
+                     f"{jax.typeof(expert_ids)}")
+  if expert_ids.ndim == 1:
+    expert_ids = expert_ids[:, None]
+  num_tokens, top_k = expert_ids.shape
+  if weights is not None:
+    weights = jnp.asarray(weights)
+    weights = weights[:, None] if weights.ndim == 1 else weights
+    if weights.shape != expert_ids.shape or not jnp.issubdtype(weights.dtype, jnp.floating):
+      raise ValueError(f"weights must be float {list(expert_ids.shape)} like expert_ids, got "
+                       f"{jax.typeof(weights)}")
+  if not isinstance(num_experts, int) or num_experts < 1:
+    raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+  if capacity is not None and (not isinstance(capacity, int) or capacity < 0):
+    raise ValueError(f"capacity must be None or a non-negative int, got {capacity!r}")
+  num_slots = num_tokens * top_k
+  flat = expert_ids.reshape(-1).astype(jnp.int32)
+  valid = (flat >= 0) & (flat < num_experts)
+  key = jnp.where(valid, flat, num_experts)
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)  # slots by expert, then slot
+  sorted_key = key[order]
+  counts = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  position = jnp.arange(num_slots, dtype=jnp.int32)
+  if capacity is None:
+    num_rows, sizes = num_slots, counts
+    kept_sorted = sorted_key < num_experts
+    row_slot = jnp.where(kept_sorted, order, num_slots)
+  else:
+    num_rows = min(num_slots, num_experts * capacity)
+    starts = jnp.cumsum(counts) - counts
+    rank = position - starts[jnp.minimum(sorted_key, num_experts - 1)]
+    kept_sorted = (sorted_key < num_experts) & (rank < capacity)
+    sizes = jnp.minimum(counts, capacity)
+    new_starts = jnp.cumsum(sizes) - sizes
+    dest = jnp.where(kept_sorted, new_starts[jnp.minimum(sorted_key, num_experts - 1)] + rank,
+                     num_rows + position)
+    row_slot = jnp.full((num_rows,), num_slots, jnp.int32).at[dest].set(
+        order, mode="drop", unique_indices=True)
+  kept = jnp.zeros((num_slots,), bool).at[order].set(kept_sorted, unique_indices=True)
+  row_of = jnp.arange(num_rows, dtype=jnp.int32)
+  inverse = jnp.full((num_slots,), num_rows, jnp.int32).at[row_slot].set(
+      row_of, mode="drop", unique_indices=True)
+  row_weights = None
+  if weights is not None:
+    present = row_slot < num_slots
+    taken = jnp.take(weights.reshape(-1), jnp.minimum(row_slot, num_slots - 1))
+    row_weights = jnp.where(present, taken, 0).astype(jnp.float32)
+  return Routing(lhs_indices=(row_slot // top_k).astype(jnp.int32), out_indices=row_slot,
+                 group_sizes=sizes.astype(jnp.int32), row_weights=row_weights,
+                 kept=kept.reshape(num_tokens, top_k), inverse=inverse,
+                 num_tokens=num_tokens, top_k=top_k)
 
 
 TRANSPORTS = ("auto", "all_to_all", "ragged")

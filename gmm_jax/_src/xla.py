@@ -34,8 +34,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from gmm_jax._src import metadata, tuning
-from gmm_jax._src.config import GmmConfig, Tiling, accumulator_dtype, problem_dims
-from gmm_jax._src.epilogue import apply_epilogue
+from gmm_jax._src.config import (GmmConfig, Tiling, accumulator_dtype, out_columns,
+                                  problem_dims)
+from gmm_jax._src.epilogue import NO_ROWS, Rows, apply_epilogue, gather_rows, scatter_targets
+
+# The row operations it does inside its loops (no gathered copy of lhs, no scattered copy
+# of the result).
+FEATURES = ("gather", "row_weights", "scatter", "gated")
 
 
 ALIGN = "group"
@@ -181,9 +186,30 @@ def _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, capacity, acc_dtype)
   return jnp.where(in_head[:, None], y[source], jnp.zeros((), y.dtype))
 
 
+def _unshared_zero(lhs, rhs, dtype):
+  """A zero scalar that XLA cannot prove equal to another call's.
+
+  XLA merges equal broadcasts: the zero accumulators of every k-grouped gmm of a program
+  (the weight gradients of an MoE layer) became one temporary of the whole ``[L, M, N]``
+  that was then copied into each loop (measured: +537 MB on an E=64, 1024x2048 layer), where
+  a broadcast of its own is built in the loop's (the result's) buffer. This zero depends on
+  the call's operands: ``-0.0`` if the sum of their first elements is NaN, else ``0.0``; both
+  add as zero.
+  """
+  if not jnp.issubdtype(dtype, jnp.floating) or lhs.size == 0 or rhs.size == 0:
+    return jnp.zeros((), dtype)
+  probe = (lax.index_in_dim(lhs.reshape(-1), 0, keepdims=False).astype(jnp.float32)
+           + lax.index_in_dim(rhs.reshape(-1), 0, keepdims=False).astype(jnp.float32))
+  return jnp.where(probe != probe, jnp.array(-0.0, dtype), jnp.array(0.0, dtype))
+
+
 def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling | None = None,
-            *, head: bool | None = None, carry_bits: bool | None = None):
+            *, head: bool | None = None, carry_bits: bool | None = None, rows: Rows = NO_ROWS):
   """Fast XLA gmm on canonical operands (see `GmmConfig`).
+
+  Row operands (`rows`, m-grouping): each work item gathers its rows of lhs by
+  ``lhs_indices`` (``jnp.take`` of its window), weights them in the epilogue and scatters
+  them to ``out_indices`` of the result, which the loop carries in place.
 
   `head` (the batched pass for small 16-bit groups, see `head_capacity`) and `carry_bits`
   (16-bit operands carried as bit patterns, see `_as_bits`) default to what suits this
@@ -207,12 +233,17 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
   lhs_k_axis = 0 if cfg.transpose_lhs else 1
   rhs_k_axis = 1 if cfg.transpose_rhs else 0  # of one group's [K, N] / [N, K] matrix
 
+  n_out = out_columns(n, cfg)
+  out_m = m if cfg.out_rows is None else cfg.out_rows
   if cfg.num_local == 0 or counts.shape[0] == 0:  # no group: nothing is written
-    shape = (m, n) if cfg.group_type == "m" else (cfg.num_local, m, n)
+    shape = (out_m, n_out) if cfg.group_type == "m" else (cfg.num_local, m, n_out)
     return jnp.zeros(shape, cfg.out_dtype)
   if cfg.group_type == "m":
     storage = _storage_dtype(cfg.out_dtype)
-    head = head_capacity(m, cfg.num_local, tiling.tile_m, lhs.dtype) if head else 0
+    # The batched head pass reads rows by position and writes them in place: not with row
+    # operands.
+    head = head_capacity(m, cfg.num_local, tiling.tile_m, lhs.dtype) if (
+        head and not cfg.has_rows) else 0
     meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
                                       ALIGN, skip=head)
 
@@ -222,16 +253,28 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
 
       def body(window, start, end, group, out):
         first = jnp.minimum(start, m - window)
-        x = lhs_view(lax.dynamic_slice_in_dim(lhs_bits, first, window, axis=1 - lhs_k_axis))
+        if cfg.gather_rows is not None:
+          indices = lax.dynamic_slice_in_dim(rows.lhs_indices, first, window)
+          x = lhs_view(gather_rows(lhs_bits, indices))
+        else:
+          x = lhs_view(lax.dynamic_slice_in_dim(lhs_bits, first, window, axis=1 - lhs_k_axis))
         w = rhs_view(lax.dynamic_index_in_dim(rhs_bits, group, 0, keepdims=False))
         acc = lax.dot_general(x, w, (((lhs_k_axis,), (rhs_k_axis,)), ((), ())),
                               precision=cfg.precision, preferred_element_type=acc_dtype)
         group_bias = None if bias is None else lax.dynamic_index_in_dim(bias, group, 0)
-        y = _to_storage(apply_epilogue(acc, group_bias, cfg.activation, cfg.out_dtype), storage)
-        rows = first + lax.iota(jnp.int32, window)
-        keep = ((rows >= start) & (rows < end))[:, None]
+        weights = (lax.dynamic_slice_in_dim(rows.row_weights, first, window)
+                   if cfg.row_weights else None)
+        y = _to_storage(apply_epilogue(acc, group_bias, cfg.activation, cfg.out_dtype, weights),
+                        storage)
+        row_ids = first + lax.iota(jnp.int32, window)
+        keep = (row_ids >= start) & (row_ids < end)
+        if cfg.out_rows is not None:
+          targets = scatter_targets(lax.dynamic_slice_in_dim(rows.out_indices, first, window),
+                                    keep, cfg.out_rows)
+          return out.at[targets].set(y, mode="drop", unique_indices=True)
         old = lax.dynamic_slice_in_dim(out, first, window, axis=0)
-        return lax.dynamic_update_slice_in_dim(out, jnp.where(keep, y, old), first, axis=0)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, old), first,
+                                               axis=0)
 
       return _for_each_item(meta, metadata.size_classes(tiling.tile_m, m), body, out)
 
@@ -242,7 +285,7 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
       # copies of the operands they need) run; one cond outside the loops copies [M, N] once.
       out = lax.cond(meta.num_items > 0, run_items, lambda out: out, out)
     else:
-      out = run_items(jnp.zeros((m, n), storage))
+      out = run_items(jnp.zeros((out_m, n_out), storage))
     return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
 
   lhs, lhs_view = _as_bits(lhs, carry_bits)
@@ -264,7 +307,7 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
     old = lax.dynamic_index_in_dim(acc, group, 0, keepdims=False)
     return lax.dynamic_update_index_in_dim(acc, old + part, group, 0)
 
-  acc = jnp.zeros((cfg.num_local, m, n), acc_dtype)
+  acc = jnp.broadcast_to(_unshared_zero(lhs, rhs, acc_dtype), (cfg.num_local, m, n))
   acc = _for_each_item(meta, metadata.size_classes(tiling.tile_k, k), body, acc)
   return apply_epilogue(acc, None if bias is None else bias[:, None, :], cfg.activation,
                         cfg.out_dtype)
