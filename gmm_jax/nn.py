@@ -1,38 +1,88 @@
-"""Flax (nnx) layers on gmm: `GroupedLinear` and a dropless top-k `MoE` block.
+"""Flax (nnx) layers on gmm: `GroupedLinear` and a routed mixture-of-experts block `MoE`.
 
 Needs the optional extra: ``pip install "gmm_jax[flax]"``. Linen versions come from
 ``flax.nnx.bridge`` (`grouped_linear_linen`, `moe_linen`), not a second implementation.
 
 Parameters carry logical axis names ("expert", "embed", "mlp") as variable metadata, so
-users shard them with their own rules (``nnx.get_partition_spec`` + a logical-to-mesh map).
+users shard them with their own rules (``nnx.get_partition_spec`` + a logical-to-mesh map);
+under ``jax.set_mesh`` the names that are axes of the mesh (after ``nnx.logical_axis_rules``)
+shard the parameters as they are created, as nnx.Linear does.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+import gmm_jax
 from gmm_jax import QuantSpec, gmm, routed_apply
-from gmm_jax._src.epilogue import resolve_activation
+from gmm_jax._src.epilogue import GATED_ACTIVATIONS, resolve_activation
 from gmm_jax._src.sharding import explicit_axes, token_layout
 
 Array = jax.Array
 
+# The gated activation of each plain one: ``act(gate) * up`` on a [.., 2F] product.
+GATED_NAMES = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh",
+               **{name: name for name in GATED_ACTIVATIONS}}
 
-def _param(value, axes: tuple[str, ...]) -> nnx.Param:
-  """An nnx.Param with logical axis names, across flax versions' metadata names (0.12:
-  ``out_sharding`` with eager sharding off, so no mesh is needed at construction)."""
-  for metadata in (dict(out_sharding=axes, eager_sharding=False), dict(sharding_names=axes),
-                   dict(sharding=axes)):
+
+def _resolve_names(names):
+  """Logical names -> mesh axis names under the context's ``logical_axis_rules``."""
+  try:
+    from flax.core import spmd
+    return tuple(spmd.apply_rules(tuple(names), None))
+  except Exception:  # flax without the rules helpers: the names are the mesh axes
+    return tuple(names)
+
+
+def _eager_shard(value, names):
+  """`value` sharded over the axes of the context mesh named by `names` (nnx.Linear's eager
+  sharding, on the names that are mesh axes; the others replicate)."""
+  try:
+    if not nnx.using_eager_sharding():
+      return value
+  except AttributeError:  # flax < 0.12: no eager sharding
+    return value
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not names:
+    return value
+  spec = [name if isinstance(name, str) and name in mesh.axis_names else None
+          for name in _resolve_names(names)]
+  if not any(spec):
+    return value
+  sharding = NamedSharding(mesh, P(*spec))
+  axis_types = set(mesh.axis_types)
+  if axis_types == {jax.sharding.AxisType.Explicit}:
+    return jax.sharding.reshard(value, sharding)
+  if axis_types == {jax.sharding.AxisType.Auto}:
+    return jax.lax.with_sharding_constraint(value, sharding)
+  return value
+
+
+def _param(value, axes: tuple[str, ...], metadata: Mapping[str, Any] | None = None,
+           kind=None) -> nnx.Variable:
+  """An nnx.Param (or `kind`) with logical axis names, across flax versions' metadata names
+  (0.12: ``out_sharding``; the eager sharding is ours, `_eager_shard`, so that logical names
+  that are not mesh axes need no mesh). `metadata` (e.g. ``kernel_metadata``) is added; an
+  ``out_sharding`` in it replaces `axes`."""
+  kind = kind or nnx.Param
+  metadata = dict(metadata or {})
+  axes = tuple(metadata.pop("out_sharding", axes))
+  eager = metadata.pop("eager_sharding", True)
+  if eager:
+    value = _eager_shard(value, axes)
+  for names in (dict(out_sharding=axes, eager_sharding=False), dict(sharding_names=axes),
+                dict(sharding=axes)):
     try:
-      return nnx.Param(value, **metadata)
+      return kind(value, **names, **metadata)
     except (TypeError, ValueError):
       continue
-  return nnx.Param(value)
+  return kind(value, **metadata)
 
 
 def grouped_kernel_init(key, shape, dtype=jnp.float32):
@@ -40,6 +90,26 @@ def grouped_kernel_init(key, shape, dtype=jnp.float32):
   init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=-2,
                                            out_axis=-1, batch_axis=(0,))
   return init(key, shape, dtype)
+
+
+def _reshard(y, sharding):
+  """y laid out as `sharding` (a NamedSharding, or a PartitionSpec of the context mesh), as
+  nnx.Linear's ``out_sharding``: a reshard on Explicit axes, a constraint on Auto ones."""
+  if sharding is None:
+    return y
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    sharding = NamedSharding(mesh, sharding)
+  if explicit_axes(mesh):
+    return jax.sharding.reshard(y, sharding)
+  return jax.lax.with_sharding_constraint(y, sharding)
+
+
+class RoutingBias(nnx.Variable):
+  """A per-expert routing bias that is not trained by gradient (DeepSeek-V3's auxiliary-
+  loss-free balancing): its own collection, outside ``nnx.Param`` (optimizers built with
+  ``wrt=nnx.Param`` skip it); `MoE.update_routing_bias` moves it."""
 
 
 class GroupedLinear(nnx.Module):
@@ -53,6 +123,8 @@ class GroupedLinear(nnx.Module):
     use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as in nnx.Linear
       (kernel_init receives the ``[G, K, N]`` shape).
     kernel_axes, bias_axes: logical axis names of the parameters.
+    kernel_metadata, bias_metadata: more metadata of the parameters (as nnx.Linear's; an
+      ``out_sharding`` there replaces the axes).
     weight_quant: a `QuantSpec` to quantize the kernel on the fly (weight-only int8/int4/
       fp8; straight-through gradients for training).
     input_quant: a `QuantSpec` for the inputs (dynamic quantization, e.g. per-token int8).
@@ -66,104 +138,249 @@ class GroupedLinear(nnx.Module):
                bias_init=nnx.initializers.zeros_init(),
                kernel_axes: tuple[str, ...] = ("expert", "embed", "mlp"),
                bias_axes: tuple[str, ...] = ("expert", "mlp"),
+               kernel_metadata: Mapping[str, Any] | None = None,
+               bias_metadata: Mapping[str, Any] | None = None,
                weight_quant: QuantSpec | None = None, input_quant: QuantSpec | None = None,
                implementation: str | None = None, rngs: nnx.Rngs):
     self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
     self.dtype, self.precision, self.implementation = dtype, precision, implementation
     self.weight_quant, self.input_quant = weight_quant, input_quant
     shape = (num_groups, in_features, out_features)
-    self.kernel = _param(kernel_init(rngs.params(), shape, param_dtype), tuple(kernel_axes))
+    self.kernel = _param(kernel_init(rngs.params(), shape, param_dtype), tuple(kernel_axes),
+                         kernel_metadata)
     self.bias = (_param(bias_init(rngs.params(), (num_groups, out_features), param_dtype),
-                        tuple(bias_axes)) if use_bias else None)
+                        tuple(bias_axes), bias_metadata) if use_bias else None)
+
+  def weights(self, dtype=None):
+    """(kernel, bias) as the gmm takes them: the kernel cast to the compute dtype unless it
+    is quantized on the fly."""
+    kernel = self.kernel[...]
+    if self.weight_quant is None and dtype is not None:
+      kernel = kernel.astype(dtype)
+    return kernel, None if self.bias is None else self.bias[...]
+
+  def gmm_options(self, dtype):
+    return dict(precision=self.precision, quantize_lhs=self.input_quant,
+                quantize_rhs=self.weight_quant, preferred_element_type=dtype,
+                implementation=self.implementation)
 
   def __call__(self, x: Array, group_sizes: Array, *, activation=None,
                group_offset=None) -> Array:
     """x ``[M, K]`` rows sorted by group; group_sizes ``[G]`` -> ``[M, N]``."""
-    kernel = self.kernel[...]
-    bias = None if self.bias is None else self.bias[...]
-    dtype = self.dtype or jnp.result_type(x, kernel)
-    x = x.astype(dtype)
-    if self.weight_quant is None:
-      kernel = kernel.astype(dtype)
-    return gmm(x, kernel, group_sizes, bias=bias, activation=activation,
-               precision=self.precision, group_offset=group_offset,
-               quantize_lhs=self.input_quant, quantize_rhs=self.weight_quant,
-               preferred_element_type=dtype, implementation=self.implementation)
+    dtype = self.dtype or jnp.result_type(x, self.kernel[...])
+    kernel, bias = self.weights(dtype)
+    return gmm(x.astype(dtype), kernel, group_sizes, bias=bias, activation=activation,
+               group_offset=group_offset, **self.gmm_options(dtype))
+
+
+def _expert_ffn(rows, sizes, weights, *, activation, gated: bool, options, fused: bool = True):
+  """The expert FFN on expert-contiguous rows: ``down(act(rows @ w_in + b_in))``, gated
+  (``w_in`` = [gate | up] halves) or plain. `weights`: dict of w_in, w_down, b_in, b_down
+  (biases optional; local slices under expert parallelism). fused: one gmm with the gated
+  activation, else gate and up as two gmms (the unfused baseline, slicing the one kernel)."""
+  w_in, w_down = weights["w_in"], weights["w_down"]
+  b_in, b_down = weights.get("b_in"), weights.get("b_down")
+  if not gated:
+    h = gmm(rows, w_in, sizes, bias=b_in, activation=activation, **options)
+  elif callable(activation):  # a user's gate activation: the halves in jnp
+    z = gmm(rows, w_in, sizes, bias=b_in, **options)
+    half = z.shape[-1] // 2
+    h = activation(z[:, :half]) * z[:, half:]
+  elif fused:
+    h = gmm(rows, w_in, sizes, bias=b_in, activation=GATED_NAMES[activation], **options)
+  else:
+    half = w_in.shape[-1] // 2
+    gate = gmm(rows, w_in[..., :half], sizes, bias=None if b_in is None else b_in[..., :half],
+               **options)
+    up = gmm(rows, w_in[..., half:], sizes, bias=None if b_in is None else b_in[..., half:],
+             **options)
+    h = GATED_ACTIVATIONS[GATED_NAMES[activation]](jnp.concatenate([gate, up], axis=-1))
+  return gmm(h.astype(rows.dtype), w_down, sizes, bias=b_down, **options)
 
 
 class MoE(nnx.Module):
-  """A top-k routed, gated-FFN mixture of experts (dropless by default).
+  """A top-k routed mixture of experts (dropless by default), with optional shared experts.
 
-  ``y = sum_{e in top_k(x)} p_e(x) * down_e(act(gate_e(x)) * up_e(x))`` with the router
-  ``p = softmax(x @ W_router)`` (top-k probabilities renormalized to sum to 1 unless
-  ``normalize_top_k=False``). Tokens are sorted to expert-contiguous order, the three expert
-  projections are gmm calls, and the results are unsorted and combined with the router
-  weights.
+  ``y = shared(x) + sum_{e in top_k(x)} w_e(x) * down_e(act(x @ gate_e) * (x @ up_e))``.
+  The router: ``logits = x @ W_router (+ b)``, scores ``s = softmax(logits)`` or
+  ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
+  optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked by
+  the sum of their top-2 biased scores, DeepSeek-V3); weights ``w = s[chosen]``, divided by
+  their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
+
+  The fused path (default): `gmm_jax.route` gives the expert-grouped rows; gate and up are
+  ONE gmm on the ``[E, D, 2F]`` kernel reading the tokens by ``lhs_indices`` with the gated
+  activation in its epilogue; the down projection is one gmm that weights each row by its
+  router weight and writes it to its (token, k) slot (``row_weights``, ``out_indices``);
+  ``route.combine`` sums each token's k slots. No sorted copy of the tokens is made.
+  ``fused=False`` is the unfused baseline: tokens sorted and copied, gate and up as two
+  gmms (on the two halves of the same kernel: the same parameters), unsorted and combined.
 
   Args:
-    num_experts, embed, mlp: G, the model width, the expert FFN width.
+    num_experts, embed, mlp: E, the model width D, the expert FFN width F.
     top_k: experts per token.
-    activation: "silu" (SwiGLU) or "gelu"/"gelu_tanh" (GeGLU), or a callable.
+    activation: for gated FFNs "silu" (SwiGLU), "gelu" / "gelu_tanh" (GeGLU),
+      "swiglu_clamped" (gpt-oss), or a callable on the gate half; for plain FFNs a name of
+      `gmm_jax.ACTIVATIONS` ("relu", "gelu", ...) or a callable.
+    gated: True: gated FFN, ``gate_up`` kernel ``[E, D, 2F]`` (gate half first); False: a
+      Switch-style FFN, ``up`` kernel ``[E, D, F]``. Either way ``down`` is ``[E, F, D]``.
+    fused: the fused path (above) or the unfused baseline.
+    score: "softmax" or "sigmoid" router scores.
+    normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
+      (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+    routing_bias: add a `RoutingBias` (zeros at first) to the scores for the selection.
+    num_expert_groups, top_k_groups: group-limited routing (None: off).
+    routed_scaling_factor: multiplies the routed experts' weights.
+    router_bias: the router has a bias (gpt-oss).
+    num_shared_experts, shared_mlp: shared experts, one dense FFN of width ``shared_mlp``
+      (default ``mlp * num_shared_experts``) applied to every token, gated like the experts.
+    use_bias: expert biases ``[E, 2F]`` (or ``[E, F]``) and ``[E, D]`` (gpt-oss).
     capacity_factor: None (dropless) or c: each expert takes at most
-      ``ceil(c * tokens * top_k / G)`` tokens (later tokens in order are dropped for it:
-      output 0 from that expert).
+      ``ceil(c * T * top_k / E)`` assignments (earlier tokens first; the rest give 0), and
+      the grouped buffers hold ``min(T * top_k, E * capacity)`` rows.
     expert_parallel: None, or ``(mesh, axis)``: the expert kernels sharded over the mesh
       axis. Tokens sharded over the same axis travel to their experts' devices
       (`gmm_jax.routed_apply`) once per call; tokens replicated over it are each run by
       the devices of their experts and combined with one psum.
     data_parallel: None, or ``(mesh, axes)``: tokens (the leading dims of x) sharded over
-      these mesh axes (data parallel, FSDP). Each shard groups its own tokens (local sort,
-      local group sizes) and the output keeps the tokens' sharding: no token is gathered.
-      Default with expert_parallel: tokens sharded over the expert axis. With
-      capacity_factor, each shard's capacity is computed from its own tokens.
-    On a mesh with Explicit axes (`jax.make_mesh`, `jax.set_mesh`) both follow from the
-    types: the tokens' axes from x's sharding, the expert axis from the expert kernels'
-    leading dim.
+      these mesh axes (data parallel, FSDP). Each shard groups its own tokens and the output
+      keeps the tokens' sharding. With capacity_factor, each shard's capacity is computed
+      from its own tokens. On a mesh with Explicit axes both follow from the types. On a
+      mesh the experts run inside `routed_apply` on sorted rows (the gate and up still one
+      gmm with the gated activation when fused).
     weight_quant, input_quant: QuantSpecs for the expert projections (see GroupedLinear).
     dtype, param_dtype, implementation: as in GroupedLinear.
+    kernel_metadata: metadata of every expert kernel Param (as nnx.Linear's).
+    out_sharding: the output's sharding (a NamedSharding or a PartitionSpec of the context
+      mesh); __call__'s argument overrides it.
     rngs: nnx.Rngs.
 
-  Returns (from __call__): ``(y, aux)`` with ``aux = {"load_balancing_loss",
-  "router_z_loss"}``: the Switch-Transformer balance loss ``G * sum_e f_e * P_e`` (f_e:
-  fraction of top-k assignments to e, P_e: mean router probability of e) and the ST-MoE
-  z-loss ``mean(logsumexp(logits)^2)``. The caller weights and adds them.
+  Returns (from __call__): ``(y, aux)``: ``aux["load_balancing_loss"]`` the Switch balance
+  loss ``E * sum_e f_e * P_e`` (f_e: fraction of top-k assignments to e, P_e: mean score of
+  e, sigmoid scores normalized per token), ``aux["router_z_loss"]`` the ST-MoE z-loss
+  ``mean(logsumexp(logits)^2)``, ``aux["expert_load"]`` f ``[E]``, and
+  ``aux["dropped_fraction"]`` (assignments over capacity). The caller weights the losses.
   """
 
   def __init__(self, num_experts: int, embed: int, mlp: int, *, top_k: int = 2,
-               activation="silu", capacity_factor: float | None = None,
-               normalize_top_k: bool = True, expert_parallel=None, data_parallel=None,
-               dtype: Any = None,
-               param_dtype: Any = jnp.float32, weight_quant: QuantSpec | None = None,
-               input_quant: QuantSpec | None = None, implementation: str | None = None,
+               activation="silu", gated: bool = True, fused: bool = True,
+               score: str = "softmax", normalize_top_k: bool | None = None,
+               routing_bias: bool = False, num_expert_groups: int | None = None,
+               top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
+               router_bias: bool = False, num_shared_experts: int = 0,
+               shared_mlp: int | None = None, use_bias: bool = False,
+               capacity_factor: float | None = None, expert_parallel=None,
+               data_parallel=None, dtype: Any = None, param_dtype: Any = jnp.float32,
+               weight_quant: QuantSpec | None = None, input_quant: QuantSpec | None = None,
+               implementation: str | None = None,
+               kernel_metadata: Mapping[str, Any] | None = None, out_sharding=None,
                rngs: nnx.Rngs):
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if capacity_factor is not None and capacity_factor <= 0:
       raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
-    self.num_experts, self.top_k, self.activation = num_experts, top_k, activation
-    self.capacity_factor, self.normalize_top_k = capacity_factor, normalize_top_k
+    if score not in ("softmax", "sigmoid"):
+      raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    if gated and isinstance(activation, str) and activation not in GATED_NAMES:
+      raise ValueError(f"gated activation must be one of {sorted(GATED_NAMES)} or a "
+                       f"callable, got {activation!r}")
+    if not gated:
+      resolve_activation(activation)
+    if (num_expert_groups is None) != (top_k_groups is None):
+      raise ValueError("num_expert_groups and top_k_groups go together")
+    if num_expert_groups is not None:
+      if num_experts % num_expert_groups or not 1 <= top_k_groups <= num_expert_groups:
+        raise ValueError(f"{num_experts} experts in {num_expert_groups} groups, choosing "
+                         f"{top_k_groups} of them: the groups must split the experts")
+      if top_k_groups * (num_experts // num_expert_groups) < top_k:
+        raise ValueError(f"top_k={top_k} is more than the experts of {top_k_groups} groups")
+    self.num_experts, self.embed, self.mlp, self.top_k = num_experts, embed, mlp, top_k
+    self.activation, self.gated, self.fused, self.score = activation, gated, fused, score
+    self.normalize_top_k = top_k > 1 if normalize_top_k is None else normalize_top_k
+    self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
+    self.routed_scaling_factor = routed_scaling_factor
+    self.capacity_factor = capacity_factor
     self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
-    self.router = nnx.Linear(embed, num_experts, use_bias=False, param_dtype=param_dtype,
+    self.dtype, self.out_sharding = dtype, out_sharding
+
+    self.router = nnx.Linear(embed, num_experts, use_bias=router_bias, param_dtype=param_dtype,
                              kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
     self.router.kernel = _param(self.router.kernel[...], ("embed", "expert"))
-    common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype,
+    if router_bias:
+      self.router.bias = _param(self.router.bias[...], ("expert",))
+    self.routing_bias = (_param(jnp.zeros((num_experts,), jnp.float32), ("expert",),
+                                kind=RoutingBias) if routing_bias else None)
+    common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                   weight_quant=weight_quant, input_quant=input_quant,
-                  implementation=implementation, rngs=rngs)
-    self.gate = GroupedLinear(num_experts, embed, mlp, **common)
-    self.up = GroupedLinear(num_experts, embed, mlp, **common)
+                  implementation=implementation, kernel_metadata=kernel_metadata, rngs=rngs)
+    width = 2 * mlp if gated else mlp
+    self.gate_up = GroupedLinear(num_experts, embed, width, **common) if gated else None
+    self.up = None if gated else GroupedLinear(num_experts, embed, width, **common)
     self.down = GroupedLinear(num_experts, mlp, embed, kernel_axes=("expert", "mlp", "embed"),
-                              **common)
+                              bias_axes=("expert", "embed"), **common)
+    shared_mlp = shared_mlp or mlp * num_shared_experts
+    self.shared = SharedExperts(embed, shared_mlp, gated=gated, activation=activation,
+                                dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs) if num_shared_experts else None
 
-  def _experts(self, rows, sizes, kernels=None):
-    """The gated FFN on expert-contiguous rows (kernels: local slices, expert parallel)."""
-    act = resolve_activation(self.activation)
-    if kernels is None:
-      return self.down(act(self.gate(rows, sizes)) * self.up(rows, sizes), sizes)
-    w_gate, w_up, w_down = kernels
-    options = dict(quantize_lhs=self.gate.input_quant, quantize_rhs=self.gate.weight_quant,
-                   implementation=self.gate.implementation)
-    h = act(gmm(rows, w_gate, sizes, **options)) * gmm(rows, w_up, sizes, **options)
-    return gmm(h.astype(rows.dtype), w_down, sizes, **options)
+  @classmethod
+  def from_preset(cls, name: str, *, rngs: nnx.Rngs, scale: float = 1.0, **overrides):
+    """An MoE layer shaped as `MOE_PRESETS[name]`; `scale` multiplies the widths (embed,
+    mlp, shared_mlp; multiples of 8, at least 8) to shrink it for tests; `overrides`
+    replace any argument."""
+    if name not in MOE_PRESETS:
+      raise ValueError(f"unknown preset {name!r}; one of {sorted(MOE_PRESETS)}")
+    kwargs = dict(MOE_PRESETS[name])
+    if scale != 1.0:
+      for key in ("embed", "mlp", "shared_mlp"):
+        if kwargs.get(key):
+          kwargs[key] = max(8, int(round(kwargs[key] * scale / 8)) * 8)
+    kwargs.update(overrides)
+    return cls(kwargs.pop("num_experts"), kwargs.pop("embed"), kwargs.pop("mlp"), rngs=rngs,
+               **kwargs)
+
+  # ------------------------------------------------------------------------- routing
+
+  def route_tokens(self, tokens: Array):
+    """tokens ``[T, D]`` -> (logits ``[T, E]`` f32, scores ``[T, E]``, weights ``[T, k]``,
+    experts int32 ``[T, k]``)."""
+    logits = _replicated_last(self.router(tokens).astype(jnp.float32))
+    scores = (jax.nn.softmax(logits, axis=-1) if self.score == "softmax"
+              else jax.nn.sigmoid(logits))
+    choice = scores
+    if self.routing_bias is not None:
+      choice = choice + jax.lax.stop_gradient(self.routing_bias[...]).astype(jnp.float32)
+    choice = jax.lax.stop_gradient(choice)  # the selection is discrete
+    if self.num_expert_groups is not None:
+      choice = _limit_to_groups(choice, self.num_expert_groups, self.top_k_groups)
+    top_e = _top_k(choice, self.top_k)
+    weights = jnp.take_along_axis(scores, top_e, axis=-1)
+    if self.normalize_top_k:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if self.routed_scaling_factor != 1.0:
+      weights = weights * self.routed_scaling_factor
+    return logits, scores, weights, top_e
+
+  def update_routing_bias(self, expert_load: Array, rate: float = 1e-3):
+    """DeepSeek-V3's balancing step: each expert's bias moves by `rate` towards balance
+    (down when its load, ``aux["expert_load"]``, is above ``1/E``, up when below)."""
+    if self.routing_bias is None:
+      raise ValueError("this MoE has no routing bias (routing_bias=False)")
+    step = rate * jnp.sign(1.0 / self.num_experts - expert_load.astype(jnp.float32))
+    self.routing_bias[...] = self.routing_bias[...] + step
+
+  # ------------------------------------------------------------------------- experts
+
+  def _in_layer(self) -> GroupedLinear:
+    return self.gate_up if self.gated else self.up
+
+  def _expert_weights(self, dtype):
+    w_in, b_in = self._in_layer().weights(dtype)
+    w_down, b_down = self.down.weights(dtype)
+    weights = dict(w_in=w_in, w_down=w_down)
+    if b_in is not None:
+      weights.update(b_in=b_in, b_down=b_down)
+    return weights
 
   def _layout(self, x):
     """(mesh, expert axis, token axes) of this call; mesh None: one device's view."""
@@ -175,7 +392,7 @@ class MoE(nnx.Module):
       mesh = data_mesh if mesh is None else mesh
       token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes)
     mesh, token_axes = token_layout(x, mesh, token_axes)
-    typed = getattr(jax.typeof(self.gate.kernel[...]), "sharding", None)
+    typed = getattr(jax.typeof(self._in_layer().kernel[...]), "sharding", None)
     if axis is None and typed is not None and not typed.mesh.empty and len(typed.spec):
       entry = typed.spec[0]  # the expert kernels' leading dim on an Explicit mesh
       axis = entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
@@ -185,71 +402,155 @@ class MoE(nnx.Module):
       token_axes = (axis,)
     return mesh, axis, token_axes
 
-  def __call__(self, x: Array) -> tuple[Array, dict[str, Array]]:
+  def __call__(self, x: Array, *, out_sharding=None) -> tuple[Array, dict[str, Array]]:
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
-    num_tokens, g, k = tokens.shape[0], self.num_experts, self.top_k
+    num_tokens, num_experts, k = tokens.shape[0], self.num_experts, self.top_k
     mesh, axis, token_axes = self._layout(x)
-    logits = _replicated_last(self.router(tokens).astype(jnp.float32))  # [T, G]
-    probs = jax.nn.softmax(logits, axis=-1)
-    top_p, top_e = _top_k(probs, k)  # [T, k]
-    if self.normalize_top_k:
-      top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-
-    flat_e = top_e.reshape(-1)  # [T*k] assignments, token-major
-    flat_p = top_p.reshape(-1)
-    # The token of each assignment (a broadcast: keeps the tokens' sharding on any mesh).
-    rows = jnp.broadcast_to(tokens[:, None, :], (num_tokens, k, shape[-1])).reshape(
-        num_tokens * k, shape[-1])
-    kept = None
+    logits, scores, top_p, top_e = self.route_tokens(tokens)
+    dtype = self.dtype or jnp.result_type(x, self._in_layer().kernel[...])
+    rows = tokens.astype(dtype)
+    weights = self._expert_weights(dtype)
+    ffn = dict(activation=self.activation, gated=self.gated,
+               options=self._in_layer().gmm_options(dtype))
+    shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in token_axes)
+    capacity = None
     if self.capacity_factor is not None:
+      capacity = math.ceil(self.capacity_factor * num_tokens * k / (num_experts * shards))
+
+    if mesh is None and self.fused:
+      y, kept = self._fused(rows, top_e, top_p, weights, capacity, **ffn)
+    else:
+      y, kept = self._sorted(rows, top_e, top_p, weights, capacity, shards, mesh, axis,
+                             token_axes, **ffn)
+    if self.shared is not None:
+      y = y + self.shared(tokens).astype(jnp.float32)
+
+    expert_load = jnp.mean(jnp.sum(jax.nn.one_hot(top_e, num_experts, dtype=jnp.float32),
+                                   axis=1), axis=0) / k
+    balance_probs = scores if self.score == "softmax" else (
+        scores / jnp.sum(scores, axis=-1, keepdims=True))
+    aux = {
+        "load_balancing_loss": num_experts * jnp.sum(expert_load
+                                                     * jnp.mean(balance_probs, axis=0)),
+        "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "expert_load": expert_load,
+        "dropped_fraction": (jnp.zeros((), jnp.float32) if kept is None
+                             else 1.0 - jnp.mean(kept.astype(jnp.float32))),
+    }
+    y = y.astype(x.dtype).reshape(shape)
+    out_sharding = self.out_sharding if out_sharding is None else out_sharding
+    return _reshard(y, out_sharding), aux
+
+  def _fused(self, rows, top_e, top_p, weights, capacity, *, activation, gated, options):
+    """route -> one gathered gmm for gate|up (gated epilogue) -> one weighted, scattered
+    gmm for down -> combine. Returns ([T, D] f32, kept [T, k] or None)."""
+    r = gmm_jax.route(top_e, self.num_experts, weights=top_p, capacity=capacity)
+    w_in, w_down = weights["w_in"], weights["w_down"]
+    b_in, b_down = weights.get("b_in"), weights.get("b_down")
+    sizes = r.group_sizes
+    if not gated or not callable(activation):
+      act = GATED_NAMES[activation] if gated else activation
+      h = gmm(rows, w_in, sizes, bias=b_in, activation=act, lhs_indices=r.lhs_indices,
+              **options)
+    else:  # a user's gate activation: the halves in jnp
+      z = gmm(rows, w_in, sizes, bias=b_in, lhs_indices=r.lhs_indices, **options)
+      half = z.shape[-1] // 2
+      h = activation(z[:, :half]) * z[:, half:]
+    y = gmm(h.astype(rows.dtype), w_down, sizes, bias=b_down, row_weights=r.row_weights,
+            out_indices=r.out_indices, out_rows=r.num_slots, **options)
+    kept = None if capacity is None else r.kept
+    return r.combine(y).astype(jnp.float32), kept
+
+  def _sorted(self, rows, top_e, top_p, weights, capacity, shards, mesh, axis, token_axes,
+              *, activation, gated, options):
+    """The unfused baseline (and the mesh path): each assignment's row copied, sorted by
+    expert (within each shard, `routed_apply` on a mesh), the expert FFN, unsorted, weighted
+    and summed over k."""
+    num_tokens, k = top_e.shape
+    flat_e, flat_p = top_e.reshape(-1), top_p.reshape(-1)
+    # The token of each assignment (a broadcast: keeps the tokens' sharding on any mesh).
+    copies = jnp.broadcast_to(rows[:, None, :], (num_tokens, k, rows.shape[-1])).reshape(
+        num_tokens * k, rows.shape[-1])
+    kept = None
+    if capacity is not None:
       # Each expert takes the first `capacity` assignments of each token shard, in order.
-      shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in token_axes)
-      capacity = math.ceil(self.capacity_factor * num_tokens * k / (g * shards))
-      hot = jax.nn.one_hot(flat_e.reshape(shards, -1), g, dtype=jnp.int32)
+      hot = jax.nn.one_hot(flat_e.reshape(shards, -1), self.num_experts, dtype=jnp.int32)
       rank = jnp.sum((jnp.cumsum(hot, axis=1) - 1) * hot, axis=-1).reshape(-1)
       kept = rank < capacity
       flat_p = jnp.where(kept, flat_p, 0.0)
-
+    ffn = dict(activation=activation, gated=gated, options=options, fused=self.fused)
     if mesh is not None:
       ids = flat_e if kept is None else jnp.where(kept, flat_e, 0)  # dropped: weight 0
-      kernels = (self.gate.kernel[...], self.up.kernel[...], self.down.kernel[...])
-      out = routed_apply(lambda rows, sizes, ws: self._experts(rows, sizes, ws), rows, ids,
-                         kernels, mesh=mesh, axis=axis, token_axes=token_axes)
+      out = routed_apply(lambda r, s, w: _expert_ffn(r, s, w, **ffn), copies, ids, weights,
+                         mesh=mesh, axis=axis, token_axes=token_axes)
     else:
       # Dropped assignments sort after every expert (past the group total: gmm gives 0).
-      key = flat_e if kept is None else jnp.where(kept, flat_e, g)
+      key = flat_e if kept is None else jnp.where(kept, flat_e, self.num_experts)
       order = jnp.argsort(key, stable=True)
-      sizes = jnp.bincount(key, length=g + 1)[:g].astype(jnp.int32)
-      y_sorted = self._experts(rows[order], sizes)
+      sizes = jnp.bincount(key, length=self.num_experts + 1)[:self.num_experts]
+      y_sorted = _expert_ffn(copies[order], sizes.astype(jnp.int32), weights, **ffn)
       out = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     # Each token's k results, weighted: a reshape and a sum (no scatter across shards).
     weighted = (out.astype(jnp.float32).reshape(num_tokens, k, -1)
                 * flat_p.reshape(num_tokens, k, 1))
-    y = jnp.sum(weighted, axis=1)
-
-    fraction = jnp.mean(jnp.sum(jax.nn.one_hot(top_e, g, dtype=jnp.float32), axis=1),
-                        axis=0) / k
-    aux = {
-        "load_balancing_loss": g * jnp.sum(fraction * jnp.mean(probs, axis=0)),
-        "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
-    }
-    return y.astype(x.dtype).reshape(shape), aux
+    return jnp.sum(weighted, axis=1), None if kept is None else kept.reshape(num_tokens, k)
 
 
-def _top_k(probs, k: int):
-  """`jax.lax.top_k` over the experts as k max/argmax passes: reductions that the
-  partitioner keeps local to each token shard (XLA:CPU's TopK gathers every token's
-  probabilities). Ties go to the lower expert index, as in top_k."""
-  values, indices = [], []
-  remaining = probs
+class SharedExperts(nnx.Module):
+  """Shared experts: one dense FFN (gated or plain) that every token goes through."""
+
+  def __init__(self, embed: int, mlp: int, *, gated: bool = True, activation="silu",
+               dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    self.gated, self.activation, self.dtype = gated, activation, dtype
+    width = 2 * mlp if gated else mlp
+    self.up = nnx.Linear(embed, width, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                         rngs=rngs)
+    self.up.kernel = _param(self.up.kernel[...], ("embed", "mlp"))
+    self.down = nnx.Linear(mlp, embed, use_bias=False, dtype=dtype, param_dtype=param_dtype,
+                           rngs=rngs)
+    self.down.kernel = _param(self.down.kernel[...], ("mlp", "embed"))
+
+  def __call__(self, x: Array) -> Array:
+    z = self.up(x)
+    if not self.gated:
+      h = resolve_activation(self.activation)(z)
+    elif callable(self.activation):
+      half = z.shape[-1] // 2
+      h = self.activation(z[..., :half]) * z[..., half:]
+    else:
+      h = GATED_ACTIVATIONS[GATED_NAMES[self.activation]](z)
+    return self.down(h)
+
+
+def _top_k(scores, k: int):
+  """The indices of `jax.lax.top_k` over the experts as k max/argmax passes: reductions
+  that the partitioner keeps local to each token shard (XLA:CPU's TopK gathers every
+  token's scores). Ties go to the lower expert index, as in top_k."""
+  indices = []
+  remaining = scores
   for _ in range(k):
     index = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
-    values.append(jnp.take_along_axis(probs, index[:, None], axis=-1)[:, 0])
     indices.append(index)
-    remaining = jnp.where(jax.nn.one_hot(index, probs.shape[-1], dtype=bool), -jnp.inf,
+    remaining = jnp.where(jax.nn.one_hot(index, scores.shape[-1], dtype=bool), -jnp.inf,
                           remaining)
-  return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+  return jnp.stack(indices, axis=-1)
+
+
+def _limit_to_groups(choice, num_groups: int, top_groups: int):
+  """DeepSeek-V3's group-limited routing: the experts of all but the `top_groups` groups
+  with the largest sum of their two best scores get -inf."""
+  num_tokens, num_experts = choice.shape
+  grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
+  best = jnp.max(grouped, axis=-1)
+  group_score = best
+  if grouped.shape[-1] > 1:
+    first = jax.nn.one_hot(jnp.argmax(grouped, axis=-1), grouped.shape[-1], dtype=bool)
+    group_score = best + jnp.max(jnp.where(first, -jnp.inf, grouped), axis=-1)
+  chosen = jnp.sum(jax.nn.one_hot(_top_k(group_score, top_groups), num_groups, dtype=bool),
+                   axis=1, dtype=jnp.int32) > 0  # [T, groups]
+  mask = jnp.repeat(chosen, num_experts // num_groups, axis=-1)
+  return jnp.where(mask, choice, -jnp.inf)
 
 
 def _replicated_last(logits):
@@ -261,15 +562,39 @@ def _replicated_last(logits):
   spec = list(typed.spec) + [None] * (logits.ndim - len(typed.spec))
   if spec[-1] is None:
     return logits
-  return jax.sharding.reshard(logits, jax.sharding.NamedSharding(
-      typed.mesh, jax.sharding.PartitionSpec(*spec[:-1], None)))
+  return jax.sharding.reshard(logits, NamedSharding(typed.mesh, P(*spec[:-1], None)))
 
 
-def grouped_linear_linen(*args, **kwargs):
-  """A Linen module wrapping `GroupedLinear` (``flax.nnx.bridge.ToLinen``)."""
-  return nnx.bridge.ToLinen(GroupedLinear, args=args, kwargs=kwargs)
+# Layer shapes and routing of public MoE models (one MoE layer; `MoE.from_preset`).
+MOE_PRESETS: dict[str, dict[str, Any]] = {
+    # Mixtral-8x7B: softmax top-2 of 8, renormalized, SwiGLU experts.
+    "mixtral-8x7b": dict(num_experts=8, embed=4096, mlp=14336, top_k=2, score="softmax",
+                         activation="silu"),
+    # DeepSeek-V3: sigmoid scores, bias-corrected selection (aux-loss-free balancing),
+    # top-4 of 8 groups, top-8 of 256 experts, weights renormalized and scaled by 2.5, one
+    # shared expert.
+    "deepseek-v3": dict(num_experts=256, embed=7168, mlp=2048, top_k=8, score="sigmoid",
+                        routing_bias=True, num_expert_groups=8, top_k_groups=4,
+                        normalize_top_k=True, routed_scaling_factor=2.5,
+                        num_shared_experts=1, activation="silu"),
+    # Qwen3-30B-A3B: softmax top-8 of 128, renormalized (norm_topk_prob), no shared expert.
+    "qwen3-moe-30b-a3b": dict(num_experts=128, embed=2048, mlp=768, top_k=8, score="softmax",
+                              normalize_top_k=True, activation="silu"),
+    # gpt-oss-120b: router with a bias, softmax over the top-4 of 128 (= renormalized),
+    # clamped SwiGLU, expert biases.
+    "gpt-oss-120b": dict(num_experts=128, embed=2880, mlp=2880, top_k=4, score="softmax",
+                         normalize_top_k=True, router_bias=True, use_bias=True,
+                         activation="swiglu_clamped"),
+}
 
 
-def moe_linen(*args, **kwargs):
-  """A Linen module wrapping `MoE` (``flax.nnx.bridge.ToLinen``)."""
-  return nnx.bridge.ToLinen(MoE, args=args, kwargs=kwargs)
+def grouped_linear_linen(*args, name: str | None = None, **kwargs):
+  """A Linen module wrapping `GroupedLinear` (``flax.nnx.bridge.ToLinen``); `name` names it
+  in its parent (inside ``@linen.compact``)."""
+  return nnx.bridge.ToLinen(GroupedLinear, args=args, kwargs=kwargs, name=name)
+
+
+def moe_linen(*args, name: str | None = None, **kwargs):
+  """A Linen module wrapping `MoE` (``flax.nnx.bridge.ToLinen``); `name` names it in its
+  parent (inside ``@linen.compact``)."""
+  return nnx.bridge.ToLinen(MoE, args=args, kwargs=kwargs, name=name)

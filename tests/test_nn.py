@@ -65,8 +65,10 @@ def dense_moe(model: nn.MoE, x, capacity=None):
   logits = tokens @ model.router.kernel[...]
   probs = jax.nn.softmax(logits, axis=-1)
   top_p, top_e = jax.lax.top_k(probs, model.top_k)
-  top_p = top_p / top_p.sum(-1, keepdims=True)
-  wg, wu, wd = model.gate.kernel[...], model.up.kernel[...], model.down.kernel[...]
+  if model.normalize_top_k:
+    top_p = top_p / top_p.sum(-1, keepdims=True)
+  w_gate_up, wd = model.gate_up.kernel[...], model.down.kernel[...]
+  wg, wu = w_gate_up[..., :MLP], w_gate_up[..., MLP:]  # the gate half first
   taken = np.zeros(model.num_experts, int)
   rows = []
   for t in range(tokens.shape[0]):
@@ -96,7 +98,7 @@ def test_moe_matches_dense_loops_forward_and_gradient():
 
   got = nnx.jit(nnx.grad(lambda m: loss(m, False)))(model)
   want = nnx.grad(lambda m: loss(m, True))(model)  # eager: the loops read the routing
-  for path in (("gate", "kernel"), ("up", "kernel"), ("down", "kernel"), ("router", "kernel")):
+  for path in (("gate_up", "kernel"), ("down", "kernel"), ("router", "kernel")):
     a, b = got[path[0]][path[1]][...], want[path[0]][path[1]][...]
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
 
@@ -152,12 +154,12 @@ def test_parameters_shard_by_logical_axes_on_a_mesh():
   rules = {"expert": "model", "embed": None, "mlp": None}
   model = nn.MoE(8, EMBED, MLP, top_k=2, rngs=nnx.Rngs(14))
   specs = nnx.get_partition_spec(nnx.state(model))
-  kernel_spec = value(specs["gate"]["kernel"])
+  kernel_spec = value(specs["gate_up"]["kernel"])
   assert kernel_spec == P("expert", "embed", "mlp")
   mesh_spec = P(*[rules[name] for name in kernel_spec])
-  placed = jax.device_put(model.gate.kernel[...], NamedSharding(mesh, mesh_spec))
+  placed = jax.device_put(model.gate_up.kernel[...], NamedSharding(mesh, mesh_spec))
   assert placed.sharding.spec == P("model", None, None)
-  assert placed.addressable_shards[0].data.shape == (2, EMBED, MLP)
+  assert placed.addressable_shards[0].data.shape == (2, EMBED, 2 * MLP)
 
 
 def test_expert_parallel_moe_equals_single_device():
@@ -182,7 +184,8 @@ def test_linen_bridge():
   x = jax.random.normal(jax.random.key(17), (6, EMBED))
   variables = module.init(jax.random.key(18), x)
   (y, aux) = module.apply(variables, x)
-  assert y.shape == x.shape and set(aux) == {"load_balancing_loss", "router_z_loss"}
+  assert y.shape == x.shape and set(aux) == {"load_balancing_loss", "router_z_loss",
+                                             "expert_load", "dropped_fraction"}
   layer = nn.grouped_linear_linen(G, EMBED, MLP)
   sizes = jnp.asarray([2, 0, 3, 1], jnp.int32)
   variables = layer.init(jax.random.key(19), x, sizes)
