@@ -150,3 +150,67 @@ def tolerances(*dtypes, k: int = 1) -> dict[str, float]:
     raise ValueError(f"no tolerance for dtypes {names}")
   rtol, atol = max(_BASE_TOLERANCE[name] for name in floats)
   return dict(rtol=rtol, atol=atol * math.sqrt(max(k, 1)))
+
+
+def _halves(z):
+  n = z.shape[-1] // 2
+  return z[..., :n], z[..., n:]
+
+
+GATED: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "swiglu": lambda z: ACTIVATIONS["silu"](_halves(z)[0]) * _halves(z)[1],
+    "geglu": lambda z: ACTIVATIONS["gelu"](_halves(z)[0]) * _halves(z)[1],
+    "geglu_tanh": lambda z: ACTIVATIONS["gelu_tanh"](_halves(z)[0]) * _halves(z)[1],
+    # gpt-oss: gate clamped above at 7, up to [-7, 7], gate * sigmoid(1.702 gate) * (up + 1)
+    "swiglu_clamped": lambda z: (np.minimum(_halves(z)[0], 7.0)
+                                 * _sigmoid(1.702 * np.minimum(_halves(z)[0], 7.0))
+                                 * (np.clip(_halves(z)[1], -7.0, 7.0) + 1.0)),
+}
+
+
+def rows_oracle(lhs, rhs, sizes, *, lhs_indices=None, row_weights=None, out_indices=None,
+                out_rows=None, bias=None, activation=None, group_offset=0,
+                num_local=None) -> np.ndarray:
+  """float64 m-grouped gmm with row operands, one row at a time.
+
+  Row r of the grouped problem (R = len(lhs_indices), else lhs's rows) reads
+  ``lhs[lhs_indices[r]]`` (a zero row when out of range), belongs to the group its
+  position falls in (`sizes`), is multiplied by ``rhs[g]``, gets ``bias[g]``, the
+  activation (plain or gated: ``GATED``) and ``row_weights[r]``, and is written to row
+  ``out_indices[r]`` of an ``[out_rows, N]`` result (nothing when out of range), or row r.
+  Rows of no local group write nothing.
+  """
+  lhs, rhs = f64(lhs), f64(rhs)
+  sizes = [int(s) for s in np.asarray(sizes).reshape(-1)]
+  num_local = rhs.shape[0] if num_local is None else num_local
+  num_rows = len(lhs_indices) if lhs_indices is not None else lhs.shape[0]
+  act = GATED.get(activation) if isinstance(activation, str) else None
+  if act is None:
+    act = resolve(activation)
+  n = rhs.shape[-1] // 2 if activation in GATED else rhs.shape[-1]
+  result_rows = num_rows if out_indices is None else (
+      num_rows if out_rows is None else out_rows)
+  out = np.zeros((result_rows, n))
+  group_of = np.full(num_rows, -1)
+  start = 0
+  for g, size in enumerate(sizes):
+    end = min(start + size, num_rows)
+    if 0 <= g - group_offset < num_local:
+      group_of[start:end] = g - group_offset
+    start = end
+  for r in range(num_rows):
+    local = group_of[r]
+    if local < 0:
+      continue
+    source = r if lhs_indices is None else int(lhs_indices[r])
+    x = lhs[source] if 0 <= source < lhs.shape[0] else np.zeros(lhs.shape[1])
+    z = x @ rhs[local]
+    if bias is not None:
+      z = z + f64(bias)[local]
+    y = z if act is None else act(z)
+    if row_weights is not None:
+      y = y * float(row_weights[r])
+    target = r if out_indices is None else int(out_indices[r])
+    if 0 <= target < result_rows:
+      out[target] = y
+  return out
