@@ -42,6 +42,7 @@ from jax.experimental import topologies
 
 import gmm_jax
 from gmm_jax._src import dispatch, tuning
+from gmm_jax._src.config import is_gated
 
 TARGET_DIR = pathlib.Path(__file__).with_name("targets")
 # name -> (platform, topology, target config file (GPU))
@@ -57,7 +58,12 @@ SHAPES = {
     "deepseek": (8192, 2048, 1408, 64),   # DeepSeek-MoE-like fine-grained experts
     "decode": (64, 4096, 14336, 8),       # decode: a few tokens per expert
     "small": (512, 256, 384, 4),          # quick coverage of the other variants
+    # Fused MoE down projections (the [R, F] hidden rows back to D columns).
+    "mixtral-down": (16384, 14336, 4096, 8),
+    "deepseek-down": (8192, 1408, 2048, 64),
 }
+# Routed experts per token of the fused MoE cases: M = tokens * MOE_TOP_K grouped rows.
+MOE_TOP_K = 2
 _CHILD_ENV = "GMM_JAX_AOT_CHILD"
 _SPILL_FLAG = "--xla_gpu_fail_ptx_compilation_on_register_spilling=true"
 
@@ -82,6 +88,10 @@ class Case:
   weight_tile: int | None = None  # per-group scales along K
   activations_q: str | None = None  # quantized lhs (scaled mode): "int8", "float8_e4m3fn"
   group_offset: bool = False  # expert parallelism: half the groups held locally
+  # Fused MoE rows: "gather" (lhs [M / MOE_TOP_K, K] read through lhs_indices [M]) or
+  # "combine" (row_weights [M] and out_indices [M] scattering to M slots).
+  moe: str | None = None
+  implementation: str | None = None  # None: the platform's chain picks
   platforms: tuple[str, ...] = ("gpu", "tpu")
 
   def describe(self) -> str:
@@ -92,6 +102,11 @@ class Case:
                                                 if self.weight_tile else ""))
     if self.activations_q:
       parts.append(f"{self.activations_q} activations")
+    if self.moe:
+      parts.append({"gather": f"lhs rows gathered from {m // MOE_TOP_K} tokens",
+                    "combine": "row weights, rows scattered"}[self.moe])
+    if self.implementation:
+      parts.append(self.implementation)
     for flag, text in ((self.activation, f"{self.activation}"), (self.bias, "bias"),
                        (self.transpose_lhs, "lhs^T"), (self.transpose_rhs, "rhs^T"),
                        (self.group_offset, "group_offset")):
@@ -121,6 +136,23 @@ CASES = (
          dtype="float32"),
     Case("mixtral-fp8xfp8", "mixtral", weights="float8_e4m3fn",
          activations_q="float8_e4m3fn", dtype="float32"),
+    # Fused MoE expert FFN (gmm_jax.route's operands): the gate/up projection gathers the
+    # tokens' rows and applies SwiGLU to [gate | up] columns; the down projection weights
+    # the rows by the router probabilities and scatters them to their slots.
+    Case("mixtral-moe-up", "mixtral", activation="swiglu", moe="gather",
+         implementation="pallas_triton", platforms=("gpu",)),
+    Case("mixtral-moe-down", "mixtral-down", moe="combine", implementation="pallas_triton",
+         platforms=("gpu",)),
+    Case("deepseek-moe-up", "deepseek", activation="swiglu_clamped", bias=True, moe="gather",
+         implementation="pallas_triton", platforms=("gpu",)),
+    Case("deepseek-moe-down", "deepseek-down", moe="combine", implementation="pallas_triton",
+         platforms=("gpu",)),
+    Case("decode-moe-up", "decode", activation="swiglu", moe="gather",
+         implementation="pallas_triton", platforms=("gpu",)),
+    Case("mixtral-moe-up-int8-weights", "mixtral", activation="swiglu", moe="gather",
+         weights="int8", transpose_rhs=True, implementation="pallas_triton",
+         platforms=("gpu",)),
+    Case("small-moe-train", "small", "train", activation="swiglu", moe="gather"),
 )
 
 
@@ -147,8 +179,10 @@ def build(case: Case, sharding):
   m, k, n, g = SHAPES[case.shape]
   dtype = jnp.dtype(case.dtype)
   local = g // 2 if case.group_offset else g
+  n = 2 * n if is_gated(case.activation) else n  # [gate | up] columns
   if case.group_type == "m":
-    lhs_shape = (k, m) if case.transpose_lhs else (m, k)
+    lhs_rows = m // MOE_TOP_K if case.moe == "gather" else m
+    lhs_shape = (k, lhs_rows) if case.transpose_lhs else (lhs_rows, k)
     rhs_shape = (local, n, k) if case.transpose_rhs else (local, k, n)
   else:
     lhs_shape = (k, m) if case.transpose_lhs else (m, k)
@@ -159,7 +193,15 @@ def build(case: Case, sharding):
   sizes = _abstract((g,), jnp.int32, sharding)
   bias = _abstract((local, n), dtype, sharding) if case.bias else None
   options = dict(group_type=case.group_type, activation=case.activation, tiling=_ROLE_NOTES,
-                 transpose_lhs=case.transpose_lhs, transpose_rhs=case.transpose_rhs)
+                 transpose_lhs=case.transpose_lhs, transpose_rhs=case.transpose_rhs,
+                 implementation=case.implementation)
+  rows = {}
+  if case.moe == "gather":
+    rows["lhs_indices"] = _abstract((m,), jnp.int32, sharding)
+  elif case.moe == "combine":
+    rows["row_weights"] = _abstract((m,), jnp.float32, sharding)
+    rows["out_indices"] = _abstract((m,), jnp.int32, sharding)
+    options["out_rows"] = m
   if case.group_offset:
     options["group_offset"] = g - local
   if case.weights:
@@ -174,17 +216,17 @@ def build(case: Case, sharding):
     x = place(jax.eval_shape(spec, jax.ShapeDtypeStruct(lhs_shape, jnp.float32)))
     options["preferred_element_type"] = jnp.bfloat16
 
-  def forward(x, w, sizes, bias):
-    return gmm_jax.gmm(x, w, sizes, bias=bias, **options)
+  def forward(x, w, sizes, bias, rows):
+    return gmm_jax.gmm(x, w, sizes, bias=bias, **rows, **options)
 
   if case.kind == "fwd":
-    return forward, (x, w, sizes, bias)
+    return forward, (x, w, sizes, bias, rows)
 
-  def loss(x, w, sizes, bias):
-    return jnp.sum(jnp.square(forward(x, w, sizes, bias).astype(jnp.float32)))
+  def loss(x, w, sizes, bias, rows):
+    return jnp.sum(jnp.square(forward(x, w, sizes, bias, rows).astype(jnp.float32)))
 
   argnums = (0, 1, 3) if case.bias else (0, 1)
-  return jax.grad(loss, argnums=argnums), (x, w, sizes, bias)
+  return jax.grad(loss, argnums=argnums), (x, w, sizes, bias, rows)
 
 
 # ------------------------------------------------------------------------------ compiling

@@ -10,6 +10,16 @@ power-of-2 row class that holds it (16, 32, ... below ``tile_m``: static branche
 kernel), so the last window of a group pays for about its own rows instead of a full tile.
 The output starts as an aliased zero buffer, so rows that no item owns stay exactly 0.
 
+Fused MoE rows (m-grouping, `epilogue.Rows`): with ``lhs_indices`` a program loads the
+index of each of its rows and gathers the lhs rows with a masked pointer gather (an index
+out of ``[0, T)`` reads a zero row), so no permuted copy of lhs exists; ``row_weights``
+multiply the rows after the activation, in f32 before the cast; with ``out_indices`` each
+row is stored to its target row (a masked pointer scatter; rows out of range or of no local
+group write nothing, and the aliased zero buffer leaves unwritten rows 0). A gated
+activation (rhs columns ``[gate | up]``) gives each program an N tile of the output and two
+accumulators, its gate columns and the matching up columns N later; the activation
+combines them in the epilogue.
+
 k-grouping: one program per (K window of a group, M tile, N tile). Without split-K a
 group is one window and its program loops over the group's whole K range, then applies
 the epilogue (an empty group gives ``activation(bias)``). With split-K (a small grid and a
@@ -55,12 +65,17 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gmm_jax._src import metadata
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src import epilogue, metadata
+from gmm_jax._src.config import (GmmConfig, Tiling, is_gated, out_columns,
+                                  preactivation_dtype)
 from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
+from gmm_jax._src.qarray import QArray, quant_mode
 from gmm_jax.pallas import common
 from gmm_jax.pallas.common import edge_mask, power_of_2_tile
 
+# The row operations (`epilogue.Rows`) and gated activations the m-grouped kernel does
+# in-kernel; the dispatcher materializes nothing around it for these.
+FEATURES = ("gather", "row_weights", "scatter", "gated")
 ALIGN = "group"  # work items may start at any row: loads are masked, not Blocked
 SMALLEST_TILE = 16  # tl.dot needs every dimension >= 16
 # H100 / H200 (SXM): streaming multiprocessors, L2 and the opt-in shared memory per block.
@@ -95,8 +110,10 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
   (8 warps; the MMA of an SM is fed best by 128x256, and the pipelined stages still fit in
   shared memory), else 128 columns. The K step holds 128 bytes per row (64 bf16, 128
   8-bit elements; 32 for 32-bit operands). k-grouping sizes ``tile_m`` by M and ``tile_k``
-  by the average group's K.
+  by the average group's K. A gated activation sizes ``tile_n`` by the N output columns
+  (the product's ``n`` is 2N) and `fit_registers` caps it for the two accumulators.
   """
+  n = out_columns(n, cfg)
   widest_k = {1: 128, 2: 64}.get(itemsize, 32)
   smallest_k = 32 if itemsize == 1 else SMALLEST_TILE  # 8-bit MMA steps K by 32
   groups = max(1, cfg.num_local)
@@ -118,10 +135,13 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
 def fit_registers(tiling: Tiling, cfg: GmmConfig) -> Tiling:
   """128 columns instead of 256 where the 128x256 accumulator spills registers on sm_90a:
   with a transposed lhs (its tile transposes through registers) or the exact GELU (the
-  rational erf); `python -m gmm_jax.aot` measured both spilling. Applied to the automatic
-  choices (tile table, heuristic), not to a user's tiling."""
-  if tiling.tile_n > 128 and tiling.tile_m >= 128 and (cfg.transpose_lhs
-                                                       or cfg.activation == "gelu"):
+  rational erf); `python -m gmm_jax.aot` measured both spilling. A gated activation keeps
+  two accumulators (gate and up columns): 128 columns each, a 128x256 footprint, which
+  compiled without spills for swiglu, the exact-GELU geglu and a transposed lhs alike (the
+  activation runs on the gate half only). Applied to the automatic choices (tile table,
+  heuristic), not to a user's tiling."""
+  heavy = tiling.tile_m >= 128 and (cfg.transpose_lhs or cfg.activation == "gelu")
+  if tiling.tile_n > 128 and (cfg.gated or heavy):
     return Tiling(tile_m=tiling.tile_m, tile_k=tiling.tile_k, tile_n=128)
   return tiling
 
@@ -136,24 +156,26 @@ def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig) -> None
           f"the Triton kernels need power-of-2 tiles >= {SMALLEST_TILE}, got {name}={value}")
 
 
-def num_warps(tiling: Tiling) -> int:
-  """8 warps (two warpgroups) from 128x128 output tiles, else 4."""
-  return 8 if tiling.tile_m * tiling.tile_n >= 128 * 128 else 4
+def num_warps(tiling: Tiling, halves: int = 1) -> int:
+  """8 warps (two warpgroups) from 128x128 of accumulators (`halves` of ``tile_m x
+  tile_n`` each: 2 for a gated activation), else 4."""
+  return 8 if tiling.tile_m * tiling.tile_n * halves >= 128 * 128 else 4
 
 
-def num_stages(tiling: Tiling, itemsize: int) -> int:
+def num_stages(tiling: Tiling, itemsize: int, halves: int = 1) -> int:
   """Pipeline depth: as many stages (2..4) as shared memory holds.
 
-  Triton keeps one buffer of the lhs and weight tiles per stage; the epilogue's layout
-  conversion reuses them once the K loop is done.
+  Triton keeps one buffer of the lhs tile and the `halves` weight tiles per stage; the
+  epilogue's layout conversion reuses them once the K loop is done.
   """
-  per_stage = (tiling.tile_m * tiling.tile_k + tiling.tile_k * tiling.tile_n) * itemsize
+  per_stage = (tiling.tile_m * tiling.tile_k
+               + halves * tiling.tile_k * tiling.tile_n) * itemsize
   return int(max(2, min(4, (SMEM_BYTES - 8192) // max(per_stage, 1))))
 
 
-def compiler_params(tiling: Tiling, itemsize: int) -> plgpu.CompilerParams:
-  return plgpu.CompilerParams(num_warps=num_warps(tiling),
-                              num_stages=num_stages(tiling, itemsize))
+def compiler_params(tiling: Tiling, itemsize: int, halves: int = 1) -> plgpu.CompilerParams:
+  return plgpu.CompilerParams(num_warps=num_warps(tiling, halves),
+                              num_stages=num_stages(tiling, itemsize, halves))
 
 
 def row_classes(tile_m: int) -> tuple[int, ...]:
@@ -243,6 +265,22 @@ def kernel_activation(activation):
   return gelu_erf if activation == "gelu" else activation
 
 
+def _clamped_swiglu(gate, up):
+  gate = jnp.minimum(gate, epilogue.SWIGLU_LIMIT)
+  up = jnp.clip(up, -epilogue.SWIGLU_LIMIT, epilogue.SWIGLU_LIMIT)
+  return gate * jax.nn.sigmoid(epilogue.SWIGLU_ALPHA * gate) * (up + 1)
+
+
+# `epilogue.GATED_ACTIVATIONS` on the two halves of the pre-activation, ``(gate, up) ->
+# out``: the kernel keeps them in two accumulators (Triton cannot slice a tile in half).
+GATED_PAIRS = {
+    "swiglu": lambda gate, up: jax.nn.silu(gate) * up,
+    "geglu": lambda gate, up: gelu_erf(gate) * up,
+    "geglu_tanh": lambda gate, up: jax.nn.gelu(gate, approximate=True) * up,
+    "swiglu_clamped": _clamped_swiglu,
+}
+
+
 def unsupported_primitives(activation) -> set[str]:
   """Primitives of `activation` (on an f32 tile) without a Pallas Triton lowering rule.
 
@@ -253,6 +291,9 @@ def unsupported_primitives(activation) -> set[str]:
     rules = triton_lowering.triton_lowering_rules
   except (ImportError, AttributeError):
     return set()
+  if is_gated(activation):
+    pair = GATED_PAIRS[activation]
+    return common.unsupported_primitives(lambda z: pair(z, z), rules)
   return common.unsupported_primitives(
       resolve_activation(kernel_activation(activation)), rules)
 
@@ -344,50 +385,111 @@ def _epilogue_and_store(acc, bias_ref, group, out_ref, out_index: tuple, rows: S
 # ----------------------------------------------------------------------------- kernels
 
 
+def _gather_load(ref, row_index, row_ok, cols: Span):
+  """The ``[rows, cols]`` tile whose row r is ``ref[row_index[r]]`` (a zero row where
+  `row_ok` is False): a pointer gather, 2-D integer indices (interpret mode takes no mix of
+  integer and slice indices)."""
+  shape = (row_index.shape[0], cols.size)
+  row_ids = jnp.broadcast_to(row_index[:, None], shape)
+  col_ids = jnp.broadcast_to((cols.first + lax.iota(jnp.int32, cols.size))[None, :], shape)
+  mask = row_ok[:, None] if cols.ok is None else row_ok[:, None] & cols.ok[None, :]
+  return plgpu.load(ref.at[row_ids, col_ids], mask=jnp.broadcast_to(mask, shape),
+                    other=jnp.zeros((), ref.dtype))
+
+
+def _scatter_store(out_ref, target, row_ok, cols: Span, value):
+  """Row r of `value` into ``out_ref[target[r]]`` where `row_ok`; other rows write nothing
+  (their target is past the output: interpret mode drops it, compiled mode masks it)."""
+  shape = value.shape
+  target = jnp.where(row_ok, target, out_ref.shape[0])
+  row_ids = jnp.broadcast_to(target[:, None], shape)
+  col_ids = jnp.broadcast_to((cols.first + lax.iota(jnp.int32, cols.size))[None, :], shape)
+  mask = row_ok[:, None] if cols.ok is None else row_ok[:, None] & cols.ok[None, :]
+  plgpu.store(out_ref.at[row_ids, col_ids], value, mask=jnp.broadcast_to(mask, shape))
+
+
 def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *refs,
               dims, tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype, has_bias: bool,
-              quant: common.QuantStatic | None, num_items: int, band: int):
+              quant: common.QuantStatic | None, num_items: int, band: int, gather: bool,
+              weighted: bool, scatter: bool):
   refs = list(refs)
   bias_ref = refs.pop(0) if has_bias else None
   scale_ref = refs.pop(0) if quant is not None else None
   zero_ref = refs.pop(0) if quant is not None and quant.has_zero else None
   lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode == "scaled" else None
+  lhs_indices_ref = refs.pop(0) if gather else None
+  row_weights_ref = refs.pop(0) if weighted else None
+  out_indices_ref = refs.pop(0) if scatter else None
   out_ref = refs[-1]  # refs[-2] is the aliased zero input
   _, k, n = dims
-  item, col = program_order(pl.program_id(0), num_items, pl.cdiv(n, tiling.tile_n), band)
+  n_out = out_columns(n, cfg)
+  item, col = program_order(pl.program_id(0), num_items, pl.cdiv(n_out, tiling.tile_n), band)
   start = item_start_ref[item]
   end = item_end_ref[item]
   length = end - start
   group = group_ids_ref[item]
-  cols = _cols(col * tiling.tile_n, tiling.tile_n, n)
+  # The product's columns this program reads: one span, or the gate and up spans of a
+  # gated activation (the up half starts N columns later, masked like the gate half).
+  cols = _cols(col * tiling.tile_n, tiling.tile_n, n_out)
+  halves = (cols, Span(cols.first + n_out, cols.size, cols.ok)) if cfg.gated else (cols,)
 
   def compute(tile_rows: int):
     rows = _span(start, tile_rows, end)
+    if gather:  # the tile's lhs rows; an out-of-range index reads a zero row
+      source = _load_vector(lhs_indices_ref, (), rows)
+      source_ok = rows.ok & (source >= 0) & (source < lhs_ref.shape[0])
+      source = jnp.where(source_ok, source, 0)
 
-    def scale_row(ref, step_index):
+    def scale_row(ref, step_index, span: Span):
       # The scale row of this K step's block, as [1, N] (or [N, 1] for a transposed tile).
       block = (step_index * tiling.tile_k) // quant.k_block
-      row = _load_vector(ref, (group, block), cols)
+      row = _load_vector(ref, (group, block), span)
       return row[:, None] if cfg.transpose_rhs else row[None, :]
 
-    def step(step_index, acc, masked: bool):
+    def step(step_index, accs, masked: bool):
       first = step_index * tiling.tile_k
       ks = _span(first, tiling.tile_k, k) if masked else Span(first, tiling.tile_k, None)
-      x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
-      w = _load(rhs_ref, (group,), ks, cols, cfg.transpose_rhs)
-      if quant is not None and quant.mode == "weight_only":
-        w = common.dequantize_tile(w, scale_row(scale_ref, step_index),
-                                   None if zero_ref is None else scale_row(zero_ref, step_index),
-                                   cfg.transpose_rhs, dot_dtype)
-      return acc + _dot(x, w, cfg, dot_dtype, acc_dtype)
+      if gather:
+        x = _gather_load(lhs_ref, source, source_ok, ks)
+      else:
+        x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
+      new = []
+      for acc, span in zip(accs, halves):
+        w = _load(rhs_ref, (group,), ks, span, cfg.transpose_rhs)
+        if quant is not None and quant.mode == "weight_only":
+          zero = None if zero_ref is None else scale_row(zero_ref, step_index, span)
+          w = common.dequantize_tile(w, scale_row(scale_ref, step_index, span), zero,
+                                     cfg.transpose_rhs, dot_dtype)
+        new.append(acc + _dot(x, w, cfg, dot_dtype, acc_dtype))
+      return tuple(new)
 
-    acc = _k_loop(step, jnp.zeros((tile_rows, tiling.tile_n), acc_dtype), k // tiling.tile_k,
-                  pl.cdiv(k, tiling.tile_k))
+    accs = tuple(jnp.zeros((tile_rows, tiling.tile_n), acc_dtype) for _ in halves)
+    accs = _k_loop(step, accs, k // tiling.tile_k, pl.cdiv(k, tiling.tile_k))
     if lhs_scale_ref is not None:  # 8-bit x 8-bit: exact sums, then both scales
       per_token = _load_vector(lhs_scale_ref, (), rows)
-      per_channel = _load_vector(scale_ref, (group,), cols)
-      acc = acc.astype(jnp.float32) * per_token[:, None] * per_channel[None, :]
-    _epilogue_and_store(acc, bias_ref, group, out_ref, (), rows, cols, cfg)
+      accs = tuple(acc.astype(jnp.float32) * per_token[:, None]
+                   * _load_vector(scale_ref, (group,), span)[None, :]
+                   for acc, span in zip(accs, halves))
+    biases = [None] * len(halves)
+    if bias_ref is not None:
+      biases = [_load_vector(bias_ref, (group,), span)[None, :] for span in halves]
+    weights = None if row_weights_ref is None else _load_vector(row_weights_ref, (), rows)
+    if cfg.gated:
+      gate, up = (acc.astype(jnp.float32) if jnp.issubdtype(acc.dtype, jnp.integer) else acc
+                  for acc in accs)
+      if bias_ref is not None:
+        gate, up = gate + biases[0].astype(gate.dtype), up + biases[1].astype(up.dtype)
+      out = apply_epilogue(GATED_PAIRS[cfg.activation](gate, up), None, None, cfg.out_dtype,
+                           row_weights=weights)
+    else:
+      out = apply_epilogue(accs[0], biases[0], kernel_activation(cfg.activation),
+                           cfg.out_dtype, row_weights=weights)
+    if scatter:
+      target = _load_vector(out_indices_ref, (), rows)
+      written = rows.ok & (target >= 0) & (target < out_ref.shape[0])
+      _scatter_store(out_ref, target, written, cols, out)
+    else:
+      _store(out_ref, (), rows, cols, out)
 
   # One static branch per row class: a window of `length` rows runs in the smallest class
   # that holds it (padding items past the active ones have length 0 and run none).
@@ -451,30 +553,80 @@ def _cost(m, k, n, num_out, lhs, rhs, out_bytes, cfg) -> pl.CostEstimate:
                          + out_bytes))
 
 
+def _check_rows(cfg: GmmConfig, rows: epilogue.Rows) -> None:
+  """The row operands must match the config's flags; raises NotImplementedError for what
+  the kernels do not serve (rows with k-grouping, gathered rows of a transposed lhs)."""
+  if cfg.group_type == "k":
+    if cfg.has_rows or any(operand is not None for operand in rows):
+      raise NotImplementedError(
+          "the Triton kernels gather, weight and scatter rows for m-grouping only; got "
+          "k-grouping with row operands")
+    return
+  for name, flagged in (("lhs_indices", cfg.gather_rows is not None),
+                        ("row_weights", cfg.row_weights),
+                        ("out_indices", cfg.out_rows is not None)):
+    if (getattr(rows, name) is not None) != flagged:
+      raise ValueError(
+          f"rows.{name} is {'missing' if flagged else 'given'} but the config says "
+          f"gather_rows={cfg.gather_rows}, row_weights={cfg.row_weights}, "
+          f"out_rows={cfg.out_rows}")
+  if cfg.gather_rows is not None and cfg.transpose_lhs:
+    raise NotImplementedError(
+        "the Triton kernels gather rows (lhs_indices) of an lhs stored [T, K] "
+        "(transpose_lhs=False) only; got transpose_lhs=True")
+
+
 def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
-               tiling: Tiling | None = None, *, k_chunk: int | None = None):
+               tiling: Tiling | None = None, *, k_chunk: int | None = None,
+               rows: epilogue.Rows = epilogue.NO_ROWS):
   """gmm on canonical operands (see `GmmConfig`) with the Pallas Triton kernels.
 
   Args:
-    lhs: ``[M, K]`` (``[K, M]`` if ``cfg.transpose_lhs``).
+    lhs: ``[M, K]`` (``[K, M]`` if ``cfg.transpose_lhs``); ``[T, K]`` for any T when rows
+      are gathered (``cfg.gather_rows``).
     rhs: m-grouping ``[num_local, K, N]``, k-grouping ``[K, N]`` (last two dims swapped if
-      ``cfg.transpose_rhs``).
+      ``cfg.transpose_rhs``); 2N columns ``[gate | up]`` for a gated activation.
     counts: int32 ``[G]`` global group sizes.
     group_offset: int32 scalar, the first global group held locally.
-    bias: None or ``[num_local, N]``.
+    bias: None or ``[num_local, N]`` (``[num_local, 2N]`` gated).
     cfg: the static options.
     tiling: power-of-2 tiles (each >= 16); default ``cfg.tiling``, else `default_tiling`.
+      ``tile_n`` counts output columns (a gated program reads twice as many).
     k_chunk: k-grouping only: K rows per split-K work item (a multiple of ``tile_k``), 0
       for no split; default `default_k_chunk`.
+    rows: m-grouping's row operands (`epilogue.Rows`), present as the config says:
+      lhs_indices int32 ``[R]`` (row r reads ``lhs[lhs_indices[r]]``, a zero row when out
+      of range), row_weights ``[R]`` (multiplied after the activation, in f32 before the
+      cast), out_indices int32 ``[R]`` (row r is written to ``out[out_indices[r]]``;
+      rows out of range or owned by no local group write nothing).
 
   Returns:
-    ``[M, N]`` (m-grouping) or ``[num_local, M, N]`` (k-grouping) of ``cfg.out_dtype``.
+    ``[M, N]`` (m-grouping; ``[out_rows, N]`` with scattered rows) or ``[num_local, M,
+    N]`` (k-grouping) of ``cfg.out_dtype``, N halved by a gated activation.
 
   Raises:
     NotImplementedError: an activation with a primitive Triton cannot lower (compiled mode
-      only), or a tile that is not a power of 2 >= 16.
-    ValueError: a `k_chunk` that is not a positive multiple of ``tile_k``.
+      only), a tile that is not a power of 2 >= 16, row operands with k-grouping, or
+      gathered rows with a transposed lhs.
+    ValueError: a `k_chunk` that is not a positive multiple of ``tile_k``; row operands
+      that do not match the config.
   """
+  _check_rows(cfg, rows)
+  plain = not isinstance(lhs, QArray) and not isinstance(rhs, QArray)
+  if cfg.group_type == "k" and cfg.gated and plain:
+    # k-grouping (weight gradients) rarely meets a gated activation: the kernel's sum in
+    # the activation's precision, the epilogue (bias, halving) after it, as split-K does.
+    inner = cfg.replace(activation=None, out_dtype=preactivation_dtype(lhs.dtype, rhs.dtype))
+    partial = gmm_triton(lhs, rhs, counts, group_offset, None, inner, tiling, k_chunk=k_chunk)
+    return apply_epilogue(partial, None if bias is None else bias[:, None, :], cfg.activation,
+                          cfg.out_dtype)
+  gather, weighted, scatter = (operand is not None for operand in rows)
+  token_scale = None
+  if gather and isinstance(lhs, QArray) and quant_mode(lhs, rhs, cfg) == "scaled":
+    # The per-token scales follow the gathered rows: a placeholder scale through the
+    # preamble (which sizes them by the R grouped rows), the [R] gathered scales after.
+    token_scale = jnp.broadcast_to(lhs.scale.astype(jnp.float32), (lhs.shape[0], 1))
+    lhs = QArray(lhs.qvalue, jnp.ones((1, 1), jnp.float32))
   prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
                              check_tiling=check_tiling, unsupported=unsupported_primitives,
                              backend="Pallas Triton", implementation="pallas_triton",
@@ -482,19 +634,28 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   if prepared.dot_dtype.itemsize == 1 and prepared.tiling.tile_k < 32:
     raise NotImplementedError(
         f"8-bit Triton dots need tile_k >= 32, got {prepared.tiling.tile_k}")
-  if prepared.empty:
-    return jnp.zeros(prepared.out_shape, cfg.out_dtype)
+  m, k, n = prepared.dims
+  if cfg.gated and n % 2:
+    raise ValueError(f"a gated activation ({cfg.activation!r}) needs an even number of rhs "
+                     f"columns [gate | up], got {n}")
+  n_out = out_columns(n, cfg)
+  out_shape = prepared.out_shape
+  if cfg.group_type == "m":
+    out_shape = (m if cfg.out_rows is None else cfg.out_rows, n_out)
+  if prepared.empty or math.prod(out_shape) == 0:
+    return jnp.zeros(out_shape, cfg.out_dtype)
   lhs, rhs, quant, tiling = prepared.lhs, prepared.rhs, prepared.quant, prepared.tiling
+  if token_scale is not None:
+    quant = quant._replace(lhs_scale=epilogue.gather_rows(token_scale, rows.lhs_indices))
   if prepared.automatic:
     tiling = fit_registers(tiling, cfg)
-  m, k, n = prepared.dims
-  dot_dtype, acc_dtype, out_shape = prepared.dot_dtype, prepared.acc_dtype, prepared.out_shape
+  dot_dtype, acc_dtype = prepared.dot_dtype, prepared.acc_dtype
   itemsize = jnp.dtype(dot_dtype).itemsize
   kernel_options = dict(dims=(m, k, n), tiling=tiling, cfg=cfg, dot_dtype=dot_dtype,
                         acc_dtype=acc_dtype, has_bias=bias is not None)
   biases = [] if bias is None else [bias]
-  n_tiles = pl.cdiv(n, tiling.tile_n)
-  params = compiler_params(tiling, itemsize)
+  n_tiles = pl.cdiv(n_out, tiling.tile_n)
+  params = compiler_params(tiling, itemsize, 2 if cfg.gated else 1)
   out_bytes = math.prod(out_shape) * np.dtype(cfg.out_dtype).itemsize
   tiles = (tiling.tile_m, tiling.tile_k, tiling.tile_n)
 
@@ -508,11 +669,15 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
                                        ALIGN)
     num_items = meta.item_start.shape[0]
     band = band_rows(tiling.tile_m * k * lhs.dtype.itemsize, num_items)
+    row_operands = [rows.lhs_indices.astype(jnp.int32)] if gather else []
+    row_operands += [rows.row_weights] if weighted else []
+    row_operands += [rows.out_indices.astype(jnp.int32)] if scatter else []
     operands = [meta.group_ids, meta.item_start, meta.item_end, lhs, rhs, *biases,
-                *quant_operands, jnp.zeros(out_shape, cfg.out_dtype)]
+                *quant_operands, *row_operands, jnp.zeros(out_shape, cfg.out_dtype)]
     return common.pallas_call(
         functools.partial(_m_kernel, quant=common.quant_static(quant), num_items=num_items,
-                          band=band, **kernel_options),
+                          band=band, gather=gather, weighted=weighted, scatter=scatter,
+                          **kernel_options),
         prepared, tiles=tiles,
         out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
         grid=(num_items * n_tiles,),
