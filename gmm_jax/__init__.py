@@ -18,6 +18,7 @@ from gmm_jax._src.grouped_array import GroupedArray as GroupedArray
 from gmm_jax._src.grouped_array import GroupedDesc as GroupedDesc
 from gmm_jax._src.grouped_array import grouped_desc as grouped_desc
 from gmm_jax._src.metadata import TileMetadata as TileMetadata
+from gmm_jax._src.op import PREACTIVATION as PREACTIVATION
 from gmm_jax._src.metadata import make_tile_metadata as make_tile_metadata
 from gmm_jax._src.qarray import QArray as QArray
 from gmm_jax._src.qarray import QuantSpec as QuantSpec

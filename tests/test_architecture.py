@@ -42,6 +42,7 @@ FLOORS = {
     "gmm_jax._src.ragged_dot": 6,
     "gmm_jax.nn": 6,
     "gmm_jax.bench": 6,
+    "gmm_jax.bench_moe": 6,
     "gmm_jax.aot": 6,
     "gmm_jax._src.autotune": 6,
     "gmm_jax.demo": 6,
@@ -68,6 +69,7 @@ SAME_FLOOR = {
     ("gmm_jax.compat._ascend_rules", "gmm_jax.compat._ascend_scales"),
     ("gmm_jax.demo", "gmm_jax.bench"),  # the demo prints a benchmark table
     ("gmm_jax.bench", "gmm_jax._src.autotune"),  # the benchmark times as the autotuner does
+    ("gmm_jax.bench_moe", "gmm_jax._src.autotune"),
 }
 # Function-level (or try-guarded) imports are for optional dependencies only: Pallas, flax,
 # the comparison libraries, and jax's private table of primitives that need devices while

@@ -17,6 +17,11 @@ CHAINS = {
     "gpu": ("pallas_mosaic_gpu", "pallas_triton", "xla"),
     "tpu": ("pallas_tpu", "xla"),
 }
+# For calls that gather, weight or scatter rows (a fused MoE layer) or use a gated
+# activation: Triton does them in-kernel, Mosaic GPU does not (it would run on a gathered
+# copy), so Triton goes first on GPUs. On TPUs the kernel still goes first: its MXU tiles on
+# a gathered copy beat the XLA path's loops.
+FUSED_CHAINS = {"gpu": ("pallas_triton", "pallas_mosaic_gpu", "xla")}
 # (name, module, function, platform) of each kernel family. They dequantize in-kernel;
 # the module's `check_operands` says which quantized layouts they take.
 KERNELS = (
@@ -44,7 +49,7 @@ def _register() -> None:
                                        check=module.check_operands,
                                        features=getattr(module, "FEATURES", ())))
   for platform, chain in CHAINS.items():
-    dispatch.set_chain(platform, chain)
+    dispatch.set_chain(platform, chain, FUSED_CHAINS.get(platform))
 
 
 _register()

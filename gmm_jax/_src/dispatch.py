@@ -57,6 +57,9 @@ class Backend:
 _REGISTRY: dict[str, Backend] = {}
 # Preference order per platform (set by the backends module); unregistered names are skipped.
 _CHAINS: dict[str, tuple[str, ...]] = {}
+# The chains for calls that gather, weight or scatter rows or use a gated activation
+# (implementations that do them natively first); platforms without one use `_CHAINS`.
+_FUSED_CHAINS: dict[str, tuple[str, ...]] = {}
 _DEFAULT_CHAIN_PLATFORM = "cpu"
 
 
@@ -121,9 +124,13 @@ def register(backend: Backend) -> None:
   _REGISTRY[backend.name] = backend
 
 
-def set_chain(platform: str, names: tuple[str, ...]) -> None:
-  """The implementations `implementation=None` tries on `platform`, in order."""
+def set_chain(platform: str, names: tuple[str, ...],
+              fused: tuple[str, ...] | None = None) -> None:
+  """The implementations `implementation=None` tries on `platform`, in order (`fused`: for
+  calls with row operands or a gated activation, if different)."""
   _CHAINS[platform] = tuple(names)
+  if fused is not None:
+    _FUSED_CHAINS[platform] = tuple(fused)
 
 
 def implementations() -> tuple[str, ...]:
@@ -198,6 +205,8 @@ def candidates(cfg: GmmConfig, platform: str) -> tuple[str, ...]:
   if cfg.implementation is not None:
     return tuple(name for name in cfg.implementation if name in _REGISTRY)
   chain = _CHAINS.get(platform, _CHAINS.get(_DEFAULT_CHAIN_PLATFORM, ()))
+  if needed_features(cfg) and platform in _FUSED_CHAINS:
+    chain = _FUSED_CHAINS[platform]
   return tuple(name for name in chain if name in _REGISTRY)
 
 

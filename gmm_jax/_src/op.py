@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -51,6 +52,12 @@ from gmm_jax._src.config import GmmConfig, output_shape, preactivation_dtype
 from gmm_jax._src.epilogue import (NO_ROWS, Rows, finish, gather_rows, resolve_activation,
                                    rows_sum, scatter_rows)
 from gmm_jax._src.qarray import QArray, dequantize, quant_mode
+
+# The name of the f32 pre-activation that the jvp of a gmm with an activation (or varying
+# row weights) computes: `jax.checkpoint` policies save it by this name
+# (`jax.checkpoint_policies.save_only_these_names(PREACTIVATION)`), so that a layer keeps
+# only pre-activations for its backward and recomputes the elementwise rest.
+PREACTIVATION = "gmm_jax_preactivation"
 
 gmm_p = Primitive("gmm_jax_gmm")
 # The same op, for programs traced under an abstract mesh with no devices (deviceless
@@ -491,19 +498,22 @@ def _jvp(primals, tangents, *, cfg, trees, has_bias, out_hint):
     # The f32 pre-activation, for the activation's derivative.
     linear_cfg = cfg.replace(activation=None,
                              out_dtype=preactivation_dtype(_value_dtype(lhs), _value_dtype(rhs)))
-    z = gmm(lhs, rhs, counts, group_offset, bias, linear_cfg, out_hint)
+    z = checkpoint_name(gmm(lhs, rhs, counts, group_offset, bias, linear_cfg, out_hint),
+                        PREACTIVATION)
     mask = _row_mask(counts, group_offset, cfg, z.shape[0])
     out = finish(z, cfg.activation, cfg.out_dtype, row_mask=mask)
   zero = ad.Zero(jax.typeof(out).to_tangent_aval())
   if not jnp.issubdtype(cfg.out_dtype, jnp.inexact):
     return out, zero
   dz = _tangent(lhs, rhs, counts, group_offset, (t_lhs, t_rhs, t_bias), linear_cfg,
-                out.shape, out_hint)
+                out.shape if z is None else z.shape, out_hint)
   if dz is None:
     return out, zero
   if z is None:
     return out, dz
-  _, dy = jax.jvp(resolve_activation(cfg.activation), (z,), (dz,))
+  # Rematerialized: the backward keeps z alone and recomputes the activation's derivative
+  # (elementwise) instead of keeping its intermediates (two or three arrays like z).
+  _, dy = jax.jvp(jax.checkpoint(resolve_activation(cfg.activation)), (z,), (dz,))
   mask = _row_mask(counts, group_offset, cfg, z.shape[0])
   if mask is not None:
     dy = jnp.where(mask[:, None], dy, jnp.zeros((), dy.dtype))
@@ -532,7 +542,8 @@ def _jvp_rows(primals, tangents, *, cfg, trees, has_bias, out_hint):
   gathered = Rows(rows.lhs_indices, None, None)
   linear_cfg = cfg.replace(activation=None, row_weights=False, out_rows=None,
                            out_dtype=preactivation_dtype(_value_dtype(lhs), _value_dtype(rhs)))
-  z = gmm(lhs, rhs, counts, group_offset, bias, linear_cfg, out_hint, gathered)  # [R, N]
+  z = checkpoint_name(gmm(lhs, rhs, counts, group_offset, bias, linear_cfg, out_hint, gathered),
+                      PREACTIVATION)  # [R, N]
   written = metadata.row_group_ids(counts, z.shape[0], group_offset, cfg.num_local) >= 0
   dz = None
   if float_out:
@@ -544,7 +555,7 @@ def _jvp_rows(primals, tangents, *, cfg, trees, has_bias, out_hint):
   elif dz is None:
     a, da = fn(z), None
   else:
-    a, da = jax.jvp(fn, (z,), (dz,))
+    a, da = jax.jvp(jax.checkpoint(fn), (z,), (dz,))
   weights = rows.row_weights if cfg.row_weights else None
   out = finish(a, None, cfg.out_dtype, row_mask=written, row_weights=weights)
   if cfg.out_rows is not None:

@@ -1,0 +1,196 @@
+"""An MoE layer's training step three ways, side by side in one run: the fused gmm
+(token dispatch and combine inside gmm), today's unfused block (copies around plain gmms)
+and a MaxText-style block on `jax.lax.ragged_dot`.
+
+    python -m gmm_jax.bench_moe                       # T=4096 D=1024 F=2048 E=64 k=2, f32 and bf16
+    python -m gmm_jax.bench_moe --tokens 1024 --embed 256 --mlp 512 --experts 16
+
+Each block is the same function of the same parameter values: a softmax top-k router, a
+gated SwiGLU expert FFN and the probability-weighted combine. The fused block holds the
+gate and up projections as one ``[E, D, 2F]`` parameter (its layout: one gmm reads both),
+the others as two ``[E, D, F]``. The step is
+``jax.jit(jax.value_and_grad(loss))`` over (params, x); the table gives its time (the
+minimum of a few runs) and its peak temporary memory from XLA's compiled memory analysis
+(``temp_size_in_bytes``: everything the step allocates besides its arguments and
+results), and the ratios to the unfused block. The ragged_dot block does dense work per
+group on CPU: at large shapes it is compiled (memory) but only timed with ``--time-ragged``.
+
+Floor 6: public API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gmm_jax
+from gmm_jax._src.autotune import min_wall_time
+
+
+def init_params(key, embed: int, mlp: int, experts: int, dtype=jnp.float32) -> dict:
+  """Router ``[D, E]``, gate and up ``[E, D, F]`` and down ``[E, F, D]`` (fan-in scaled)."""
+  keys = jax.random.split(key, 4)
+  normal = lambda k, shape, fan_in: (jax.random.normal(k, shape, jnp.float32)
+                                     / math.sqrt(fan_in)).astype(dtype)
+  return dict(router=normal(keys[0], (embed, experts), embed),
+              gate=normal(keys[1], (experts, embed, mlp), embed),
+              up=normal(keys[2], (experts, embed, mlp), embed),
+              down=normal(keys[3], (experts, mlp, embed), mlp))
+
+
+def _router(params, x, top_k: int):
+  logits = (x @ params["router"]).astype(jnp.float32)
+  probs = jax.nn.softmax(logits, axis=-1)
+  top_p, top_e = jax.lax.top_k(probs, top_k)
+  return top_p / jnp.sum(top_p, axis=-1, keepdims=True), top_e
+
+
+FFN_POLICY = jax.checkpoint_policies.save_only_these_names(gmm_jax.PREACTIVATION)
+
+
+def fused_block(params, x, top_k: int):
+  """Rows read by index inside the first gmm (gate and up as one [E, D, 2F] SwiGLU gmm),
+  weighted and written to their slots inside the second. The expert FFN keeps only the two
+  gmms' pre-activations for its backward (`gmm_jax.PREACTIVATION`): the activation and
+  the rows between the gmms are recomputed (elementwise), not stored."""
+  top_p, top_e = _router(params, x, top_k)
+  return jax.checkpoint(_fused_ffn, policy=FFN_POLICY)(params, x, top_p, top_e)
+
+
+def _fused_ffn(params, x, top_p, top_e):
+  experts = params["gate_up"].shape[0]
+  r = gmm_jax.route(top_e, experts, weights=top_p)
+  h = gmm_jax.gmm(x, params["gate_up"], r.group_sizes, lhs_indices=r.lhs_indices,
+                  activation="swiglu")
+  y = gmm_jax.gmm(h, params["down"], r.group_sizes, row_weights=r.row_weights,
+                  out_indices=r.out_indices, out_rows=r.num_slots)
+  return r.combine(y)
+
+
+def unfused_block(params, x, top_k: int):
+  """The rows copied into expert order, three plain gmms, copied back, weighted, summed."""
+  top_p, top_e = _router(params, x, top_k)
+  tokens, embed = x.shape
+  experts = params["gate"].shape[0]
+  flat_e = top_e.reshape(-1)
+  rows = jnp.broadcast_to(x[:, None, :], (tokens, top_k, embed)).reshape(-1, embed)
+  order = jnp.argsort(flat_e, stable=True)
+  sizes = jnp.bincount(flat_e, length=experts).astype(jnp.int32)
+  sorted_rows = rows[order]
+  h = (jax.nn.silu(gmm_jax.gmm(sorted_rows, params["gate"], sizes))
+       * gmm_jax.gmm(sorted_rows, params["up"], sizes))
+  y_sorted = gmm_jax.gmm(h.astype(x.dtype), params["down"], sizes)
+  y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+  weighted = y.astype(jnp.float32).reshape(tokens, top_k, -1) * top_p[..., None]
+  return jnp.sum(weighted, axis=1).astype(x.dtype)
+
+
+def ragged_dot_block(params, x, top_k: int):
+  """MaxText's dropless path: sort, `jax.lax.ragged_dot` per projection, unsort, combine."""
+  top_p, top_e = _router(params, x, top_k)
+  tokens, embed = x.shape
+  experts = params["gate"].shape[0]
+  flat_e = top_e.reshape(-1)
+  order = jnp.argsort(flat_e, stable=True)
+  sizes = jnp.bincount(flat_e, length=experts).astype(jnp.int32)
+  sorted_rows = jnp.repeat(x, top_k, axis=0)[order]
+  gate = jax.lax.ragged_dot(sorted_rows, params["gate"], sizes)
+  up = jax.lax.ragged_dot(sorted_rows, params["up"], sizes)
+  h = (jax.nn.silu(gate) * up).astype(x.dtype)
+  y_sorted = jax.lax.ragged_dot(h, params["down"], sizes)
+  y = y_sorted[jnp.argsort(order)]
+  weighted = y.astype(jnp.float32).reshape(tokens, top_k, -1) * top_p[..., None]
+  return jnp.sum(weighted, axis=1).astype(x.dtype)
+
+
+BLOCKS = {"fused": fused_block, "unfused": unfused_block, "ragged_dot": ragged_dot_block}
+
+
+@dataclasses.dataclass
+class Row:
+  block: str
+  dtype: str
+  seconds: float | None
+  temp_bytes: int
+
+
+def training_step(block, top_k: int):
+  def loss(params, x):
+    y = block(params, x, top_k)
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+  return jax.jit(jax.value_and_grad(loss))
+
+
+def layout(name: str, params: dict) -> dict:
+  """The parameters as block `name` holds them (the fused block: gate and up as one)."""
+  if name != "fused":
+    return params
+  rest = {k: v for k, v in params.items() if k not in ("gate", "up")}
+  return dict(rest, gate_up=jnp.concatenate([params["gate"], params["up"]], axis=-1))
+
+
+def measure(name: str, params, x, top_k: int, *, time_it: bool, repeats: int) -> Row:
+  params = layout(name, params)
+  step = training_step(BLOCKS[name], top_k)
+  compiled = step.lower(params, x).compile()
+  temp = int(compiled.memory_analysis().temp_size_in_bytes)
+  seconds = min_wall_time(compiled, (params, x), repeats) if time_it else None
+  return Row(name, np.dtype(x.dtype).name, seconds, temp)
+
+
+def run(tokens: int, embed: int, mlp: int, experts: int, top_k: int, dtypes, *,
+        time_ragged: bool, repeats: int, blocks=tuple(BLOCKS)) -> list[Row]:
+  rows = []
+  for dtype in dtypes:
+    params = init_params(jax.random.key(0), embed, mlp, experts, dtype)
+    x = jax.random.normal(jax.random.key(1), (tokens, embed), jnp.float32).astype(dtype)
+    for name in blocks:
+      rows.append(measure(name, params, x, top_k, repeats=repeats,
+                          time_it=name != "ragged_dot" or time_ragged))
+  return rows
+
+
+def table(rows: list[Row]) -> str:
+  lines = ["| block | dtype | fwd+bwd ms | / unfused | peak temp MB | / unfused |",
+           "|---|---|---|---|---|---|"]
+  base = {r.dtype: r for r in rows if r.block == "unfused"}
+  for r in rows:
+    ref = base.get(r.dtype)
+    time_ratio = (f"{r.seconds / ref.seconds:.2f}" if ref and r.seconds and ref.seconds
+                  else "-")
+    ms = "-" if r.seconds is None else f"{r.seconds * 1e3:.0f}"
+    lines.append(f"| {r.block} | {r.dtype} | {ms} | {time_ratio} | {r.temp_bytes / 1e6:.0f} | "
+                 f"{r.temp_bytes / ref.temp_bytes if ref else float('nan'):.2f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> list[Row]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--tokens", type=int, default=4096)
+  parser.add_argument("--embed", type=int, default=1024)
+  parser.add_argument("--mlp", type=int, default=2048)
+  parser.add_argument("--experts", type=int, default=64)
+  parser.add_argument("--top-k", type=int, default=2)
+  parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+  parser.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=list(BLOCKS))
+  parser.add_argument("--time-ragged", action="store_true",
+                      help="also time the ragged_dot block (dense work per group on CPU)")
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args(argv)
+  rows = run(args.tokens, args.embed, args.mlp, args.experts, args.top_k,
+             [jnp.dtype(d) for d in args.dtypes], time_ragged=args.time_ragged,
+             repeats=args.repeats, blocks=tuple(args.blocks))
+  print(f"MoE layer training step (fwd+bwd), T={args.tokens} D={args.embed} F={args.mlp} "
+        f"E={args.experts} k={args.top_k}, jax {jax.__version__}, "
+        f"{jax.devices()[0].platform}")
+  print(table(rows))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
