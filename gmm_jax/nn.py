@@ -109,7 +109,14 @@ def _reshard(y, sharding):
 class RoutingBias(nnx.Variable):
   """A per-expert routing bias that is not trained by gradient (DeepSeek-V3's auxiliary-
   loss-free balancing): its own collection, outside ``nnx.Param`` (optimizers built with
-  ``wrt=nnx.Param`` skip it); `MoE.update_routing_bias` moves it."""
+  ``wrt=nnx.Param`` skip it); `MoE.update_routing_bias` moves it. Linen collection:
+  "routing_bias"."""
+
+
+try:  # the Linen collection name of RoutingBias (flax >= 0.11)
+  nnx.register_variable_name("routing_bias", RoutingBias, overwrite=True)
+except AttributeError:
+  pass
 
 
 class GroupedLinear(nnx.Module):
