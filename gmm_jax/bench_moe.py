@@ -9,8 +9,10 @@ Each block is the same function of the same parameter values: a softmax top-k ro
 gated SwiGLU expert FFN and the probability-weighted combine. The fused block holds the
 gate and up projections as one ``[E, D, 2F]`` parameter (its layout: one gmm reads both),
 the others as two ``[E, D, F]``. The step is
-``jax.jit(jax.value_and_grad(loss))`` over (params, x); the table gives its time (the
-minimum of a few runs) and its peak temporary memory from XLA's compiled memory analysis
+``jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))`` (the gradients of the parameters and
+of x, as for a layer inside a model); the table gives its time (the minimum over rounds
+that run every block once each, so that a noisy machine slows them alike) and its peak
+temporary memory from XLA's compiled memory analysis
 (``temp_size_in_bytes``: everything the step allocates besides its arguments and
 results), and the ratios to the unfused block. The ragged_dot block does dense work per
 group on CPU: at large shapes it is compiled (memory) but only timed with ``--time-ragged``.
@@ -123,7 +125,7 @@ def training_step(block, top_k: int):
   def loss(params, x):
     y = block(params, x, top_k)
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
-  return jax.jit(jax.value_and_grad(loss))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
 def layout(name: str, params: dict) -> dict:
@@ -134,24 +136,26 @@ def layout(name: str, params: dict) -> dict:
   return dict(rest, gate_up=jnp.concatenate([params["gate"], params["up"]], axis=-1))
 
 
-def measure(name: str, params, x, top_k: int, *, time_it: bool, repeats: int) -> Row:
-  params = layout(name, params)
-  step = training_step(BLOCKS[name], top_k)
-  compiled = step.lower(params, x).compile()
-  temp = int(compiled.memory_analysis().temp_size_in_bytes)
-  seconds = min_wall_time(compiled, (params, x), repeats) if time_it else None
-  return Row(name, np.dtype(x.dtype).name, seconds, temp)
-
-
 def run(tokens: int, embed: int, mlp: int, experts: int, top_k: int, dtypes, *,
         time_ragged: bool, repeats: int, blocks=tuple(BLOCKS)) -> list[Row]:
   rows = []
   for dtype in dtypes:
     params = init_params(jax.random.key(0), embed, mlp, experts, dtype)
     x = jax.random.normal(jax.random.key(1), (tokens, embed), jnp.float32).astype(dtype)
+    compiled, timed = {}, {}
     for name in blocks:
-      rows.append(measure(name, params, x, top_k, repeats=repeats,
-                          time_it=name != "ragged_dot" or time_ragged))
+      args = (layout(name, params), x)
+      compiled[name] = (training_step(BLOCKS[name], top_k).lower(*args).compile(), args)
+      if name != "ragged_dot" or time_ragged:
+        timed[name] = float("inf")
+    for _ in range(repeats):
+      for name in timed:
+        step, args = compiled[name]
+        timed[name] = min(timed[name], min_wall_time(step, args, 1))
+    for name in blocks:
+      step, _ = compiled[name]
+      rows.append(Row(name, np.dtype(dtype).name, timed.get(name),
+                      int(step.memory_analysis().temp_size_in_bytes)))
   return rows
 
 

@@ -179,12 +179,7 @@ def test_expert_parallel_moe_equals_single_device():
                              rtol=1e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("fused", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(
-        raises=TypeError, strict=False,
-        reason="the XLA backend's bf16 head path reshapes a gated result with 2N columns")),
-])
+@pytest.mark.parametrize("fused", [False, True])
 def test_expert_parallel_computes_in_the_layer_dtype(fused):
   # The expert kernels reach the gmm cast to the compute dtype (bf16 here), as on one device.
   if len(jax.devices()) < 8:

@@ -178,7 +178,7 @@ def _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, capacity, acc_dtype)
   spec = "lck,lnk->lcn" if cfg.transpose_rhs else "lck,lkn->lcn"
   acc = jnp.einsum(spec, x, rhs, precision=cfg.precision, preferred_element_type=acc_dtype)
   y = apply_epilogue(acc, None if bias is None else bias[:, None, :], cfg.activation,
-                     cfg.out_dtype).reshape(num_local * capacity, n)
+                     cfg.out_dtype).reshape(num_local * capacity, out_columns(n, cfg))
   local = metadata.row_group_ids(counts, m, group_offset, num_local)
   offset = jnp.arange(m, dtype=jnp.int32) - starts[jnp.maximum(local, 0)]
   in_head = (local >= 0) & (offset < capacity)
