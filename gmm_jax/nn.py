@@ -11,6 +11,7 @@ shard the parameters as they are created, as nnx.Linear does.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Mapping
 
@@ -25,6 +26,8 @@ from gmm_jax._src.epilogue import GATED_ACTIVATIONS, resolve_activation
 from gmm_jax._src.sharding import explicit_axes, token_layout
 
 Array = jax.Array
+# What the fused expert FFN keeps for its backward: the gmms' pre-activations.
+_FFN_POLICY = jax.checkpoint_policies.save_only_these_names(gmm_jax.PREACTIVATION)
 
 # The gated activation of each plain one: ``act(gate) * up`` on a [.., 2F] product.
 GATED_NAMES = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh",
@@ -451,7 +454,18 @@ class MoE(nnx.Module):
 
   def _fused(self, rows, top_e, top_p, weights, capacity, *, activation, gated, options):
     """route -> one gathered gmm for gate|up (gated epilogue) -> one weighted, scattered
-    gmm for down -> combine. Returns ([T, D] f32, kept [T, k] or None)."""
+    gmm for down -> combine. Returns ([T, D] f32, kept [T, k] or None).
+
+    For its backward it keeps the two gmms' f32 pre-activations only
+    (`gmm_jax.PREACTIVATION`, a `jax.checkpoint` policy): the routing, the activation and
+    the rows between the gmms are recomputed (integer sorts and elementwise work), not
+    stored."""
+    body = functools.partial(self._fused_body, capacity=capacity, activation=activation,
+                             gated=gated, options=options)
+    return jax.checkpoint(body, policy=_FFN_POLICY)(rows, top_e, top_p, weights)
+
+  def _fused_body(self, rows, top_e, top_p, weights, *, capacity, activation, gated,
+                  options):
     r = gmm_jax.route(top_e, self.num_experts, weights=top_p, capacity=capacity)
     w_in, w_down = weights["w_in"], weights["w_down"]
     b_in, b_down = weights.get("b_in"), weights.get("b_down")
