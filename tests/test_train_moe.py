@@ -1,0 +1,93 @@
+"""The training example `python -m gmm_jax.examples.train_moe`: a tiny configuration trains
+(the held-out loss falls), reports what it promises, writes its plot, and runs as a module."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+pytest.importorskip("matplotlib")
+
+from flax import nnx  # noqa: E402
+from gmm_jax.examples import train_moe  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["--layers", "1", "--experts", "4", "--top-k", "2", "--batch", "8", "--seq", "32",
+        "--embed", "32", "--heads", "2", "--mlp", "64", "--lr", "1e-2", "--sample", "8"]
+
+
+def test_the_bundled_text_is_the_licence_files():
+  text = train_moe.load_text()
+  assert len(text) == 168_823
+  assert b"GNU GENERAL PUBLIC LICENSE" in text[:100]
+  assert text.count(b"Everyone is permitted to copy and distribute verbatim copies") == 8
+
+
+def test_tiny_run_learns_and_reports(tmp_path, capsys):
+  plot = tmp_path / "loss.png"
+  steps = 24
+  results = train_moe.main(TINY + ["--steps", str(steps), "--plot", str(plot), "--seed", "1",
+                                   "--log-every", "8"])
+  for key in ("initial_loss", "final_loss", "tokens_per_s", "expert_load", "train_losses",
+              "eval_losses", "load_balancing_losses", "sample", "plot", "model"):
+    assert key in results, key
+  assert results["final_loss"] < results["initial_loss"] - 1.0, (
+      results["initial_loss"], results["final_loss"])
+  assert abs(results["initial_loss"] - np.log(256)) < 0.5  # starts near uniform over bytes
+  assert len(results["train_losses"]) == steps
+  assert results["tokens_per_s"] > 0
+  load = results["expert_load"]
+  assert load.shape == (steps, 1, 4)
+  np.testing.assert_allclose(load.sum(-1), 1.0, rtol=1e-5)
+  assert (load >= 0).all()
+  assert results["sample"].startswith(train_moe.PROMPT.decode())
+  assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and results["plot"] == str(plot)
+  out = capsys.readouterr().out
+  assert "tok/s" in out and "\r[" in out and "held-out loss" in out
+
+
+def test_expert_load_is_the_routing_of_router_probs():
+  """The recorded expert load (the MoE's "expert_load" if it reports one, else recomputed
+  from the router) is the top-k of `MoELM.router_probs`, layer by layer."""
+  model = train_moe.MoELM(seq=16, embed=16, heads=2, mlp=32, layers=2, experts=4, top_k=2,
+                          rngs=nnx.Rngs(0))
+  ids = jax.random.randint(jax.random.key(0), (3, 16), 0, 256)
+
+  @nnx.jit
+  def both(model, ids):
+    return model(ids)[1]["expert_load"], model.router_probs(ids)
+
+  load, probs = both(model, ids)
+  assert load.shape == (2, 4) and probs.shape == (2, 3, 16, 4)
+  _, top = jax.lax.top_k(probs, 2)
+  want = jnp.mean(jax.nn.one_hot(top, 4).sum(-2), axis=(1, 2)) / 2
+  np.testing.assert_allclose(np.asarray(load), np.asarray(want), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(load).sum(-1), 1.0, rtol=1e-6)
+
+
+def test_bad_flags_are_rejected():
+  with pytest.raises(SystemExit):
+    train_moe.parse_args(["--experts", "2", "--top-k", "3"])
+  with pytest.raises(SystemExit):
+    train_moe.parse_args(["--steps", "0"])
+
+
+def test_runs_as_a_module(tmp_path):
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+  result = subprocess.run(
+      [sys.executable, "-m", "gmm_jax.examples.train_moe"] + TINY +
+      ["--steps", "3", "--no-plot", "--dtype", "bfloat16", "--sample", "0"],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "held-out loss" in result.stdout and "tokens/s" in result.stdout
+  assert not list(tmp_path.iterdir())  # --no-plot: nothing written
