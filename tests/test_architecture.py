@@ -43,6 +43,8 @@ FLOORS = {
     "gmm_jax.nn": 6,
     "gmm_jax.bench": 6,
     "gmm_jax.bench_moe": 6,
+    "gmm_jax.examples": 7,  # built on gmm_jax.nn (floor 6)
+    "gmm_jax.examples.train_moe": 7,
     "gmm_jax.aot": 6,
     "gmm_jax._src.autotune": 6,
     "gmm_jax.demo": 6,

@@ -19,9 +19,9 @@ def _cells(notebook):
   return [(cell.cell_type, cell.source.strip()) for cell in notebook.cells]
 
 
-def test_there_are_four_notebooks():
+def test_there_are_five_notebooks():
   assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_moe_flax", "03_quantization",
-                                         "04_performance"]
+                                         "04_performance", "05_train_moe"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

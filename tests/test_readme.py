@@ -27,6 +27,11 @@ def test_readme_python_blocks_run():
       "x": jnp.asarray(rng.standard_normal((64, 128)), jnp.float32),
       "w": jnp.asarray(rng.standard_normal((4, 128, 32)) / 11, jnp.float32),
       "sizes": jnp.asarray([20, 0, 30, 10], jnp.int32),
+      # the fused MoE block: x's 64 tokens routed top-2 over E=4 experts
+      "E": 4, "top_e": jnp.asarray(rng.integers(0, 4, (64, 2)), jnp.int32),
+      "top_p": jnp.asarray(rng.random((64, 2)), jnp.float32),
+      "w_gate_up": jnp.asarray(rng.standard_normal((4, 128, 64)) / 11, jnp.float32),
+      "w_down": jnp.asarray(rng.standard_normal((4, 32, 128)) / 6, jnp.float32),
   }
   namespace["x_bf16"] = namespace["x"].astype(jnp.bfloat16)
   for block in blocks:  # each block on its own copy of the operands
