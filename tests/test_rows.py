@@ -279,3 +279,26 @@ def test_dispatch_reports_materialized_rows():
   assert "pallas_tpu (gather around it, not fused)" in text
   text = gmm_jax.explain(x, w, r.group_sizes, lhs_indices=r.lhs_indices, implementation="xla")
   assert "xla\n" in text + "\n" and "not fused" not in text
+
+
+def test_weight_gradient_reads_gathered_rows_by_index():
+  """The drhs gmm of a gathered gmm is k-grouped over the gathered rows, reading them by
+  index (no [R, K] copy on the XLA path; kernels get the copy made around them)."""
+  from gmm_jax._src import dispatch  # the decisions of the gmms lowered
+  x, w, _, _, r = _topk_problem(14)
+  loss = lambda x, w: jnp.sum(gmm_jax.gmm(x, w, r.group_sizes, lhs_indices=r.lhs_indices,
+                                          implementation="xla") ** 2)
+  with dispatch.record() as decisions:
+    jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w)
+  k_grouped = [d for d in decisions if d.cfg.group_type == "k"]
+  assert k_grouped and all(d.cfg.gather_rows == r.num_rows and not d.materialized
+                           for d in k_grouped)
+  got = jax.grad(loss, argnums=1)(x, w)
+  rows = np.asarray(x)[np.asarray(r.lhs_indices)]
+  expected = np.zeros(w.shape)
+  start = 0
+  for g, size in enumerate(np.asarray(r.group_sizes)):
+    block = rows[start:start + size].astype(np.float64)
+    expected[g] = block.T @ (2 * block @ np.asarray(w[g], np.float64))
+    start += size
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)

@@ -138,9 +138,12 @@ class GmmConfig:
       a callable ``Problem -> Tiling | None``, or `Tilings` (per gmm of a training step;
       the op hands each backward gmm its entry).
     platform: None (the platform the call is lowered for) or a platform whose chain to use.
-    gather_rows: m-grouping: None, or R when an int32 ``[R]`` lhs_indices operand is
-      present: row r of the grouped problem reads ``lhs[lhs_indices[r]]`` (lhs ``[T, K]``
-      for any T; the group list covers the R rows; an out-of-range index reads a zero row).
+    gather_rows: None, or R when an int32 ``[R]`` lhs_indices operand is present. m-grouping:
+      row r of the grouped problem reads ``lhs[lhs_indices[r]]`` (lhs ``[T, K]`` for any T;
+      the group list covers the R rows; an out-of-range index reads a zero row).
+      k-grouping (the weight gradient of a gathered gmm; transpose_lhs, lhs stored
+      ``[T, M]``): row r of the grouped dimension (K = R) of the stored lhs is
+      ``lhs[lhs_indices[r]]``.
     row_weights: m-grouping: an f32-able ``[R]`` row_weights operand is present: row r of
       the result is multiplied by it after the activation, in f32 before the cast.
     out_rows: m-grouping: None, or the rows of the result when an int32 ``[R]``
@@ -209,8 +212,10 @@ def problem_dims(lhs_shape, rhs_shape, cfg: GmmConfig) -> tuple[int, int, int]:
   """(M, K, N) of a validated call: M the grouped problem's rows (R with gathered rows), N
   the product's columns (2N' for a gated activation)."""
   m, k = (lhs_shape[1], lhs_shape[0]) if cfg.transpose_lhs else tuple(lhs_shape)
-  if cfg.gather_rows is not None:
+  if cfg.gather_rows is not None and cfg.group_type == "m":
     m = cfg.gather_rows
+  elif cfg.gather_rows is not None:
+    k = cfg.gather_rows
   n = rhs_shape[-2] if cfg.transpose_rhs else rhs_shape[-1]
   return m, k, n
 

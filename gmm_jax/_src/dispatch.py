@@ -27,8 +27,11 @@ from gmm_jax._src.config import GmmConfig
 from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gather_rows, scatter_rows
 from gmm_jax._src.qarray import quant_mode as _quant_mode
 
-# What an implementation may do natively beyond the plain gmm (`Backend.features`).
-FEATURES = ("gather", "row_weights", "scatter", "gated")
+# What an implementation may do natively beyond the plain gmm (`Backend.features`):
+# "gather" of m-grouped lhs rows, "gather_k" of the grouped (contraction) rows of a
+# k-grouped lhs (the weight gradient of a gathered gmm), row weights, scattered rows, gated
+# activations.
+FEATURES = ("gather", "row_weights", "scatter", "gated", "gather_k")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,7 +231,9 @@ def serves(lhs, rhs, cfg: GmmConfig, platform: str) -> bool:
 
 def needed_features(cfg: GmmConfig) -> tuple[str, ...]:
   """The `FEATURES` a call uses."""
-  used = (cfg.gather_rows is not None, cfg.row_weights, cfg.out_rows is not None, cfg.gated)
+  gathered = cfg.gather_rows is not None
+  used = (gathered and cfg.group_type == "m", cfg.row_weights, cfg.out_rows is not None,
+          cfg.gated, gathered and cfg.group_type == "k")
   return tuple(name for name, use in zip(FEATURES, used) if use)
 
 
@@ -244,8 +249,9 @@ def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConf
   if after:
     inner = inner.replace(activation=None, out_dtype=np.dtype(np.float32))
   y = backend.fn(lhs, rhs, counts, group_offset, bias, inner)
-  m = y.shape[0]
-  row_ids = metadata.row_group_ids(counts, m, group_offset, cfg.num_local)
+  if not after and cfg.out_rows is None:
+    return y
+  row_ids = metadata.row_group_ids(counts, y.shape[0], group_offset, cfg.num_local)
   if after:
     y = finish(y, cfg.activation, cfg.out_dtype, row_mask=row_ids >= 0,
                row_weights=rows.row_weights if cfg.row_weights else None)

@@ -621,6 +621,8 @@ def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
   drhs_tiling = tuning.backward_tiling(cfg.tiling, "drhs")
   tl, tr = cfg.transpose_lhs, cfg.transpose_rhs
   ct_lhs = ct_rhs = ct_bias = None
+  if cfg.group_type == "k" and cfg.has_rows:
+    return _transpose_gathered_k(ct, operands, lhs, rows, cfg, trees, has_bias)
   if cfg.has_rows:
     ct_lhs, ct_rhs, ct_bias = _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows,
                                               cfg, base, dlhs_tiling, drhs_tiling)
@@ -668,6 +670,25 @@ def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
   return results
 
 
+def _transpose_gathered_k(ct, operands, lhs, rows: Rows, cfg: GmmConfig, trees, has_bias):
+  """The transpose of a k-grouped gmm whose contraction rows are gathered (a weight
+  gradient, transposed again for a higher-order derivative): the plain k-grouped transpose
+  on the gathered rows, whose cotangent sums back into lhs's rows (`rows_sum`)."""
+  num_rows = cfg.gather_rows
+  if ad.is_undefined_primal(lhs):
+    lhs_rows = ad.UndefinedPrimal(jax.core.ShapedArray((num_rows,) + lhs.aval.shape[1:],
+                                                       lhs.aval.dtype))
+  else:
+    lhs_rows = gather_rows(lhs, rows.lhs_indices)
+  plain = [lhs_rows] + list(operands[1:len(operands) - 1])  # lhs is one leaf; no bias rows
+  results = _transpose(ct, *plain, cfg=cfg.without_rows(), trees=trees, has_bias=has_bias,
+                       out_hint=None)
+  if ad.is_undefined_primal(lhs) and results[0] is not None:
+    # Rows outside the local groups got a zero cotangent from the dlhs gmm.
+    results[0] = rows_sum(results[0], rows.lhs_indices, lhs.aval.shape[0])
+  return results + [None]
+
+
 def _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows: Rows, cfg: GmmConfig,
                     base: GmmConfig, dlhs_tiling, drhs_tiling):
   """The transpose of a linear m-grouped gmm with row operands: out = scatter(w * (gather(
@@ -700,14 +721,19 @@ def _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows: Rows, cfg: G
     if ad.is_undefined_primal(rhs):
       x_rows = _as_float(lhs)
       transpose_lhs = cfg.transpose_lhs
-      if cfg.gather_rows is not None:
-        x_rows, transpose_lhs = gather_rows(x_rows, rows.lhs_indices), False
       k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype, tiling=drhs_tiling,
                            gather_rows=None, row_weights=False, out_rows=None)
       hint = _spec_hint(rhs)
       if cfg.transpose_rhs:  # [L, N, K] = ct_g^T x_g
+        if cfg.gather_rows is not None:
+          x_rows, transpose_lhs = gather_rows(x_rows, rows.lhs_indices), False
         ct_rhs = gmm(ct_rows, x_rows, counts, group_offset, None,
                      k_cfg.replace(transpose_lhs=True, transpose_rhs=transpose_lhs), hint)
+      elif cfg.gather_rows is not None:  # [L, K, N] = x[idx_g]^T ct_g: the rows by index
+        ct_rhs = gmm(x_rows, ct_rows, counts, group_offset, None,
+                     k_cfg.replace(transpose_lhs=True, transpose_rhs=False,
+                                   gather_rows=num_rows), hint,
+                     Rows(rows.lhs_indices, None, None))
       else:  # [L, K, N] = x_g^T ct_g
         ct_rhs = gmm(x_rows, ct_rows, counts, group_offset, None,
                      k_cfg.replace(transpose_lhs=not transpose_lhs, transpose_rhs=False), hint)

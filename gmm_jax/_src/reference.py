@@ -22,16 +22,16 @@ def _dot(a, b, cfg, acc_dtype):
   return jnp.matmul(a, b, precision=cfg.precision, preferred_element_type=acc_dtype)
 
 
-FEATURES = ("gather", "row_weights", "scatter", "gated")
+FEATURES = ("gather", "row_weights", "scatter", "gated", "gather_k")
 
 
 def gmm_reference(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
                   rows: Rows = NO_ROWS) -> jax.Array:
   """Reference gmm on canonical operands (see `GmmConfig`; `rows` the row operands)."""
   acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
+  if cfg.gather_rows is not None:  # the stored rows: [R, K] ("m"), [R, M] ("k", transposed)
+    lhs = gather_rows(lhs, rows.lhs_indices)
   lhs = lhs.T if cfg.transpose_lhs else lhs  # [M, K]
-  if cfg.gather_rows is not None:
-    lhs = gather_rows(lhs, rows.lhs_indices)  # [R, K]
   rhs = jnp.swapaxes(rhs, -1, -2) if cfg.transpose_rhs else rhs  # [..., K, N]
   m, k = lhs.shape
   n = rhs.shape[-1]

@@ -40,7 +40,7 @@ from gmm_jax._src.epilogue import NO_ROWS, Rows, apply_epilogue, gather_rows, sc
 
 # The row operations it does inside its loops (no gathered copy of lhs, no scattered copy
 # of the result).
-FEATURES = ("gather", "row_weights", "scatter", "gated")
+FEATURES = ("gather", "row_weights", "scatter", "gated", "gather_k")
 
 
 ALIGN = "group"
@@ -297,7 +297,10 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
     first = jnp.minimum(start, k - window)
     cols = first + lax.iota(jnp.int32, window)
     keep = (cols >= start) & (cols < end)
-    x = lhs_view(lax.dynamic_slice_in_dim(lhs, first, window, axis=lhs_k_axis))
+    if cfg.gather_rows is not None:  # lhs stored [T, M]: the window's K rows by index
+      x = lhs_view(gather_rows(lhs, lax.dynamic_slice_in_dim(rows.lhs_indices, first, window)))
+    else:
+      x = lhs_view(lax.dynamic_slice_in_dim(lhs, first, window, axis=lhs_k_axis))
     r = rhs_view(lax.dynamic_slice_in_dim(rhs, first, window, axis=rhs_row_axis))
     # Columns outside the group are zeroed in both operands, so even inf/NaN there is inert.
     x = jnp.where(jnp.expand_dims(keep, 1 - lhs_k_axis), x, jnp.zeros((), x.dtype))
