@@ -379,18 +379,18 @@ def _check_row_values(rows: Rows, counts, group_offset, num_local: int, num_rows
       _concrete(x) for x in (rows.lhs_indices, rows.out_indices)):
     return
   written = np.asarray(metadata.row_group_ids(counts, num_rows, group_offset, num_local) >= 0)
-  if _concrete(rows.lhs_indices):
-    values = np.asarray(rows.lhs_indices)[written]
-    bad = values[(values < 0) | (values >= num_tokens)]
-    if bad.size:
-      raise ValueError(f"lhs_indices must lie in [0, {num_tokens}) (the rows of lhs) for the "
-                       f"rows of local groups, got {bad[:8].tolist()}")
+  for name, indices, limit, what in (("lhs_indices", rows.lhs_indices, num_tokens,
+                                      "the rows of lhs"),
+                                     ("out_indices", rows.out_indices, out_rows,
+                                      "the rows of the result")):
+    if _concrete(indices):
+      values = np.asarray(indices)[written]
+      bad = values[(values < 0) | (values >= limit)]
+      if bad.size:
+        raise ValueError(f"{name} must lie in [0, {limit}) ({what}) for the rows of local "
+                         f"groups, got {bad[:8].tolist()}")
   if _concrete(rows.out_indices):
     values = np.asarray(rows.out_indices)[written]
-    bad = values[(values < 0) | (values >= out_rows)]
-    if bad.size:
-      raise ValueError(f"out_indices must lie in [0, out_rows={out_rows}) for the rows of local "
-                       f"groups, got {bad[:8].tolist()}")
     unique, seen = np.unique(values, return_counts=True)
     if (seen > 1).any():
       raise ValueError(f"out_indices of the rows of local groups must be unique (each result "
