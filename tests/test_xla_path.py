@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax._src import xla
-from gmm_jax._src.config import GmmConfig
+from gmm_jax._src.config import GmmConfig, Tiling
 from oracle import f64, gmm_oracle, local_rows, tolerances
 
 # Small and large groups around a mean of 12 rows (head capacity 16 with tile_m 256), with
@@ -88,6 +88,49 @@ def test_k_grouping_every_choice(carry_bits, transpose_lhs, transpose_rhs):
   assert np.all(f64(out)[1] == 0), "an empty group's output must be exactly 0"
 
 
+@pytest.mark.parametrize("carry_bits", [False, True])
+@pytest.mark.parametrize("transpose_lhs,transpose_rhs", [(False, False), (True, False),
+                                                         (False, True)])
+def test_k_grouping_full_and_partial_tiles(carry_bits, transpose_lhs, transpose_rhs):
+  # tile_k=8: groups of several full tiles, full tiles with a partial one, a partial one
+  # alone, empty groups, a group past the total; a 16-bit result with bias and activation,
+  # and the local window of groups 1..4 of 6.
+  sizes = [3, 17, 0, 8, 11, 6]  # sum 45 < K = 48
+  group_offset, num_local = 1, 4
+  rng = np.random.default_rng(2)
+  m, k, n = 16, 48, 24
+  lhs = jnp.asarray(rng.standard_normal((k, m) if transpose_lhs else (m, k)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((n, k) if transpose_rhs else (k, n)), jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal((num_local, n)), jnp.bfloat16)
+  cfg = GmmConfig(group_type="k", num_local=num_local, transpose_lhs=transpose_lhs,
+                  transpose_rhs=transpose_rhs, out_dtype=np.dtype(jnp.bfloat16),
+                  activation="gelu")
+  tiling = Tiling(tile_m=8, tile_k=8, tile_n=8)
+  out = jax.jit(lambda a, b, c, d: xla.gmm_xla(a, b, c, jnp.int32(group_offset), d, cfg,
+                                               tiling, carry_bits=carry_bits))(
+      lhs, rhs, jnp.asarray(sizes, jnp.int32), bias)
+  expected = gmm_oracle(lhs, rhs, sizes, "k", bias=bias, activation="gelu",
+                        transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs,
+                        group_offset=group_offset, num_local=num_local)
+  assert out.dtype == jnp.bfloat16 and out.shape == (num_local, m, n)
+  np.testing.assert_allclose(f64(out), expected, **tolerances(jnp.bfloat16, k=17))
+
+
+def test_k_grouping_16bit_result_has_no_f32_accumulator():
+  # Each group sums into an accumulator of its own and is written once in the result's
+  # dtype: no f32 [G, M, N] accumulator (twice the result) besides it.
+  m, k, n, num_groups = 128, 64, 256, 32
+  lhs = jnp.zeros((k, m), jnp.bfloat16)
+  rhs = jnp.zeros((k, n), jnp.bfloat16)
+  counts = jnp.full((num_groups,), k // num_groups, jnp.int32)
+  cfg = GmmConfig(group_type="k", num_local=num_groups, transpose_lhs=True,
+                  out_dtype=np.dtype(jnp.bfloat16))
+  compiled = jax.jit(lambda a, b, c: xla.gmm_xla(a, b, c, jnp.int32(0), None, cfg)).lower(
+      lhs, rhs, counts).compile()
+  result_bytes = num_groups * m * n * 2
+  assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * result_bytes
+
+
 def test_choices_agree_bit_for_bit():
   # The choices only move data differently: the dots and their f32 accumulation are the
   # same, so every choice returns the same bits.
@@ -110,12 +153,14 @@ def test_loop_upcast_probe_is_a_bool():
 def test_default_never_copies_the_weights_in_f32():
   # The default choice keeps the G weight matrices as they are: no f32 copy of all of them
   # (XLA's upcast of loop-carried bf16), and no bit-pattern copy where XLA does not need it.
-  num_local = 8
-  lhs, rhs, _ = _operands(jnp.bfloat16, False, False, num_local)
+  # (Buffers, not HLO text: a fusion may convert inside it without any f32 buffer.)
+  num_local, k, n = 8, 256, 256
+  rng = np.random.default_rng(0)
+  lhs = jnp.asarray(rng.standard_normal((M, k)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((num_local, k, n)), jnp.bfloat16)
   cfg = GmmConfig(group_type="m", num_local=num_local, out_dtype=np.dtype(jnp.bfloat16))
   fn = jax.jit(lambda a, b, c: xla.gmm_xla(a, b, c, jnp.int32(0), None, cfg, head=False))
-  text = fn.lower(lhs, rhs, jnp.asarray(SIZES, jnp.int32)).compile().as_text()
-  weights = f"[{num_local},{K},{N}]"
-  assert f"f32{weights}" not in text
-  if not xla.loop_upcasts_16bit():
-    assert f"u16{weights}" not in text
+  compiled = fn.lower(lhs, rhs, jnp.asarray(SIZES, jnp.int32)).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  weight_bytes = rhs.size * 2
+  assert temp < (1.5 if xla.loop_upcasts_16bit() else 0.5) * weight_bytes, temp

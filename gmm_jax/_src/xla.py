@@ -103,7 +103,7 @@ def cpu_has_amx() -> bool:
     return False
 
 
-def _as_bits(x, carry_bits: bool = True):
+def _as_bits(x, carry_bits: bool = True, tie=None):
   """A 16-bit float operand as the loops carry it, and a function that views a slice back.
 
   With `carry_bits` (an XLA:CPU that upcasts loop-carried 16-bit arrays, see
@@ -116,7 +116,17 @@ def _as_bits(x, carry_bits: bool = True):
   if storage == x.dtype or not carry_bits:
     return x, lambda piece: piece
   dtype = x.dtype
-  return lax.bitcast_convert_type(x, storage), lambda piece: lax.bitcast_convert_type(piece, dtype)
+  bits = lax.bitcast_convert_type(x, storage)
+  if tie is not None:
+    # The copy belongs to this call: XLA would merge equal copies of one operand (the
+    # forward gmm's and the backward's of the same weights) into one that lives from the
+    # forward pass to the backward (measured: +537 MB at the peak of a bf16 MoE step). OR-ing
+    # in a zero computed from the call's other operand makes the copies differ at no cost
+    # (it fuses into the copy): ``p != p and p == p`` is false for every float p, NaN
+    # included, which XLA does not simplify.
+    probe = lax.index_in_dim(tie.reshape(-1), 0, keepdims=False)
+    bits = bits | ((probe != probe) & (probe == probe)).astype(storage)
+  return bits, lambda piece: lax.bitcast_convert_type(piece, dtype)
 
 
 def _for_each_item(meta, classes, body, carry):
@@ -248,8 +258,8 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
                                       ALIGN, skip=head)
 
     def run_items(out):
-      lhs_bits, lhs_view = _as_bits(lhs, carry_bits)
-      rhs_bits, rhs_view = _as_bits(rhs, carry_bits)
+      lhs_bits, lhs_view = _as_bits(lhs, carry_bits, tie=rhs)
+      rhs_bits, rhs_view = _as_bits(rhs, carry_bits, tie=lhs)
 
       def body(window, start, end, group, out):
         first = jnp.minimum(start, m - window)
@@ -288,29 +298,87 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
       out = run_items(jnp.zeros((out_m, n_out), storage))
     return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
 
-  lhs, lhs_view = _as_bits(lhs, carry_bits)
-  rhs, rhs_view = _as_bits(rhs, carry_bits)
-  meta = metadata.make_tile_metadata(counts, k, tiling.tile_k, group_offset, cfg.num_local, ALIGN)
+  return _gmm_k(lhs, rhs, counts, group_offset, bias, cfg, tiling.tile_k, carry_bits, rows,
+                acc_dtype)
+
+
+def _gmm_k(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tile_k: int, carry_bits: bool,
+           rows: Rows, acc_dtype):
+  """k-grouping: one pass per local group, which sums its K rows into an ``[M, N]``
+  accumulator of its own and writes the group's result once, in the output dtype.
+
+  The group's last partial tile runs first, in the smallest window of
+  `metadata.size_classes` that holds it (a `lax.switch` whose branches return only that
+  window's product, which starts the accumulator); its full tiles of `tile_k` rows follow
+  unmasked. So no ``[L, M, N]`` accumulator exists besides the result (bf16 weight
+  gradients: no f32 copy of all of them) and nothing is read back and added per work item.
+  """
+  m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
+  n_out = out_columns(n, cfg)
+  lhs_k_axis = 0 if cfg.transpose_lhs else 1
   rhs_row_axis = 1 if cfg.transpose_rhs else 0
+  lhs, lhs_view = _as_bits(lhs, carry_bits, tie=rhs)
+  rhs, rhs_view = _as_bits(rhs, carry_bits, tie=lhs)
+  if k == 0:  # every group is empty: the epilogue of zero sums
+    acc = jnp.zeros((cfg.num_local, m, n), acc_dtype)
+    return apply_epilogue(acc, None if bias is None else bias[:, None, :], cfg.activation,
+                          cfg.out_dtype)
+  starts, ends = metadata.local_group_bounds(counts, k, group_offset, cfg.num_local)
+  classes = metadata.size_classes(tile_k, k)
+  tile = classes[-1]  # the largest window: tile_k, or K if smaller
+  # The result is written whole per group (no masked update), but an XLA:CPU that upcasts
+  # loop-carried 16-bit arrays still converts the carried result in full on every write.
+  storage = _storage_dtype(cfg.out_dtype) if loop_upcasts_16bit() else cfg.out_dtype
 
-  def body(window, start, end, group, acc):
-    first = jnp.minimum(start, k - window)
-    cols = first + lax.iota(jnp.int32, window)
-    keep = (cols >= start) & (cols < end)
+  def rows_of(first, window):
     if cfg.gather_rows is not None:  # lhs stored [T, M]: the window's K rows by index
-      x = lhs_view(gather_rows(lhs, lax.dynamic_slice_in_dim(rows.lhs_indices, first, window)))
-    else:
-      x = lhs_view(lax.dynamic_slice_in_dim(lhs, first, window, axis=lhs_k_axis))
-    r = rhs_view(lax.dynamic_slice_in_dim(rhs, first, window, axis=rhs_row_axis))
-    # Columns outside the group are zeroed in both operands, so even inf/NaN there is inert.
-    x = jnp.where(jnp.expand_dims(keep, 1 - lhs_k_axis), x, jnp.zeros((), x.dtype))
-    r = jnp.where(jnp.expand_dims(keep, 1 - rhs_row_axis), r, jnp.zeros((), r.dtype))
-    part = lax.dot_general(x, r, (((lhs_k_axis,), (rhs_row_axis,)), ((), ())),
-                           precision=cfg.precision, preferred_element_type=acc_dtype)
-    old = lax.dynamic_index_in_dim(acc, group, 0, keepdims=False)
-    return lax.dynamic_update_index_in_dim(acc, old + part, group, 0)
+      return lhs_view(gather_rows(lhs, lax.dynamic_slice_in_dim(rows.lhs_indices, first,
+                                                                window)))
+    return lhs_view(lax.dynamic_slice_in_dim(lhs, first, window, axis=lhs_k_axis))
 
-  acc = jnp.broadcast_to(_unshared_zero(lhs, rhs, acc_dtype), (cfg.num_local, m, n))
-  acc = _for_each_item(meta, metadata.size_classes(tiling.tile_k, k), body, acc)
-  return apply_epilogue(acc, None if bias is None else bias[:, None, :], cfg.activation,
-                        cfg.out_dtype)
+  def product(x, r):
+    return lax.dot_general(x, r, (((lhs_k_axis,), (rhs_row_axis,)), ((), ())),
+                           precision=cfg.precision, preferred_element_type=acc_dtype)
+
+  def partial_tile(window):
+    def run(start, end):  # rows [start, end) of K, end - start <= window
+      first = jnp.minimum(start, k - window)
+      cols = first + lax.iota(jnp.int32, window)
+      keep = (cols >= start) & (cols < end)
+      x = rows_of(first, window)
+      r = rhs_view(lax.dynamic_slice_in_dim(rhs, first, window, axis=rhs_row_axis))
+      # Rows outside the group are zeroed in both operands, so even inf/NaN there is inert.
+      x = jnp.where(jnp.expand_dims(keep, 1 - lhs_k_axis), x, jnp.zeros((), x.dtype))
+      r = jnp.where(jnp.expand_dims(keep, 1 - rhs_row_axis), r, jnp.zeros((), r.dtype))
+      return product(x, r)
+    return run
+
+  def nothing(start, end):
+    del start, end
+    return jnp.zeros((m, n), acc_dtype)
+
+  branches = [nothing] + [partial_tile(window) for window in classes]
+  windows = jnp.asarray(classes, jnp.int32)
+
+  def group_body(g, out):
+    start, end = starts[g], ends[g]
+    full = (end - start) // tile
+    rest = start + full * tile
+    # The partial tile first: its product starts the accumulator (no zeros to add to).
+    branch = jnp.where(rest < end, 1 + jnp.searchsorted(windows, end - rest), 0)
+    acc = lax.switch(branch, branches, rest, end)
+
+    def full_tile(j, acc):
+      first = start + j * tile
+      r = rhs_view(lax.dynamic_slice_in_dim(rhs, first, tile, axis=rhs_row_axis))
+      return acc + product(rows_of(first, tile), r)
+
+    acc = lax.fori_loop(0, full, full_tile, acc)
+    group_bias = None if bias is None else lax.dynamic_index_in_dim(bias, g, 0)
+    y = _to_storage(apply_epilogue(acc, group_bias, cfg.activation, cfg.out_dtype), storage)
+    return lax.dynamic_update_index_in_dim(out, y, g, 0)
+
+  zero = _to_storage(_unshared_zero(lhs, rhs, cfg.out_dtype), storage)
+  out = jnp.broadcast_to(zero, (cfg.num_local, m, n_out))
+  out = lax.fori_loop(0, cfg.num_local, group_body, out)
+  return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
