@@ -456,10 +456,10 @@ class MoE(nnx.Module):
     """route -> one gathered gmm for gate|up (gated epilogue) -> one weighted, scattered
     gmm for down -> combine. Returns ([T, D] f32, kept [T, k] or None).
 
-    For its backward it keeps the two gmms' f32 pre-activations only
-    (`gmm_jax.PREACTIVATION`, a `jax.checkpoint` policy): the routing, the activation and
-    the rows between the gmms are recomputed (integer sorts and elementwise work), not
-    stored."""
+    For its backward it keeps the two gmms' pre-activations only (f32; bf16 in a bf16
+    layer) (`gmm_jax.PREACTIVATION`, a `jax.checkpoint` policy): the routing, the
+    activation and the rows between the gmms are recomputed (integer sorts and elementwise
+    work), not stored."""
     body = functools.partial(self._fused_body, capacity=capacity, activation=activation,
                              gated=gated, options=options)
     return jax.checkpoint(body, policy=_FFN_POLICY)(rows, top_e, top_p, weights)

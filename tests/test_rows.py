@@ -10,6 +10,7 @@ import functools
 import hypothesis
 import hypothesis.strategies as st
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -302,3 +303,41 @@ def test_weight_gradient_reads_gathered_rows_by_index():
     expected[g] = block.T @ (2 * block @ np.asarray(w[g], np.float64))
     start += size
   np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def _saved_preactivations(fn, *args):
+  """dtypes of the values named `gmm_jax.PREACTIVATION` in the jaxpr of fn's vjp."""
+  jaxpr = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a))(*args).jaxpr
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.params.get("name") == gmm_jax.PREACTIVATION:
+        found.append(eqn.invars[0].aval.dtype)
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("dtype,saved", [(jnp.bfloat16, jnp.bfloat16),
+                                         (jnp.float32, jnp.float32)])
+def test_differentiated_preactivation_dtype(rows, dtype, saved):
+  # A 16-bit layer keeps its pre-activation in its own dtype for the backward (half the
+  # bytes, 16-bit backward products); the activation still runs in f32. f32 keeps f32.
+  x, w, _, probs, r = _topk_problem(3)
+  x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+  kwargs = dict(lhs_indices=r.lhs_indices) if rows else {}
+  lhs = x if rows else jnp.repeat(x, 2, axis=0)
+
+  def f(lhs, w):
+    return gmm_jax.gmm(lhs, w, r.group_sizes, activation="silu", **kwargs)
+
+  assert _saved_preactivations(f, lhs, w) == [jnp.dtype(saved)]
+  out, vjp = jax.vjp(f, lhs, w)
+  np.testing.assert_allclose(np.asarray(out, np.float32),
+                             np.asarray(f(lhs, w), np.float32), rtol=2e-2, atol=2e-2)
+  d_lhs, d_w = vjp(jnp.ones_like(out))
+  assert d_lhs.dtype == dtype and d_w.dtype == dtype

@@ -208,6 +208,17 @@ def preactivation_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
   return acc if jnp.issubdtype(acc, jnp.floating) else np.dtype(np.float32)
 
 
+def saved_preactivation_dtype(lhs_dtype, rhs_dtype, out_dtype) -> np.dtype:
+  """The dtype of the pre-activation that a differentiated gmm with an activation keeps for
+  its backward: a 16-bit float output's dtype (as an unfused 16-bit layer keeps its
+  projections: half the bytes, and the backward's products stay 16-bit), else
+  `preactivation_dtype`. The activation itself is applied in f32 either way."""
+  out_dtype = np.dtype(out_dtype)
+  if jnp.issubdtype(out_dtype, jnp.floating) and out_dtype.itemsize == 2:
+    return out_dtype
+  return preactivation_dtype(lhs_dtype, rhs_dtype)
+
+
 def problem_dims(lhs_shape, rhs_shape, cfg: GmmConfig) -> tuple[int, int, int]:
   """(M, K, N) of a validated call: M the grouped problem's rows (R with gathered rows), N
   the product's columns (2N' for a gated activation)."""
