@@ -6,7 +6,9 @@
 #   2. the GPU benchmark: gmm vs jax.lax.ragged_dot vs tokamax vs a dense bf16 matmul of the
 #      same FLOPs, in TFLOP/s, on the Mixtral-like, DeepSeek-like and decode shapes with
 #      balanced and skewed routing, forward and forward+backward,
-#   3. the autotuner on the two training shapes, writing $OUT/autotune.json.
+#   3. the autotuner on the two training shapes, writing $OUT/autotune.json,
+#   4. the fused MoE layer's training step against the unfused block and the copy-free
+#      floor (bf16; on a GPU the row copies are memory-bound passes next to the gmms).
 #
 #   run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=590)
 #
@@ -49,6 +51,9 @@ step tests 200 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -n 8 \
 # 2. The benchmark (every row also checked against jax.lax.ragged_dot).
 step bench 220 "$PY" -m gmm_jax.bench --platform gpu --repeats 20
 # 3. The autotuner (forward gmms of the two training shapes).
-step autotune 120 "$PY" -m gmm_jax.bench --platform gpu --autotune --shapes mixtral deepseek \
+step autotune 100 "$PY" -m gmm_jax.bench --platform gpu --autotune --shapes mixtral deepseek \
   --modes fwd --repeats 5
+# 4. The fused MoE layer (issue 15's time target: fused <= 0.9x the unfused block).
+step moe 70 "$PY" -m gmm_jax.bench_moe --dtypes bfloat16 --blocks fused unfused \
+  copy_free_floor --repeats 5
 echo "total $(( $(date +%s) - start )) s" >> "$OUT/env.txt"
