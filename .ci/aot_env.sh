@@ -7,11 +7,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JAX=0.12.0.1
-PACKAGES=(jax==$JAX jaxlib==$JAX libtpu==0.0.50.1 pytest hypothesis)
+PACKAGES=(jax==$JAX jaxlib==$JAX libtpu==0.0.50.1 pytest hypothesis absl-py)
 NO_DEPS=(jax-cuda12-plugin==$JAX jax-cuda12-pjrt==$JAX nvidia-nvjitlink-cu12==12.9.86)
 VENV=${GMM_JAX_AOT_VENV:-$HOME/.cache/gmm_jax/venv-aot-jax$JAX}
 check() {
-  JAX_PLATFORMS=cpu "$VENV/bin/python" -c "import jax, jax_plugins.xla_cuda12, libtpu, pytest" \
+  JAX_PLATFORMS=cpu "$VENV/bin/python" -c "import jax, jax_plugins.xla_cuda12, libtpu, pytest, absl" \
     > /dev/null 2>&1
 }
 if ! check; then

@@ -33,3 +33,35 @@ from gmm_jax._src.routing import routed_gmm as routed_gmm
 from gmm_jax._src.sharding import GmmSharding as GmmSharding
 
 __version__ = "0.1.0"
+
+# The public names: every re-export above (`__version__` is metadata, not API).
+__all__ = [
+    "ACTIVATIONS",
+    "autotune",
+    "check_group_list",
+    "dequantize",
+    "explain",
+    "gmm",
+    "GmmConfig",
+    "GmmSharding",
+    "grouped_desc",
+    "GroupedArray",
+    "GroupedDesc",
+    "implementations",
+    "make_tile_metadata",
+    "PREACTIVATION",
+    "Problem",
+    "QArray",
+    "quantize",
+    "QuantSpec",
+    "ragged_dot",
+    "ragged_dot_general",
+    "route",
+    "routed_apply",
+    "routed_gmm",
+    "Routing",
+    "TileMetadata",
+    "Tiling",
+    "Tilings",
+    "TuneResult",
+]

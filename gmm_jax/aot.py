@@ -20,28 +20,34 @@ Usage::
   python -m gmm_jax.aot --targets h200 v5e --cases mixtral-train
   python -m gmm_jax.aot --list                # the cases
   python -m gmm_jax.aot --json out.json --markdown table.md
+
+``gmm-jax-aot`` is the same command. ``--targets`` and ``--cases`` take their values after
+one name, comma-separated, or by repeating the flag; ``--progress`` (default: when stderr is
+a terminal) shows a progress bar on stderr.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import pathlib
+import queue
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 from jax.experimental import topologies
 
 import gmm_jax
-from gmm_jax._src import dispatch, tuning
+from gmm_jax._src import cli, dispatch, tuning
 from gmm_jax._src.config import is_gated
 
 TARGET_DIR = pathlib.Path(__file__).with_name("targets")
@@ -66,6 +72,8 @@ SHAPES = {
 MOE_TOP_K = 2
 _CHILD_ENV = "GMM_JAX_AOT_CHILD"
 _SPILL_FLAG = "--xla_gpu_fail_ptx_compilation_on_register_spilling=true"
+# A compile process's line after each (target, case): the parent's progress bar counts them.
+_DONE = "#done "
 
 
 # ---------------------------------------------------------------------------------- cases
@@ -385,6 +393,9 @@ def _child(targets, cases, json_path):
     except Exception as err:  # noqa: BLE001  (no libtpu / CUDA plugin: many kinds)
       results.append(dataclasses.asdict(Row(target, "*", "-", "-", status="skipped",
                                             error=f"no {target} compiler: {err}"[:500])))
+      for case in cases:
+        if TARGETS[target][0] in case.platforms:
+          print(f"{_DONE}{target} {case.name} (skipped)", flush=True)
       continue
     for case in cases:
       if TARGETS[target][0] not in case.platforms:
@@ -397,6 +408,7 @@ def _child(targets, cases, json_path):
       for row in rows:
         print(_line(row), flush=True)
         results.append(dataclasses.asdict(row))
+      print(f"{_DONE}{target} {case.name}", flush=True)
   pathlib.Path(json_path).write_text(json.dumps(results, indent=1))
 
 
@@ -442,21 +454,38 @@ def _child_env() -> dict[str, str]:
   return env
 
 
+def _define_flags() -> flags.FlagValues:
+  """This command's flags, in a FlagValues of their own (none are registered globally)."""
+  fv = cli.flag_values()
+  flags.DEFINE_multi_enum("targets", list(TARGETS), list(TARGETS), "the targets to compile for",
+                          flag_values=fv)
+  flags.DEFINE_multi_enum("cases", [c.name for c in CASES], [c.name for c in CASES],
+                          "the programs to compile (--list describes them)", flag_values=fv)
+  flags.DEFINE_integer("jobs", 2, "compile processes (targets are split between them)",
+                       lower_bound=1, flag_values=fv)
+  flags.DEFINE_string("json", None, "write the rows as JSON here", flag_values=fv)
+  flags.DEFINE_string("markdown", None, "write the Markdown table here", flag_values=fv)
+  flags.DEFINE_bool("require", False,
+                    "a target whose compiler is missing is a failure, not a skip", flag_values=fv)
+  flags.DEFINE_bool("list", False, "list the cases and exit", flag_values=fv)
+  # Internal: a compile process writes its rows here.
+  flags.DEFINE_string("child_json", None, "(internal) run as a compile process",
+                      flag_values=fv)
+  return fv
+
+
+def _read_lines(proc: subprocess.Popen, lines: queue.Queue):
+  for line in proc.stdout:
+    lines.put(line.rstrip("\n"))
+  lines.put(None)
+
+
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m gmm_jax.aot", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--targets", nargs="+", choices=tuple(TARGETS), default=list(TARGETS))
-  parser.add_argument("--cases", nargs="+", choices=[c.name for c in CASES],
-                      default=[c.name for c in CASES])
-  parser.add_argument("--jobs", type=int, default=2,
-                      help="compile processes (targets are split between them)")
-  parser.add_argument("--json", help="write the rows as JSON here")
-  parser.add_argument("--markdown", help="write the Markdown table here")
-  parser.add_argument("--require", action="store_true",
-                      help="a target whose compiler is missing is a failure, not a skip")
-  parser.add_argument("--list", action="store_true", help="list the cases and exit")
-  parser.add_argument("--child-json", help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  """Compiles the cases for the targets of command-line flags `argv` (without the program
+  name; None: sys.argv[1:]); prints one row per kernel launch and the Markdown table.
+  Returns the exit status."""
+  args = cli.parse_flags(_define_flags(), "gmm-jax-aot", sys.argv[1:] if argv is None else argv,
+                         __doc__)
   cases = [c for c in CASES if c.name in args.cases]
   if args.list:
     for case in CASES:
@@ -466,18 +495,34 @@ def main(argv=None) -> int:
     _child(args.targets, cases, args.child_json)
     return 0
   jobs = max(1, min(args.jobs, len(args.targets)))
+  total = sum(TARGETS[t][0] in c.platforms for t in args.targets for c in cases)
   # Interleave GPU and TPU targets so that each process gets a mix.
   ordered = sorted(args.targets, key=lambda t: list(TARGETS).index(t))
   shards = [ordered[i::jobs] for i in range(jobs)]
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
-    procs = []
+    procs, lines = [], queue.Queue()
     for i, shard in enumerate(shards):
       out = pathlib.Path(tmp) / f"{i}.json"
-      command = [sys.executable, "-m", "gmm_jax.aot", "--child-json", str(out), "--targets",
+      command = [sys.executable, "-m", "gmm_jax.aot", "--child_json", str(out), "--targets",
                  *shard, "--cases", *[c.name for c in cases]]
-      procs.append((subprocess.Popen(command, env=_child_env(), stderr=subprocess.DEVNULL),
-                    out))
+      proc = subprocess.Popen(command, env=_child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+      threading.Thread(target=_read_lines, args=(proc, lines), daemon=True).start()
+      procs.append((proc, out))
+    # The compile processes' rows as they come, and a bar counting the (target, case)s done.
+    bar = cli.Progress(total, cli.show_progress(args))
+    bar.begin(f"compiling for {', '.join(args.targets)}")
+    running = len(procs)
+    while running:
+      line = lines.get()
+      if line is None:
+        running -= 1
+      elif line.startswith(_DONE):
+        bar.advance(line[len(_DONE):])
+      else:
+        bar.print(line)
+    bar.close()
     rows = []
     for proc, out in procs:
       proc.wait()
@@ -508,5 +553,10 @@ def main(argv=None) -> int:
   return 1 if failed or (skipped and args.require) else 0
 
 
+def run():
+  """The `gmm-jax-aot` console script (and ``python -m gmm_jax.aot``)."""
+  cli.run(main)
+
+
 if __name__ == "__main__":
-  sys.exit(main())
+  run()

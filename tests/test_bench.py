@@ -24,8 +24,8 @@ def test_group_sizes_sum_to_m(distribution):
 
 
 def test_cpu_table(capsys):
-  bench.main(["--dtypes", "float32", "--m", "64", "--kn", "32", "--groups", "1", "4",
-              "--repeats", "1"])
+  bench.main(["--platform", "cpu", "--dtypes", "float32", "--m", "64", "--kn", "32",
+              "--groups", "1", "4", "--repeats", "1"])
   rows = _rows(capsys.readouterr().out)
   assert len(rows) == 6  # G=1 balanced, G=4 balanced and skewed; fwd and fwd+bwd each
   for row in rows:
@@ -46,8 +46,8 @@ def test_gpu_table_in_interpret_mode(capsys):
 
 
 def test_quant_table(capsys):
-  bench.main(["--quant", "--m", "64", "--kn", "128", "--groups", "2", "--sizes", "skewed",
-              "--modes", "fwd", "fwd+bwd", "--repeats", "1"])
+  bench.main(["--platform", "cpu", "--quant", "--m", "64", "--kn", "128", "--groups", "2",
+              "--sizes", "skewed", "--modes", "fwd", "fwd+bwd", "--repeats", "1"])
   rows = _rows(capsys.readouterr().out)
   assert [row[4] for row in rows] == ["fwd", "fwd+bwd"]
   for row in rows:

@@ -1,12 +1,22 @@
-"""The wheel ships pallas/ as gmm_jax.pallas (every folder) and never as a top-level pallas."""
+"""The wheel ships pallas/ as gmm_jax.pallas (every folder) and never as a top-level pallas,
+with its license, py.typed, extras and console scripts; `gmm_jax.__all__` is the public API."""
 
+import ast
+import importlib
+import io
 import os
 import pathlib
 import subprocess
 import sys
+import tomllib
+import types
 import zipfile
 
+import gmm_jax
 import pytest
+from absl import flags
+from gmm_jax import bench
+from gmm_jax._src import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -63,3 +73,117 @@ def test_installed_copy_imports_gmm_jax_pallas_but_not_pallas(wheel, tmp_path):
   result = subprocess.run([sys.executable, "-s", "-c", code], cwd=tmp_path, env=env,
                           capture_output=True, text=True)
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+# ------------------------------------------------------------------ metadata and license
+
+
+def _pyproject() -> dict:
+  return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_license_is_apache_2_and_ships_in_the_wheel(wheel):
+  text = (ROOT / "LICENSE").read_text()
+  assert "Apache License" in text and "Version 2.0, January 2004" in text
+  assert "END OF TERMS AND CONDITIONS" in text
+  project = _pyproject()["project"]
+  assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+  names = zipfile.ZipFile(wheel).namelist()
+  assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), names
+  metadata = _wheel_text(wheel, "METADATA")
+  assert "License-Expression: Apache-2.0" in metadata
+
+
+def test_py_typed_ships_in_the_wheel(wheel):
+  assert (ROOT / "gmm_jax" / "py.typed").exists()
+  assert "gmm_jax/py.typed" in zipfile.ZipFile(wheel).namelist()
+
+
+def test_extras():
+  extras = _pyproject()["project"]["optional-dependencies"]
+  assert extras["docs"] == ["sphinx>=7", "myst-parser>=2"]
+  assert "flax>=0.12.3" in extras["flax"] and "flax>=0.12.3" in extras["test"]
+  assert any(r.startswith("jax[cuda") for r in extras["gpu"])
+  assert any(r.startswith("jax[tpu]") for r in extras["tpu"])
+  assert "absl-py" in _pyproject()["project"]["dependencies"]
+
+
+# ------------------------------------------------------------------------ console scripts
+
+SCRIPTS = {"gmm-jax-bench": "gmm_jax.bench:run", "gmm-jax-aot": "gmm_jax.aot:run"}
+
+
+def test_console_scripts_declared_and_importable(wheel):
+  assert _pyproject()["project"]["scripts"] == SCRIPTS
+  entry_points = _wheel_text(wheel, "entry_points.txt")
+  for name, target in SCRIPTS.items():
+    assert f"{name} = {target}" in entry_points
+    module = importlib.import_module(target.split(":")[0])
+    assert callable(getattr(module, target.split(":")[1])) and callable(module.main)
+
+
+@pytest.mark.parametrize("module", ["gmm_jax.bench", "gmm_jax.aot"])
+def test_help_and_bad_flags(module, capsys):
+  main = importlib.import_module(module).main
+  for _ in range(2):  # the flags live in a FlagValues per call: a second parse works
+    with pytest.raises(SystemExit) as exit_info:
+      main(["--help"])
+    assert exit_info.value.code == 0 and "usage: gmm-jax-" in capsys.readouterr().out
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--no-such-flag"])
+  assert exit_info.value.code == 2 and "no-such-flag" in capsys.readouterr().err
+  assert "platform" not in flags.FLAGS and "targets" not in flags.FLAGS  # nothing global
+
+
+@pytest.mark.parametrize("argv", [["--groups", "8", "64"], ["--groups=8,64"],
+                                  ["--groups=8", "--groups=64"], ["--groups", "8,64"]])
+def test_list_flags_take_argparse_and_absl_forms(argv):
+  args = cli.parse_flags(bench._define_flags(), "gmm-jax-bench",
+                         [*argv, "--sizes", "skewed", "--interpret"], "doc")
+  assert args.groups == [8, 64] and args.sizes == ["skewed"] and args.interpret
+
+
+def test_progress_bar():
+  out = io.StringIO()
+  bar = cli.Progress(4, True, stream=out)
+  bar.begin("case-a")
+  bar.print("| row |")
+  bar.advance("case-a")  # not a terminal: one line per update, no carriage returns
+  assert out.getvalue().splitlines() == ["[....................] 0/4 case-a 0s",
+                                         "[#####...............] 1/4 case-a 0s"]
+  quiet = io.StringIO()
+  cli.Progress(4, False, stream=quiet).begin("case-a")
+  assert quiet.getvalue() == ""
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def test_all_lists_exactly_the_public_names():
+  public = {name for name, value in vars(gmm_jax).items()
+            if not name.startswith("_") and not isinstance(value, types.ModuleType)}
+  assert sorted(gmm_jax.__all__) == sorted(public)
+  assert len(set(gmm_jax.__all__)) == len(gmm_jax.__all__)
+  # ... and exactly the explicit re-exports of __init__.py (`from x import y as y`).
+  tree = ast.parse((ROOT / "gmm_jax" / "__init__.py").read_text())
+  reexports = {alias.asname for node in tree.body if isinstance(node, ast.ImportFrom)
+               for alias in node.names}
+  assert set(gmm_jax.__all__) == reexports
+
+
+def _wheel_text(wheel, name: str) -> str:
+  archive = zipfile.ZipFile(wheel)
+  (path,) = [n for n in archive.namelist() if n.endswith(f".dist-info/{name}")]
+  return archive.read(path).decode()
+
+
+def test_ci_runs_the_readme_quick_start_verbatim():
+  readme = (ROOT / "README.md").read_text()
+  start = readme.index("## Quick start")
+  block = readme[start:].split("```bash\n", 1)[1].split("```", 1)[0]
+  commands = [line for line in block.splitlines() if line.strip()]
+  assert len(commands) == 2, commands  # install + demo, install + tests
+  ci = (ROOT / ".ci" / "run").read_text().splitlines()
+  for command in commands:
+    assert command in ci, f"{command!r} is not run verbatim by .ci/run"
+  assert "bash .ci/wheel_check.sh" in ci and "bash .ci/docs.sh" in ci

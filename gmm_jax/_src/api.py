@@ -483,7 +483,8 @@ def _route(call: _Call):
   return op.gmm(*args, rows=call.rows)
 
 
-def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
+def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.ArrayLike | QArray,
+        group_list: jax.typing.ArrayLike | None = None, *, group_type: str | None = None,
         group_list_type: str = "counts", num_groups: int | None = None, bias=None,
         activation: str | Callable[[Array], Array] | None = None, transpose_lhs: bool = False,
         transpose_rhs: bool = False, preferred_element_type=None, precision=None,
@@ -550,7 +551,7 @@ def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
       output_offset`` after the activation, before the cast (requantization when the output
       dtype is an integer: rounded to nearest even and saturated). Scalar, ``[N]``,
       ``[G_local, 1]`` or ``[G_local, N]``.
-    quantize_lhs, quantize_rhs: `QuantSpec`s: gmm quantizes the float operand itself
+    quantize_lhs, quantize_rhs: `QuantSpec` objects: gmm quantizes the float operand itself
       (dynamic quantization, e.g. per-token int8 activations) and runs the quantized mode.
     straight_through: with quantize_lhs/quantize_rhs, gradients w.r.t. the float operands
       are the float gmm's gradients at the dequantized operands (the straight-through
@@ -616,7 +617,10 @@ def gmm(lhs, rhs, group_list=None, *, group_type: str | None = None,
   return out if out_offsets is None else GroupedArray(out, out_offsets, 0)
 
 
-def explain(lhs, rhs, group_list=None, **kwargs) -> str:
+def explain(lhs: jax.typing.ArrayLike | QArray | GroupedArray | jax.ShapeDtypeStruct,
+            rhs: jax.typing.ArrayLike | QArray | jax.ShapeDtypeStruct,
+            group_list: jax.typing.ArrayLike | jax.ShapeDtypeStruct | None = None,
+            **kwargs: Any) -> str:
   """What `gmm(lhs, rhs, group_list, **kwargs)` would do, and why: the quantization mode,
   the sharding strategy and collectives (with ``sharding=``, or what plain jit chose for
   operands placed on several devices: arrays, or ShapeDtypeStructs with a sharding), and

@@ -37,9 +37,12 @@ def _constrain(out, out_sharding):
   return lax.with_sharding_constraint(out, out_sharding)
 
 
-def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
-               group_offset=None, out_sharding=None, *, implementation=None,
-               interpret: bool = False):
+def ragged_dot(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
+               group_sizes: jax.typing.ArrayLike, precision=None,
+               preferred_element_type: jax.typing.DTypeLike | None = None,
+               group_offset: jax.typing.ArrayLike | None = None, out_sharding=None, *,
+               implementation: str | Sequence[str] | None = None,
+               interpret: bool = False) -> jax.Array:
   """A drop-in for `jax.lax.ragged_dot` (m-grouping, counts), backed by `gmm`.
 
   Takes every argument jax.lax.ragged_dot takes (jax 0.10-0.12) with the same results, and

@@ -157,7 +157,8 @@ class Routing:
     return summed.astype(slots.dtype)
 
 
-def route(expert_ids, num_experts: int, *, weights=None, capacity: int | None = None
+def route(expert_ids: jax.typing.ArrayLike, num_experts: int, *,
+          weights: jax.typing.ArrayLike | None = None, capacity: int | None = None
           ) -> Routing:
   """The row operands of a fused MoE gmm for the experts each token chose.
 
