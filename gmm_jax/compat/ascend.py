@@ -1,7 +1,7 @@
 """Ascend's aclnnGroupedMatmul (V5) as a facade over gmm_jax, with ``torch_npu.npu_grouped_matmul``
 argument names. See ``shared/spec/ascend_grouped_matmul.md`` (section numbers below are its).
 
-Scenarios (the union of the A2/A3 and 950 tables, section 6):
+Scenarios (the union of the A2/A3 and 950 tables, section 6)::
 
   non-quant     f32/f16/bf16 x and weight alike; group types -1, 0, 2
   weight-only   f16/bf16 x, int8/int4 weight (A16W8/A16W4; antiquant scale [+ offset],

@@ -150,7 +150,7 @@ ELTWISE = {
 
 
 def eltwise(algorithm: str, alpha: float = 0.0, beta: float = 0.0):
-  """``post_ops.append_eltwise(algorithm, alpha, beta)`` (names without "eltwise_")."""
+  """``post_ops.append_eltwise(algorithm, alpha, beta)`` (names without ``"eltwise_"``)."""
   name = algorithm.removeprefix("eltwise_")
   if name not in ELTWISE:
     raise ValueError(f"unsupported eltwise algorithm {algorithm!r}; supported: "
