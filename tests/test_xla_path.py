@@ -116,6 +116,25 @@ def test_k_grouping_full_and_partial_tiles(carry_bits, transpose_lhs, transpose_
   np.testing.assert_allclose(f64(out), expected, **tolerances(jnp.bfloat16, k=17))
 
 
+@pytest.mark.parametrize("carry_bits", [False, True])
+@pytest.mark.parametrize("group_type,lhs_shape,rhs_shape,sizes", [
+    ("m", (8, 0), (2, 0, 4), [3, 5]),  # K = 0: the epilogue of zero sums
+    ("m", (0, 8), (2, 8, 4), [0, 0]),  # M = 0
+    ("k", (4, 0), (0, 3), [0, 0]),     # K = 0
+    ("k", (0, 6), (6, 3), [2, 4]),     # M = 0
+])
+def test_zero_sized_16bit_operands(carry_bits, group_type, lhs_shape, rhs_shape, sizes):
+  lhs = jnp.zeros(lhs_shape, jnp.bfloat16)
+  rhs = jnp.zeros(rhs_shape, jnp.bfloat16)
+  cfg = GmmConfig(group_type=group_type, num_local=2, out_dtype=np.dtype(jnp.bfloat16))
+  out = jax.jit(lambda a, b, c: xla.gmm_xla(a, b, c, jnp.int32(0), None, cfg, head=False,
+                                            carry_bits=carry_bits))(
+      lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  expected = gmm_oracle(lhs, rhs, sizes, group_type)
+  assert out.shape == expected.shape
+  np.testing.assert_array_equal(f64(out), expected)
+
+
 def test_k_grouping_16bit_result_has_no_f32_accumulator():
   # Each group sums into an accumulator of its own and is written once in the result's
   # dtype: no f32 [G, M, N] accumulator (twice the result) besides it.

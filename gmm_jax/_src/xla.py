@@ -117,7 +117,7 @@ def _as_bits(x, carry_bits: bool = True, tie=None):
     return x, lambda piece: piece
   dtype = x.dtype
   bits = lax.bitcast_convert_type(x, storage)
-  if tie is not None:
+  if tie is not None and tie.size:
     # The copy belongs to this call: XLA would merge equal copies of one operand (the
     # forward gmm's and the backward's of the same weights) into one that lives from the
     # forward pass to the backward (measured: +537 MB at the peak of a bf16 MoE step). OR-ing
