@@ -18,7 +18,7 @@ import pytest
 from gmm_jax._src import dispatch
 from jax.experimental import topologies
 
-H200 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "targets" / "nvidia_h200.txtpb"
+H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
 
 
 def _topology(kind: str):
@@ -33,14 +33,17 @@ def _topology(kind: str):
     pytest.skip(f"no {kind} topology in this jax install: {err}")
 
 
-# The implementations serving (the silu gmm's forward, dlhs, drhs) and the int8-weight gmm.
-# On an H200 the bf16 forward is the Mosaic GPU (Hopper) kernel's; its dlhs multiplies the
-# f32 cotangent of the silu by bf16 weights and its drhs is k-grouped, which Triton serves,
-# as the int8 weights.
-TRITON = "pallas_triton"
+# The implementations serving each gmm of the silu gmm's gradient, by role (forward: m-grouped;
+# dlhs: m-grouped with the transposed weights; drhs: k-grouped), and the int8-weight gmm. On
+# an H200 the bf16 forward is the Mosaic GPU (Hopper) kernel's, and so is the dlhs (a bf16
+# output keeps a bf16 pre-activation, so the silu's cotangent is bf16 too); the k-grouped
+# drhs and the int8 weights are Triton's.
+TRITON, MOSAIC = "pallas_triton", "pallas_mosaic_gpu"
+FORWARD, DLHS, DRHS = ("m", False), ("m", True), ("k", False)
 SERVED = {
-    "tpu": (("pallas_tpu",) * 3, ("pallas_tpu",)),
-    "gpu": (("pallas_mosaic_gpu", TRITON, TRITON), (TRITON,)),
+    "tpu": ({FORWARD: "pallas_tpu", DLHS: "pallas_tpu", DRHS: "pallas_tpu"},
+            {FORWARD: "pallas_tpu"}),
+    "gpu": ({FORWARD: MOSAIC, DLHS: MOSAIC, DRHS: TRITON}, {FORWARD: TRITON}),
 }
 
 
@@ -65,6 +68,8 @@ def test_deviceless_compile_picks_the_targets_kernels(kind):
   for (fn, args), served in zip(cases, SERVED[kind]):
     with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
       lowered = jax.jit(fn).lower(*args)
-    assert tuple(d.implementation for d in decisions) == served
+    assert len(decisions) == len(served)
+    assert {(d.cfg.group_type, d.cfg.transpose_rhs): d.implementation
+            for d in decisions} == served
     assert {d.platform for d in decisions} == {kind}
     lowered.compile()  # the target's compiler accepts the kernels

@@ -23,7 +23,7 @@ mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")
 plgpu = mosaic.plgpu
 
-H200 = pathlib.Path(__file__).resolve().parents[2] / "shared" / "targets" / "nvidia_h200.txtpb"
+H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
 HAS_INTERPRETER = hasattr(plgpu, "InterpretGPUParams")
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

@@ -26,8 +26,8 @@ total, or of groups that are not local) stay exactly 0. A tile's stores overlap 
 tile's main loop (they are waited for before the staging buffer is rewritten).
 
 Refuses (NotImplementedError, so the dispatcher falls back to Triton): k-grouping,
-quantized operands, a transposed lhs, operands other than bf16 x bf16 / f16 x f16 (the
-dlhs of a gmm with an activation multiplies an f32 cotangent: Triton's), K or N not a
+quantized operands, a transposed lhs, operands other than bf16 x bf16 / f16 x f16 (e.g.
+the dlhs of an f32-output gmm with an activation, whose cotangent is f32: Triton's), K or N not a
 multiple of 8 (TMA strides are multiples of 16 bytes), activations without a Mosaic GPU
 lowering, any GPU other than an sm_90 (wgmma is Hopper-only), and interpret mode through
 the dispatcher. jax 0.12's Mosaic GPU interpreter runs the kernel on the CPU (simulating
