@@ -17,6 +17,8 @@ import pytest
 from jax.test_util import check_grads
 
 import gmm_jax
+from gmm_jax._src import dispatch  # the decisions of the gmms lowered
+from gmm_jax._src.epilogue import rows_sum  # the transpose of the gather
 from oracle import GATED, rows_oracle, tolerances
 
 # The implementations that run on CPU: the reference, the XLA path (gathers and scatters in
@@ -212,7 +214,6 @@ def test_gradients_bitwise_deterministic():
 
 
 def test_rows_sum_is_a_fixed_order_sum():
-  from gmm_jax._src.epilogue import rows_sum  # the transpose of the gather
   values = np.float32([[1e8], [1.0], [-1e8], [1.0], [5.0]])
   indices = np.int32([0, 0, 0, 2, 9])  # 9: out of range, dropped
   out = rows_sum(values, indices, 3)
@@ -285,7 +286,6 @@ def test_dispatch_reports_materialized_rows():
 def test_weight_gradient_reads_gathered_rows_by_index():
   """The drhs gmm of a gathered gmm is k-grouped over the gathered rows, reading them by
   index (no [R, K] copy on the XLA path; kernels get the copy made around them)."""
-  from gmm_jax._src import dispatch  # the decisions of the gmms lowered
   x, w, _, _, r = _topk_problem(14)
   loss = lambda x, w: jnp.sum(gmm_jax.gmm(x, w, r.group_sizes, lhs_indices=r.lhs_indices,
                                           implementation="xla") ** 2)
