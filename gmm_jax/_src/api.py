@@ -401,11 +401,13 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
               transpose_lhs, transpose_rhs, preferred_element_type, precision, group_offset,
               implementation, interpret, tiling, output_scale, output_offset, quantize_lhs,
               quantize_rhs, straight_through, sharding, platform, lhs_indices=None,
-              row_weights=None, out_indices=None, out_rows=None) -> _Call:
+              row_weights=None, out_indices=None, out_rows=None,
+              deterministic=True) -> _Call:
   """Every check of a gmm call, and its canonical form."""
   transpose_lhs = _check_bool(transpose_lhs, "transpose_lhs")
   transpose_rhs = _check_bool(transpose_rhs, "transpose_rhs")
   interpret = _check_bool(interpret, "interpret")
+  deterministic = _check_bool(deterministic, "deterministic")
   straight_through = _check_bool(straight_through, "straight_through")
   group_type = "m" if group_type is None else group_type
   if group_type not in GROUP_TYPES:
@@ -456,7 +458,8 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
       precision=_precision(precision),
       implementation=dispatch.check_implementation(implementation), interpret=interpret,
       tiling=tiling, platform=_platform(platform), gather_rows=gather_rows,
-      row_weights=rows.row_weights is not None, out_rows=out_rows)
+      row_weights=rows.row_weights is not None, out_rows=out_rows,
+      deterministic=deterministic)
   if rows.row_weights is not None and not jnp.issubdtype(cfg.out_dtype, jnp.floating):
     raise NotImplementedError(f"row_weights need a floating result, got {cfg.out_dtype}")
   return _Call(lhs, rhs, counts, offset, bias, cfg, quantize_lhs, quantize_rhs,
@@ -494,7 +497,7 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.Array
         quantize_rhs: QuantSpec | None = None, straight_through: bool = True,
         sharding: sharding_lib.GmmSharding | None = None,
         platform: str | None = None, lhs_indices=None, row_weights=None, out_indices=None,
-        out_rows: int | None = None) -> Array | GroupedArray:
+        out_rows: int | None = None, deterministic: bool = True) -> Array | GroupedArray:
   """Grouped matrix multiplication with a fused bias + activation epilogue.
 
   m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
@@ -562,6 +565,11 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.Array
     platform: None (the platform the call is lowered for: the devices of its operands, a
       topology's abstract mesh, ``jax.default_device``, or the default backend), or "cpu",
       "gpu", "tpu" to use that platform's chain of implementations.
+    deterministic: True (default): the result, and every gradient, is bitwise identical
+      from run to run on every implementation (split-K partial sums are summed in a fixed
+      order, token rows in a fixed order). False lets an implementation add partial sums
+      with atomics where that is faster (Triton's split-K on GPUs); `gmm_jax.explain` says
+      which implementations do.
 
   Row operands (m-grouping; an MoE layer's token dispatch and combine inside the gmm, with
   no permuted copy of the activations):
@@ -609,7 +617,7 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.Array
       output_offset=output_offset, quantize_lhs=quantize_lhs, quantize_rhs=quantize_rhs,
       straight_through=straight_through, sharding=sharding, platform=platform,
       lhs_indices=lhs_indices, row_weights=row_weights, out_indices=out_indices,
-      out_rows=out_rows)
+      out_rows=out_rows, deterministic=deterministic)
   if out_offsets is not None and call.cfg.has_rows:
     raise ValueError("a GroupedArray lhs carries its own row layout; pass row operands "
                      "(lhs_indices, row_weights, out_indices) with a plain lhs")

@@ -47,7 +47,8 @@ def _register() -> None:
                                        platforms=(platform,),
                                        quant_modes=("none", "weight_only", "scaled"),
                                        check=module.check_operands,
-                                       features=getattr(module, "FEATURES", ())))
+                                       features=getattr(module, "FEATURES", ()),
+                                       atomics=getattr(module, "ATOMICS", False)))
   for platform, chain in CHAINS.items():
     dispatch.set_chain(platform, chain, FUSED_CHAINS.get(platform))
 

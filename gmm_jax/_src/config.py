@@ -149,6 +149,9 @@ class GmmConfig:
     out_rows: m-grouping: None, or the rows of the result when an int32 ``[R]``
       out_indices operand is present: row r is written to output row ``out_indices[r]``
       (written indices unique; out-of-range ones write nothing); unwritten rows are 0.
+    deterministic: True (the default): bitwise identical results run to run on every
+      implementation (split-K partial sums go to a buffer summed in a fixed order). False
+      lets an implementation use atomics where they are faster (Triton's split-K).
   """
 
   group_type: GroupType
@@ -165,6 +168,7 @@ class GmmConfig:
   gather_rows: int | None = None
   row_weights: bool = False
   out_rows: int | None = None
+  deterministic: bool = True
 
   def __post_init__(self):
     implementation = self.implementation

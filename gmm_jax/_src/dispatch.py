@@ -55,6 +55,9 @@ class Backend:
   quant_modes: tuple[str, ...] = ("none",)
   check: Callable | None = None
   features: tuple[str, ...] = ()
+  # Whether it may use atomics (results not bitwise reproducible) for a call with
+  # ``cfg.deterministic=False``; with the default ``deterministic=True`` it never does.
+  atomics: bool = False
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -76,6 +79,7 @@ class Decision:
   implementation: str
   refusals: tuple[str, ...]
   materialized: tuple[str, ...] = ()
+  atomics: bool = False
 
   def describe(self) -> str:
     text = (f"{self.cfg.group_type}-grouped gmm, quantization {self.quant_mode!r}, "
@@ -83,6 +87,8 @@ class Decision:
             f"{self.platform}: {self.implementation}")
     if self.materialized:
       text += f" ({', '.join(self.materialized)} around it, not fused)"
+    text += ("; deterministic=False: may add partial sums with atomics (not bitwise "
+             "reproducible run to run)" if self.atomics else "; bitwise deterministic")
     return text + "".join(f"\n      (skipped {reason})" for reason in self.refusals)
 
 
@@ -288,7 +294,8 @@ def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, platform: str,
       reasons.append(f"{name}: {err}")
     else:
       for recorder in _RECORDERS:
-        recorder.append(Decision(cfg, mode, platform, name, tuple(reasons), missing))
+        recorder.append(Decision(cfg, mode, platform, name, tuple(reasons), missing,
+                                 backend.atomics and not cfg.deterministic))
       return out
   raise NotImplementedError(
       f"no gmm implementation serves group_type={cfg.group_type!r}, quantization "
