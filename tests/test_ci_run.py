@@ -1,0 +1,103 @@
+""".ci/run stops at the first failing step (and exits non-zero), without running CI.
+
+The script is copied into a scratch checkout and run with stand-ins on PATH for `python`,
+`pip` and `pytest`, and with stand-in `.ci/*.sh` scripts: each stand-in logs its command
+line and fails when that line starts with the text in `$CI_FAIL`. Under `set -e` a command that
+is not the last of an `&&` list does not stop a script (a failed `pip install -e ".[test]"`
+used to skip pytest and let CI exit 0), so every step is made to fail in turn.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import stat
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BASH = shutil.which("bash")
+pytestmark = pytest.mark.skipif(BASH is None, reason="no bash on PATH")
+
+# Logs its own name and arguments; fails if that line starts with $CI_FAIL. As `python -m venv
+# DIR` it makes a virtual environment whose activate script only defines `deactivate`.
+STUB = """#!/usr/bin/env bash
+line="$(basename "$0") $*"
+echo "$line" >> "$CI_LOG"
+if [ -n "${CI_FAIL:-}" ] && [[ "$line" == "$CI_FAIL"* ]]; then exit 3; fi
+if [ "${1:-}" = "-m" ] && [ "${2:-}" = "venv" ]; then
+  mkdir -p "$3/bin"
+  echo 'deactivate() { :; }' > "$3/bin/activate"
+fi
+if [ "$(basename "$0")" = "aot_env.sh" ]; then echo "$CI_AOT_VENV"; fi
+exit 0
+"""
+
+# The steps .ci/run takes, in order: (the start of the logged command line, which identifies
+# the step, and the whole logged line).
+STEPS = [
+    ("python --version", "python --version"),
+    ("python -m venv", None),  # the venv's path is a fresh temporary folder
+    ("pip install -e .", "pip install -e ."),
+    ("python -m gmm_jax.demo", "python -m gmm_jax.demo"),
+    ("pip install -e .[test]", "pip install -e .[test]"),
+    ("pytest", "pytest"),
+    ("wheel_check.sh", "wheel_check.sh"),
+    ("docs.sh", "docs.sh"),
+    ("aot_env.sh", "aot_env.sh"),
+    ("python -m pytest", "python -m pytest -q -ra -p no:cacheprovider -o addopts= "
+                  "tests/test_deviceless.py tests/test_pallas_mosaic_gpu.py"),
+    ("python -m gmm_jax.aot", "python -m gmm_jax.aot --require"),
+]
+
+
+def _executable(path: pathlib.Path, text: str) -> None:
+  path.write_text(text)
+  path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+def _run_ci(tmp_path: pathlib.Path, fail: str | None) -> tuple[int, list[str]]:
+  """Runs a copy of .ci/run with the stand-ins; returns its exit status and the log."""
+  checkout = tmp_path / "checkout"
+  (checkout / ".ci").mkdir(parents=True)
+  shutil.copy(ROOT / ".ci" / "run", checkout / ".ci" / "run")
+  for name in ("wheel_check.sh", "docs.sh", "aot_env.sh"):
+    _executable(checkout / ".ci" / name, STUB)
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  for name in ("python", "pip", "pytest"):
+    _executable(bin_dir / name, STUB)
+  aot_venv = tmp_path / "aot"
+  (aot_venv / "bin").mkdir(parents=True)
+  _executable(aot_venv / "bin" / "python", STUB)
+  log = tmp_path / "log"
+  log.touch()
+  env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+             CI_LOG=str(log), CI_AOT_VENV=str(aot_venv), TMPDIR=str(tmp_path))
+  env.pop("CI_FAIL", None)
+  if fail is not None:
+    env["CI_FAIL"] = fail
+  result = subprocess.run([BASH, str(checkout / ".ci" / "run")], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+  return result.returncode, [line.strip() for line in log.read_text().splitlines()]
+
+
+def test_all_steps_run_in_order_and_pass(tmp_path):
+  status, log = _run_ci(tmp_path, fail=None)
+  assert status == 0, log
+  assert len(log) == len(STEPS), log
+  for line, (marker, whole) in zip(log, STEPS):
+    assert line.startswith(marker), (marker, line)
+    if whole is not None:
+      assert line == whole, (line, whole)  # e.g. the deviceless pytest prints skip reasons
+
+
+@pytest.mark.parametrize("index", range(len(STEPS)), ids=[marker for marker, _ in STEPS])
+def test_a_failing_step_stops_ci(tmp_path, index):
+  marker = STEPS[index][0]
+  status, log = _run_ci(tmp_path, fail=marker)
+  assert status != 0, f"{marker!r} failed but .ci/run exited 0; it ran: {log}"
+  assert len(log) == index + 1 and log[-1].startswith(marker), (
+      f"{marker!r} failed but .ci/run went on: {log}")
