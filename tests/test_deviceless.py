@@ -2,12 +2,14 @@
 compile for a TPU v5e or an H200 topology, from this CPU host, picks their kernels with no
 other hint (`../shared/notes/deviceless-compile.md`).
 
-Needs libtpu (TPU) or the CUDA plugin (GPU) in this Python; skipped where they are missing
-(the default CPU install of jax has neither).
+Needs libtpu (TPU) or the CUDA plugin (GPU) in this Python; skipped, with the reason, only
+where they are not importable (the default CPU install of jax has neither). Where they are,
+a topology that cannot be described fails.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 
 import gmm_jax
@@ -21,16 +23,30 @@ from jax.experimental import topologies
 H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
 
 
-def _topology(kind: str):
+# The module that must be importable for jax to describe each kind of topology.
+COMPILER_MODULE = {"tpu": "libtpu", "gpu": "jax_plugins.xla_cuda12"}
+
+
+def _require_compiler(kind: str) -> None:
+  """Skips (with the reason) only where the compiler for `kind` is not installed at all."""
+  module = COMPILER_MODULE[kind]
   try:
-    if kind == "tpu":
-      return topologies.get_topology_desc("v5e:1x1", platform="tpu")
-    if not H200.exists():
-      pytest.skip(f"no GPU target description at {H200}")
-    return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                        target_config=H200.read_text())
-  except Exception as err:  # noqa: BLE001  (no libtpu / CUDA plugin: jax raises many kinds)
-    pytest.skip(f"no {kind} topology in this jax install: {err}")
+    found = importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:  # its parent package (jax_plugins) is missing
+    found = False
+  if not found:
+    pytest.skip(f"{module} is not importable: this jax install has no {kind} compiler")
+
+
+def _topology(kind: str):
+  # With the compiler installed, a topology that cannot be described is a failure (a wrong
+  # target file, a jax/plugin mismatch), not a skip: jax's error propagates.
+  _require_compiler(kind)
+  if kind == "tpu":
+    return topologies.get_topology_desc("v5e:1x1", platform="tpu")
+  assert H200.exists(), f"the package's GPU target description is missing: {H200}"
+  return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                      target_config=H200.read_text())
 
 
 # The implementations serving each gmm of the silu gmm's gradient, by role (forward: m-grouped;
