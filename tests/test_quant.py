@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gmm_jax import QArray, QuantSpec, dequantize, quantize
+from gmm_jax._src.qarray import check_fits
 from gmm_test_base import encode
 
 M, K, N, G = 40, 96, 24, 4
@@ -194,6 +195,61 @@ def test_qarray_is_a_pytree_through_jit():
   back = jax.jit(lambda q: q)(q)
   assert isinstance(back, QArray) and back.tile == q.tile
   np.testing.assert_array_equal(dequantize(back), dequantize(q))
+
+
+def _rebuilt(q: QArray, **leaves) -> QArray:
+  """`q` rebuilt by `tree_unflatten` (which skips `QArray.__init__`) with some leaves
+  replaced, as a transformation or user code may do."""
+  children, aux = q.tree_flatten()
+  fields = dict(zip(("qvalue", "scale", "zero_point"), children), **leaves)
+  return QArray.tree_unflatten(aux, (fields["qvalue"], fields["scale"], fields["zero_point"]))
+
+
+@pytest.mark.parametrize("shape, kwargs", [
+    ((G, K, N), dict()),
+    ((G, K, N), dict(channelwise_axes=(0, 2))),
+    ((G, K, N), dict(channelwise_axes=(0, 2), tiled_axes={1: 32}, zero_point=True)),
+    ((G, 70, N), dict(channelwise_axes=(0,), tiled_axes={1: 32, 2: 7})),  # shorter last tiles
+    ((0, 8), dict()),
+    ((3, 0), dict(channelwise_axes=(0,))),
+])
+def test_check_fits_accepts_every_quantize_layout(shape, kwargs):
+  q = quantize(np.random.default_rng(0).standard_normal(shape).astype(np.float32), jnp.int8,
+               **kwargs)
+  assert check_fits(q) is q
+  assert check_fits(_rebuilt(q)) is not None  # a plain round trip stays valid
+
+
+@pytest.mark.parametrize("replace, match", [
+    (lambda q: dict(scale=jnp.ones((G, 1, N + 1))),
+     r"rhs QArray with values \(4, 96, 24\), scale \(4, 1, 25\).*axis 2 of size 24 with "
+     r"tile 1 needs 24 scales \(or 1\), got 25"),
+    (lambda q: dict(scale=jnp.ones((G, 2, N))), r"axis 1 of size 96 with tile 96 needs 1"),
+    (lambda q: dict(scale=jnp.ones((G, N))), r"scale \(4, 24\).*the values' rank"),
+    (lambda q: dict(zero_point=jnp.zeros((G, 1, 1), jnp.int8)),
+     r"zero point \(4, 1, 1\) must have the scale's shape"),
+    (lambda q: dict(qvalue=q.qvalue[:, :, :N - 1]),
+     r"values \(4, 96, 23\).*axis 2 of size 23 with tile 1 needs 23 scales"),
+])
+def test_check_fits_names_the_shapes_of_a_rebuilt_qarray(replace, match):
+  q = quantize(operands()[1], jnp.int8, channelwise_axes=(0, 2))
+  with pytest.raises(ValueError, match=match):
+    check_fits(_rebuilt(q, **replace(q)), "rhs")
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "gmm_jax/_src/api.py `_as_operand` does not call qarray.check_fits yet: a QArray rebuilt "
+    "with tree_unflatten and scale [G, 1, N+1] is used with its first N scales"))
+def test_gmm_rejects_a_rebuilt_qarray_whose_scale_does_not_fit():
+  x, w, _ = operands()
+  q = quantize(w, jnp.int8, channelwise_axes=(0, 2))
+  bad = _rebuilt(q, scale=jnp.ones((G, 1, N + 1)))
+  try:
+    gmm_jax.gmm(x, bad, SIZES)
+  except ValueError as err:
+    assert "(4, 1, 25)" in str(err), err
+  else:
+    raise AssertionError("gmm used a QArray whose scale [G, 1, N+1] does not fit [G, K, N]")
 
 
 # ---------------------------------------------------------------------------- the modes

@@ -134,6 +134,46 @@ class QArray:
             f"tile={self.tile})")
 
 
+def check_fits(q: QArray, name: str = "QArray") -> QArray:
+  """Checks that `q`'s scale (and zero point) fit its values and tile; returns `q`.
+
+  `QArray.__init__` checks this, but a QArray rebuilt by `jax.tree_util.tree_unflatten` (as
+  transformations and user code do) skips `__init__`: a scale of the wrong shape would
+  otherwise be broadcast silently (`broadcast_scale` slices a longer scale to the values'
+  size). Call it where an operation is about to use the scales.
+
+  Args:
+    q: the QArray.
+    name: what to call it in the error (e.g. "rhs").
+
+  Returns:
+    `q`, unchanged.
+
+  Raises:
+    ValueError: the ranks differ, the tile has the wrong length, the zero point's shape is
+      not the scale's, or along some axis the scale has neither 1 entry (shared) nor
+      ``ceil(size / tile)`` entries; the message names the shapes.
+  """
+  shape, scale_shape = tuple(np.shape(q.qvalue)), tuple(np.shape(q.scale))
+  tile = tuple(q.tile) if q.tile is not None else None
+  described = f"{name} QArray with values {shape}, scale {scale_shape} and tile {tile}"
+  if len(scale_shape) != len(shape):
+    raise ValueError(f"{described}: the scale must have the values' rank")
+  if tile is None or len(tile) != len(shape):
+    raise ValueError(f"{described}: the tile must have one entry per axis of the values")
+  if q.zero_point is not None and tuple(np.shape(q.zero_point)) != scale_shape:
+    raise ValueError(f"{described}: zero point {tuple(np.shape(q.zero_point))} must have the "
+                     f"scale's shape")
+  for axis, (size, ssize, t) in enumerate(zip(shape, scale_shape, tile)):
+    if not isinstance(t, (int, np.integer)) or t <= 0:
+      raise ValueError(f"{described}: tile {t!r} on axis {axis} must be a positive int")
+    if ssize != -(-size // t) and not (ssize == 1 and t >= size):
+      raise ValueError(
+          f"{described}: axis {axis} of size {size} with tile {t} needs {-(-size // t)} "
+          f"scales (or 1), got {ssize}")
+  return q
+
+
 def broadcast_scale(scale, shape: Sequence[int], tile: Sequence[int]) -> jax.Array:
   """Expands a scale (or zero point) to `shape`: tiled axes repeated, size-1 axes kept."""
   scale = jnp.asarray(scale)
