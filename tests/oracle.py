@@ -29,6 +29,27 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 }
 
 
+def _normal_pdf(x):
+  return np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+def _gelu_tanh_grad(x):
+  c = math.sqrt(2.0 / math.pi)
+  t = np.tanh(c * (x + 0.044715 * x**3))
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x)
+
+
+# d activation / dx, derived by hand (relu: 0 at 0, as jax.nn.relu's gradient).
+ACTIVATION_GRADS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "relu": lambda x: (x > 0).astype(np.float64),
+    "gelu_tanh": _gelu_tanh_grad,
+    "gelu": lambda x: 0.5 * (1.0 + _erf(x / math.sqrt(2.0))) + x * _normal_pdf(x),
+    "fast_gelu": lambda x: (_sigmoid(1.702 * x)
+                            + 1.702 * x * _sigmoid(1.702 * x) * (1.0 - _sigmoid(1.702 * x))),
+    "silu": lambda x: _sigmoid(x) * (1.0 + x * (1.0 - _sigmoid(x))),
+}
+
+
 def ascend_act(y, act_type: int):
   """Ascend's act_type (0 none, 1 relu, 2 gelu_tanh, 4 fast_gelu, 5 silu) in numpy."""
   names = {1: "relu", 2: "gelu_tanh", 4: "fast_gelu", 5: "silu"}
@@ -108,6 +129,66 @@ def gmm_oracle(lhs, rhs, sizes, group_type, bias=None, activation=None, transpos
   return out
 
 
+def gmm_oracle_vjp(lhs, rhs, sizes, group_type, cotangent, bias=None, activation=None,
+                   transpose_lhs=False, transpose_rhs=False, group_offset=0, num_local=None):
+  """float64 gradients of `gmm_oracle` at `cotangent`, one group at a time.
+
+  With ``z = lhs_g @ rhs_g (+ bias_g)`` the pre-activation of a group (its rows for "m", the
+  product of its columns for "k") and ``dz = cotangent_g * activation'(z)``:
+  ``dlhs_g = dz @ rhs_g^T``, ``drhs_g = lhs_g^T @ dz``, ``dbias_g = sum over rows of dz``.
+  Rows (m) or columns (k) of no local group get exactly 0; a "k" group with no columns still
+  has ``z = bias_g``, so its bias gradient is ``sum(cotangent_g * activation'(bias_g))``.
+
+  Args:
+    The operands and options of `gmm_oracle` (activation: None or a name of
+    `ACTIVATION_GRADS`), and `cotangent` of the result's shape.
+
+  Returns:
+    float64 ``(dlhs, drhs, dbias)`` in the stored layouts of lhs and rhs (dbias None
+    without a bias).
+  """
+  lhs, rhs, cotangent = f64(lhs), f64(rhs), f64(cotangent)
+  lhs = lhs.T if transpose_lhs else lhs
+  rhs = np.swapaxes(rhs, -1, -2) if transpose_rhs else rhs
+  sizes = [int(s) for s in np.asarray(sizes).reshape(-1)]
+  bias = None if bias is None else f64(bias)
+  grad = (lambda z: np.ones_like(z)) if activation is None else ACTIVATION_GRADS[activation]
+  dlhs, drhs = np.zeros_like(lhs), np.zeros_like(rhs)
+  dbias = None if bias is None else np.zeros_like(bias)
+
+  def pre_activation_grad(acc, ct, local):
+    z = acc if bias is None else acc + bias[local]
+    dz = ct * grad(z)
+    if dbias is not None:
+      dbias[local] += dz.sum(axis=0)
+    return dz
+
+  if group_type == "m":
+    num_local = rhs.shape[0] if num_local is None else num_local
+    start = 0
+    for g, size in enumerate(sizes):
+      local, rows = g - group_offset, slice(start, start + size)
+      start += size
+      if not 0 <= local < num_local:
+        continue
+      dz = pre_activation_grad(lhs[rows] @ rhs[local], cotangent[rows], local)
+      dlhs[rows] = dz @ rhs[local].T
+      drhs[local] = lhs[rows].T @ dz
+  else:
+    assert group_type == "k", group_type
+    num_local = len(sizes) if num_local is None else num_local
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+    for local in range(num_local):
+      g = group_offset + local
+      cols = slice(starts[g], starts[g + 1]) if g < len(sizes) else slice(0, 0)
+      dz = pre_activation_grad(lhs[:, cols] @ rhs[cols], cotangent[local], local)
+      dlhs[:, cols] = dz @ rhs[cols].T
+      drhs[cols] = lhs[:, cols].T @ dz
+  dlhs = dlhs.T if transpose_lhs else dlhs
+  drhs = np.swapaxes(drhs, -1, -2) if transpose_rhs else drhs
+  return dlhs, drhs, dbias
+
+
 def local_rows(sizes, dim: int, group_offset: int = 0, num_local: int | None = None):
   """Boolean ``[dim]``: True on the rows (m) or columns (k) of groups held locally."""
   sizes = [int(s) for s in np.asarray(sizes).reshape(-1)]
@@ -121,7 +202,11 @@ def local_rows(sizes, dim: int, group_offset: int = 0, num_local: int | None = N
   return mask
 
 
-_BASE_TOLERANCE = {  # (rtol, atol per sqrt(K)) by the least precise dtype involved
+# (rtol, atol per sqrt(K) per unit of product magnitude) by the least precise dtype
+# involved. In units of the dtype's machine epsilon (bf16 2^-7, f16 2^-10, f32 2^-23):
+# bf16 2.6 / 1.3 eps, f16 5.1 / 2.0 eps (the output's rounding is eps/2); f32 84 eps both
+# (XLA:CPU's f32 dot may reassociate and use FMA).
+_BASE_TOLERANCE = {
     "float64": (1e-9, 1e-9),
     "float32": (1e-5, 1e-5),
     "float16": (5e-3, 2e-3),
@@ -129,18 +214,24 @@ _BASE_TOLERANCE = {  # (rtol, atol per sqrt(K)) by the least precise dtype invol
 }
 
 
-def tolerances(*dtypes, k: int = 1) -> dict[str, float]:
+def tolerances(*dtypes, k: int = 1, scale: float = 1.0) -> dict[str, float]:
   """``assert_allclose`` tolerances for a result computed from/into `dtypes`.
 
   The oracle must see the operands *after* their cast to the low-precision dtype (then
   upcast to float64), so the budget only covers f32 accumulation, the epilogue and the final
   rounding of the output: a relative term for the output's own rounding plus an absolute
-  term growing like sqrt(K) for the rounding of K accumulated products. Integer-only results
-  must be exact.
+  term growing like sqrt(K) for the rounding of K accumulated products, each of magnitude up
+  to `scale`. Integer-only results must be exact.
+
+  The budget comes from the dtypes and the problem only, never from the result compared.
 
   Args:
-    *dtypes: every dtype involved (operands and output).
+    *dtypes: every dtype involved (operands, intermediates the implementation rounds to, and
+      output).
     k: the contraction length.
+    scale: the largest magnitude of one accumulated product (``max|a| * max|b|`` for
+      ``sum_k a_k b_k``); 1 for the unit-variance operands of most tests. A gradient's is
+      its cotangent's chain (`gradient_scale`).
   """
   names = [np.dtype(d).name for d in dtypes]
   floats = [name for name in names if name in _BASE_TOLERANCE]
@@ -149,7 +240,42 @@ def tolerances(*dtypes, k: int = 1) -> dict[str, float]:
       return dict(rtol=0.0, atol=0.0)
     raise ValueError(f"no tolerance for dtypes {names}")
   rtol, atol = max(_BASE_TOLERANCE[name] for name in floats)
-  return dict(rtol=rtol, atol=atol * math.sqrt(max(k, 1)))
+  return dict(rtol=rtol, atol=atol * math.sqrt(max(k, 1)) * float(scale))
+
+
+def _rms(x) -> float:
+  x = f64(x)
+  return float(np.sqrt(np.mean(x * x))) if x.size else 0.0
+
+
+def max_slope(activation) -> float:
+  """max |activation'| over the reals (1 for none and relu; 1.13 for gelu), on a fine grid
+  wide enough to reach each derivative's peak."""
+  if activation is None:
+    return 1.0
+  return float(np.abs(ACTIVATION_GRADS[activation](np.linspace(-12.0, 12.0, 24001))).max())
+
+
+def vjp_tolerances(dtype, lhs, rhs, sizes, group_type, cotangent, activation=None,
+                   transpose_lhs=False, transpose_rhs=False) -> dict[str, dict[str, float]]:
+  """`tolerances` for each gradient of a gmm computed in `dtype`, by name (lhs, rhs, bias).
+
+  Each gradient is a sum of products (`gmm_oracle_vjp`): dlhs contracts N, drhs and dbias
+  the rows of a group ("m") or all M rows ("k"). A product's typical magnitude is
+  ``rms(cotangent) * max|activation'| * rms(other operand)``; with the sqrt(K) growth of
+  `tolerances` this is the random-walk size of the rounding of the pre-activation, its
+  gradient and the operands in `dtype`. Nothing here reads the result being checked.
+  """
+  lhs = f64(lhs).T if transpose_lhs else f64(lhs)
+  n = np.shape(rhs)[-2] if transpose_rhs else np.shape(rhs)[-1]
+  sizes = [int(s) for s in np.asarray(sizes).reshape(-1)]
+  rows = max(sizes, default=0) if group_type == "m" else lhs.shape[0]
+  dz = _rms(cotangent) * max_slope(activation)
+  return {
+      "lhs": tolerances(dtype, k=n, scale=dz * _rms(rhs)),
+      "rhs": tolerances(dtype, k=rows, scale=dz * _rms(lhs)),
+      "bias": tolerances(dtype, k=rows, scale=dz),
+  }
 
 
 def _halves(z):
