@@ -19,6 +19,7 @@ import pytest
 from gmm_jax import QArray, QuantSpec, dequantize, quantize
 from gmm_jax._src.qarray import check_fits
 from gmm_test_base import encode
+from oracle import gmm_oracle, tolerances
 
 M, K, N, G = 40, 96, 24, 4
 SIZES = [10, 0, 17, 9]  # sum 36 < M: an empty group and rows past the total
@@ -96,6 +97,56 @@ def operands(seed=0, group_type="m"):
 
 def np_silu(x):
   return x / (1.0 + np.exp(-x))
+
+
+def np_quantize_int8(x, channelwise_axes=()):
+  """Symmetric absmax int8 quantization in numpy (one scale per index of
+  `channelwise_axes`, shared along the other axes): the dequantized values, float64.
+
+  Computed in float32 like gmm's own (the scale absmax / 127 and the division rounded to
+  f32, then round half to even), so a value at a rounding boundary lands on the same
+  integer; the dequantization itself is exact in float64."""
+  x = np.asarray(x, np.float32)
+  reduce = tuple(axis for axis in range(x.ndim) if axis not in channelwise_axes)
+  scale = np.max(np.abs(x), axis=reduce, keepdims=True) / np.float32(127)
+  scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+  q = np.clip(np.round(x / scale), -127, 127)
+  return q.astype(np.float64) * scale.astype(np.float64)
+
+
+def mode_operands(mode, group_type, x, w):
+  """(lhs, rhs, gmm keyword arguments, lhs and rhs as the oracle sees them: the float64
+  dequantized values) of one quantized mode; per-token lhs scales, per-expert and
+  per-channel (m) or per-column (k) rhs scales, per-tile along K for "blocked"."""
+  k_axis = 1 if group_type == "m" else 0
+  w_channels = (0, 2) if group_type == "m" else (1,)
+  if mode == "weight_only":
+    rhs = quantize(w, jnp.int8, channelwise_axes=w_channels)
+    return x, rhs, {}, np.asarray(x, np.float64), np_dequantize(rhs)
+  if mode == "scaled":
+    lhs = quantize(x, jnp.int8, channelwise_axes=(0,))
+    rhs = quantize(w, jnp.int8, channelwise_axes=w_channels)
+    return lhs, rhs, {}, np_dequantize(lhs), np_dequantize(rhs)
+  if mode == "blocked":
+    lhs = quantize(x, jnp.float8_e5m2, channelwise_axes=(0,), tiled_axes={1: 32})
+    rhs = quantize(w, jnp.float8_e5m2, channelwise_axes=w_channels, tiled_axes={k_axis: 32})
+    return lhs, rhs, {}, np_dequantize(lhs), np_dequantize(rhs)
+  assert mode == "dynamic", mode  # gmm quantizes both float operands itself
+  specs = dict(quantize_lhs=QuantSpec(jnp.int8, channelwise_axes=(0,)),
+               quantize_rhs=QuantSpec(jnp.int8, channelwise_axes=w_channels))
+  return x, w, specs, np_quantize_int8(x, (0,)), np_quantize_int8(w, w_channels)
+
+
+def check_quantized(got, want, lhs_values, rhs_values, sizes, group_type):
+  """`got` against the float64 oracle of the dequantized operands, at the f32 tolerance for
+  a contraction of K products of their typical size (rows past the total exactly 0)."""
+  rms = lambda a: float(np.sqrt(np.mean(np.square(a))))  # noqa: E731
+  got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  np.testing.assert_allclose(got, want, **tolerances(
+      np.float32, k=lhs_values.shape[1], scale=rms(lhs_values) * rms(rhs_values)))
+  if group_type == "m":
+    assert np.all(got[np.sum(sizes):] == 0)
 
 
 # ----------------------------------------------------------------------- quantize itself
@@ -515,23 +566,19 @@ def test_a8w4_accuracy_budget():
   assert rel_error(got, np_gmm(x, w, SIZES) * row_mask(SIZES, M)) <= BUDGETS["A8W4"]
 
 
+@pytest.mark.parametrize("group_type", ["m", "k"])
 @pytest.mark.parametrize("mode", ["weight_only", "scaled", "blocked"])
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "fast_gelu", "silu", "gelu"])
-def test_activation_in_every_mode(mode, activation):
-  x, w, bias = operands(14)
-  if mode == "weight_only":
-    lhs, rhs = x, quantize(w, jnp.int8, channelwise_axes=(0, 2))
-  elif mode == "scaled":
-    lhs, rhs = (quantize(x, jnp.int8, channelwise_axes=(0,)),
-                quantize(w, jnp.int8, channelwise_axes=(0, 2)))
-  else:
-    lhs, rhs = (quantize(x, jnp.float8_e4m3fn, channelwise_axes=(0,), tiled_axes={1: 32}),
-                quantize(w, jnp.float8_e4m3fn, channelwise_axes=(0, 2), tiled_axes={1: 32}))
-  got = gmm_jax.gmm(lhs, rhs, SIZES, bias=bias, activation=activation)
-  plain = gmm_jax.gmm(lhs, rhs, SIZES, bias=bias)
-  act = gmm_jax.ACTIVATIONS[activation]
-  want = np.asarray(act(plain)) * row_mask(SIZES, M)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+def test_activation_in_every_mode(mode, activation, group_type):
+  # activation(dequantized lhs @ dequantized rhs + bias) in numpy, one group at a time.
+  x, w, bias = operands(14, group_type)
+  sizes = SIZES if group_type == "m" else K_SIZES
+  lhs, rhs, extra, lhs_values, rhs_values = mode_operands(mode, group_type, x, w)
+  got = gmm_jax.gmm(lhs, rhs, sizes, group_type=group_type, bias=bias, activation=activation,
+                    **extra)
+  want = gmm_oracle(lhs_values, rhs_values, sizes, group_type, bias=bias,
+                    activation=activation)
+  check_quantized(got, want, lhs_values, rhs_values, sizes, group_type)
 
 
 def test_group_offset_with_quantized_weights():
@@ -690,31 +737,94 @@ def test_quantized_errors(call, error, match):
          quantize(x, jnp.int8, channelwise_axes=(0,)))
 
 
+@pytest.mark.parametrize("implementation", ["reference", "xla"])
 @pytest.mark.parametrize("group_type", ["m", "k"])
 @pytest.mark.parametrize("mode", ["weight_only", "scaled", "blocked", "dynamic"])
-def test_reference_and_xla_paths_agree(group_type, mode):
-  # Every mode runs on both jnp paths (the composition picks the inner implementation).
+def test_every_mode_on_both_jnp_paths_matches_oracle(group_type, mode, implementation):
+  # Every mode on both jnp paths (the composition picks the inner implementation), each
+  # against numpy rather than against the other: they share quantized._composed.
   x, w, bias = operands(24, group_type)
   sizes = SIZES if group_type == "m" else K_SIZES
-  k_axis = 1 if group_type == "m" else 0
-  w_channels = (0, 2) if group_type == "m" else (1,)
-  extra = {}
-  if mode == "weight_only":
-    lhs, rhs = x, quantize(w, jnp.int8, channelwise_axes=w_channels)
-  elif mode == "scaled":
-    lhs, rhs = (quantize(x, jnp.int8, channelwise_axes=(0,)),
-                quantize(w, jnp.int8, channelwise_axes=w_channels))
-  elif mode == "blocked":
-    lhs = quantize(x, jnp.float8_e5m2, channelwise_axes=(0,), tiled_axes={1: 32})
-    rhs = quantize(w, jnp.float8_e5m2, channelwise_axes=w_channels, tiled_axes={k_axis: 32})
-  else:
-    lhs, rhs = x, w
-    extra = dict(quantize_lhs=QuantSpec(jnp.int8, channelwise_axes=(0,)),
-                 quantize_rhs=QuantSpec(jnp.int8, channelwise_axes=w_channels))
-  outs = [gmm_jax.gmm(lhs, rhs, sizes, group_type=group_type, bias=bias, activation="relu",
-                      implementation=implementation, **extra)
-          for implementation in ("reference", "xla")]
-  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+  lhs, rhs, extra, lhs_values, rhs_values = mode_operands(mode, group_type, x, w)
+  got = gmm_jax.gmm(lhs, rhs, sizes, group_type=group_type, bias=bias, activation="relu",
+                    implementation=implementation, **extra)
+  want = gmm_oracle(lhs_values, rhs_values, sizes, group_type, bias=bias, activation="relu")
+  check_quantized(got, want, lhs_values, rhs_values, sizes, group_type)
+
+
+def _stacked(qarrays):
+  """QArrays of one layout stacked along a new leading (batch) axis."""
+  return jax.tree.map(lambda *leaves: jnp.stack(leaves), *qarrays)
+
+
+VMAP_B = 3
+
+
+@pytest.mark.parametrize("group_type", ["m", "k"])
+@pytest.mark.parametrize("axis", ["lhs", "rhs", "both"])
+@pytest.mark.parametrize("mode", ["weight_only", "scaled", "dynamic"])
+def test_vmap_of_quantized_gmm_matches_oracle(mode, axis, group_type):
+  # vmap over a (QArray) lhs, a QArray rhs, or both, each example against numpy.
+  rng = np.random.default_rng(30)
+  sizes = SIZES if group_type == "m" else K_SIZES
+  examples = [mode_operands(mode, group_type, *operands(31 + b, group_type)[:2])
+              for b in range(VMAP_B)]
+  _, _, extra, _, _ = examples[0]
+  bias = rng.standard_normal((G, N)).astype(np.float32)
+  batch = lambda items: (_stacked(items) if isinstance(items[0], QArray)  # noqa: E731
+                         else jnp.stack(items))
+  lhs = batch([e[0] for e in examples]) if axis != "rhs" else examples[0][0]
+  rhs = batch([e[1] for e in examples]) if axis != "lhs" else examples[0][1]
+  in_axes = (0 if axis != "rhs" else None, 0 if axis != "lhs" else None)
+  got = jax.vmap(lambda l, r: gmm_jax.gmm(l, r, sizes, group_type=group_type, bias=bias,
+                                          activation="silu", **extra), in_axes=in_axes)(lhs, rhs)
+  assert got.shape[0] == VMAP_B
+  for b, example in enumerate(examples):
+    lhs_values = example[3] if axis != "rhs" else examples[0][3]
+    rhs_values = example[4] if axis != "lhs" else examples[0][4]
+    want = gmm_oracle(lhs_values, rhs_values, sizes, group_type, bias=bias,
+                      activation="silu")
+    check_quantized(got[b], want, lhs_values, rhs_values, sizes, group_type)
+
+
+@pytest.mark.parametrize("group_type", ["m", "k"])
+@pytest.mark.parametrize("mode", ["weight_only", "scaled"])
+def test_traced_group_offset_with_quantized_operands_matches_oracle(mode, group_type):
+  # rhs holds 2 of the 4 groups ("m": a QArray of 2 experts; "k": 2 result groups), the
+  # offset traced: one compilation for every offset, each against numpy.
+  num_local = 2
+  x, w, bias = operands(32, group_type)
+  sizes = SIZES if group_type == "m" else K_SIZES
+  w = w[:num_local] if group_type == "m" else w
+  lhs, rhs, extra, lhs_values, rhs_values = mode_operands(mode, group_type, x, w)
+  bias = bias[:num_local]
+  traces = []
+
+  @jax.jit
+  def run(lhs, rhs, offset):
+    traces.append(None)
+    return gmm_jax.gmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), group_type=group_type,
+                       bias=bias, activation="silu", group_offset=offset,
+                       num_groups=num_local if group_type == "k" else None, **extra)
+
+  for offset in range(len(sizes) + 1):
+    got = run(lhs, rhs, jnp.int32(offset))
+    want = gmm_oracle(lhs_values, rhs_values, sizes, group_type, bias=bias,
+                      activation="silu", group_offset=offset, num_local=num_local)
+    check_quantized(got, want, lhs_values, rhs_values, sizes, group_type)
+  assert len(traces) == 1
+
+
+def test_vmap_over_group_offset_with_quantized_weights():
+  x, w, bias = operands(33)
+  lhs, rhs, _, lhs_values, rhs_values = mode_operands("weight_only", "m", x, w[:2])
+  offsets = jnp.arange(len(SIZES) + 1, dtype=jnp.int32)
+  got = jax.vmap(lambda offset: gmm_jax.gmm(lhs, rhs, SIZES, bias=bias[:2],
+                                            group_offset=offset))(offsets)
+  for offset in range(len(SIZES) + 1):
+    want = gmm_oracle(lhs_values, rhs_values, SIZES, "m", bias=bias[:2], group_offset=offset,
+                      num_local=2)
+    check_quantized(got[offset], want, lhs_values, rhs_values, SIZES, "m")
 
 
 @pytest.mark.parametrize("scale_dtype", ["bfloat16", "float16"])
