@@ -25,6 +25,7 @@ FLOORS = {
     "gmm_jax._src.dispatch": 1,
     "gmm_jax._src.strategy": 1,
     "gmm_jax._src.tuning": 1,
+    "gmm_jax._src.cost_models": 1,
     "gmm_jax._src.reference": 2,
     "gmm_jax._src.xla": 2,
     "gmm_jax._src.op": 2,

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import dequantize, quantize
-from gmm_jax._src import dispatch
+from gmm_jax._src import cost_models, dispatch
 from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.epilogue import apply_epilogue
 from gmm_jax._src.reference import gmm_reference
 from gmm_jax.pallas.gpu import gmm as triton_gmm
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
@@ -157,7 +158,7 @@ def test_activation_without_triton_lowering_falls_back():
 ])
 def test_program_order_visits_every_tile_once(num_rows, num_cols, band):
   programs = np.arange(num_rows * num_cols)
-  rows, cols = triton_gmm.program_order(programs, num_rows, num_cols, band, xp=np)
+  rows, cols = cost_models.program_order(programs, num_rows, num_cols, band, xp=np)
   assert sorted(zip(rows.tolist(), cols.tolist())) == [
       (r, c) for r in range(num_rows) for c in range(num_cols)]
   # Rows run fastest inside a band: consecutive programs share a column and cover a band
@@ -168,7 +169,7 @@ def test_program_order_visits_every_tile_once(num_rows, num_cols, band):
     assert np.all(np.diff(np.flatnonzero(in_band)) == 1), "a band is contiguous in time"
     assert np.all(cols[in_band] == np.repeat(np.arange(num_cols), size))
   # The traced in-kernel form gives the same mapping.
-  traced = jax.jit(lambda p: triton_gmm.program_order(p, num_rows, num_cols, band))(
+  traced = jax.jit(lambda p: cost_models.program_order(p, num_rows, num_cols, band))(
       jnp.asarray(programs, jnp.int32))
   np.testing.assert_array_equal(np.asarray(traced[0]), rows)
   np.testing.assert_array_equal(np.asarray(traced[1]), cols)
@@ -198,13 +199,15 @@ def test_partial_windows_in_row_classes(tile_m):
 # ------------------------------------------------------------------------------ split-K
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "atomic"])
 @pytest.mark.parametrize("m, n, transpose_lhs, transpose_rhs", [
     (32, 64, False, False),  # tiles divide M and N: the unmasked atomic add itself
     (32, 64, True, True),
     (24, 40, False, False),  # ragged M and N edges (masked; read-modify-write here)
 ])
 @pytest.mark.parametrize("activation", ["gelu", None])
-def test_split_k_matches_the_oracle(activation, m, n, transpose_lhs, transpose_rhs):
+def test_split_k_matches_the_oracle(activation, m, n, transpose_lhs, transpose_rhs,
+                                    deterministic):
   # Chunks of 32 K rows: the 70-row group is three chunks (the last masked), the 5-row one
   # a single partial chunk, the empty group none (its output is activation(bias)).
   sizes = [70, 0, 5, 37]
@@ -214,24 +217,69 @@ def test_split_k_matches_the_oracle(activation, m, n, transpose_lhs, transpose_r
                                  with_bias=True, seed=11)
   cfg = GmmConfig(group_type="k", num_local=num_local, transpose_lhs=transpose_lhs,
                   transpose_rhs=transpose_rhs, activation=activation,
-                  out_dtype=np.dtype("float32"), interpret=True)
+                  out_dtype=np.dtype("float32"), interpret=True, deterministic=deterministic)
   tiling = Tiling(tile_m=16, tile_k=16, tile_n=32)
   fn = jax.jit(lambda *a: triton_gmm.gmm_triton(*a, cfg, tiling, k_chunk=32))
   got = fn(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(0), bias)
   want = gmm_oracle(lhs, rhs, sizes, "k", bias=bias, activation=activation,
                     transpose_lhs=transpose_lhs, transpose_rhs=transpose_rhs)
   np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=k))
-  jaxpr = jax.make_jaxpr(fn)(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(0), bias)
-  assert "gmm_k_triton_split" in str(jaxpr)
+  jaxpr = str(jax.make_jaxpr(fn)(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(0), bias))
+  # Deterministic: each chunk stores its partial sum to its own slot (no atomic in the
+  # kernel), and the slots are added in order; else one atomically added buffer.
+  assert ("gmm_k_triton_chunks" in jaxpr) == deterministic
+  assert ("gmm_k_triton_split" in jaxpr) != deterministic
+  if deterministic:
+    assert "atomic" not in jaxpr
+  elif m % tiling.tile_m == 0 and n % tiling.tile_n == 0:  # masked: read-modify-write here
+    assert "atomic" in jaxpr
+
+
+def test_split_k_ordered_buffer_and_sum():
+  # The ordered path's result is, bitwise, the epilogue of its chunks' partial sums added
+  # left to right, and two runs agree bit for bit.
+  sizes = [70, 0, 5, 37]
+  m, k, n, num_local = 24, 120, 40, 4
+  lhs, rhs, bias = make_operands("k", m=m, k=k, n=n, num_local=num_local, with_bias=True,
+                                 seed=5)
+  cfg = GmmConfig(group_type="k", num_local=num_local, activation="silu",
+                  out_dtype=np.dtype("float32"), interpret=True)
+  assert cfg.deterministic  # the default
+  tiling = Tiling(tile_m=16, tile_k=16, tile_n=32)
+  counts = jnp.asarray(sizes, jnp.int32)
+  fn = jax.jit(lambda *a: triton_gmm.gmm_triton(*a, cfg, tiling, k_chunk=32))
+  first = np.asarray(fn(lhs, rhs, counts, jnp.int32(0), bias))
+  second = np.asarray(fn(lhs, rhs, counts, jnp.int32(0), bias))
+  assert first.tobytes() == second.tobytes()
+  # Each chunk's partial sums, one unsplit kernel call per group's chunk.
+  starts = np.concatenate([[0], np.cumsum(sizes)])
+  plain = cfg.replace(activation=None)
+  chunk_sums = []
+  for chunk in range(cost_models.split_chunks(k, 32)):
+    parts = np.zeros((num_local, m, n), np.float32)
+    for g in range(num_local):  # group g's chunk: its K rows [lo, hi)
+      lo = min(starts[g] + 32 * chunk, starts[g + 1])
+      hi = min(lo + 32, starts[g + 1])
+      if hi > lo:
+        one = triton_gmm.gmm_triton(lhs[:, lo:hi], rhs[lo:hi], jnp.asarray([hi - lo],
+                                    jnp.int32), jnp.int32(0), None,
+                                    plain.replace(num_local=1), tiling, k_chunk=0)
+        parts[g] = np.asarray(one)[0]
+    chunk_sums.append(parts)
+  total = chunk_sums[0]
+  for part in chunk_sums[1:]:
+    total = total + part
+  want = apply_epilogue(jnp.asarray(total), bias[:, None, :], "silu", np.float32)
+  np.testing.assert_array_equal(first, np.asarray(want))
 
 
 def test_split_k_is_chosen_for_a_small_grid_and_long_k():
   cfg = GmmConfig(group_type="k", num_local=2)
   tiling = Tiling(tile_m=128, tile_k=64, tile_n=128)
-  chunk = triton_gmm.default_k_chunk(256, 65536, 256, cfg, tiling)
+  chunk = cost_models.default_k_chunk(256, 65536, 256, cfg, tiling)
   assert chunk is not None and chunk % 64 == 0 and 1024 <= chunk < 65536
-  assert triton_gmm.default_k_chunk(4096, 16384, 14336, cfg, tiling) is None  # big grid
-  assert triton_gmm.default_k_chunk(256, 1024, 256, cfg, tiling) is None  # short K
+  assert cost_models.default_k_chunk(4096, 16384, 14336, cfg, tiling) is None  # big grid
+  assert cost_models.default_k_chunk(256, 1024, 256, cfg, tiling) is None  # short K
 
 
 # --------------------------------------------------------------- 8-bit scaled on the MMA
@@ -271,7 +319,7 @@ def test_scaled_8bit_in_kernel(lhs_type, rhs_type):
 def _ratio(sizes, m, k, n, num_local):
   cfg = GmmConfig(group_type="m", num_local=num_local)
   tiling = triton_gmm.default_tiling(m, k, n, cfg, 2)
-  cost = triton_gmm.static_cost(sizes, m, k, n, cfg, tiling, 2)
+  cost = cost_models.triton_static_cost(sizes, m, k, n, cfg, tiling, 2)
   assert cost["useful_rows"] == sum(sizes)
   return cost["mma_rows"] / cost["useful_rows"], cost
 

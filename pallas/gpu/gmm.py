@@ -22,10 +22,18 @@ combines them in the epilogue.
 
 k-grouping: one program per (K window of a group, M tile, N tile). Without split-K a
 group is one window and its program loops over the group's whole K range, then applies
-the epilogue (an empty group gives ``activation(bias)``). With split-K (a small grid and a
-long K) the windows are chunks of ``k_chunk`` rows computed in parallel; each adds its f32
-partial sum into an f32 buffer with an atomic add and the epilogue runs once afterwards on
-the sum.
+the epilogue (an empty group gives ``activation(bias)``; a gated activation keeps the gate
+and up accumulators as m-grouping does). With split-K (a small grid and a long K) the
+windows are chunks of ``k_chunk`` rows computed in parallel, and the epilogue runs once
+afterwards on the f32 sum of their partial sums. By default (``GmmConfig.deterministic``)
+each chunk stores its partial sum to its own slot of a ``[chunks, L, M, N]`` buffer and
+the slots are added in a fixed order, so results are bitwise the same on every run; with
+``deterministic=False`` the chunks add into one ``[L, M, N]`` buffer with atomic adds
+(less memory, an order that changes from run to run: `ATOMICS`).
+
+Large operands: an operand of 2**31 or more 1-byte elements reaches the kernel as 16-bit
+words and its tiles are unpacked in-kernel (see `needs_words`), because Pallas Triton
+indexes such an operand with 32-bit offsets that would wrap.
 
 Program order (L2 reuse): the grid is 1-D; `program_order` walks bands of ``band``
 consecutive rows (work items, or (item, M tile) pairs) across every N tile, rows fastest,
@@ -53,7 +61,6 @@ N]`` 8-bit weights Triton cannot use wgmma on the N-major tile and takes a slowe
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 from typing import NamedTuple
@@ -65,9 +72,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from gmm_jax._src import epilogue, metadata
-from gmm_jax._src.config import (GmmConfig, Tiling, is_gated, out_columns,
-                                  preactivation_dtype)
+from gmm_jax._src import cost_models, epilogue, metadata
+from gmm_jax._src.config import GmmConfig, Tiling, is_gated, out_columns
+from gmm_jax._src.cost_models import band_rows, default_k_chunk, program_order, row_classes
 from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
 from gmm_jax._src.qarray import QArray, quant_mode
 from gmm_jax.pallas import common
@@ -76,19 +83,16 @@ from gmm_jax.pallas.common import edge_mask, power_of_2_tile
 # The row operations (`epilogue.Rows`) and gated activations the m-grouped kernel does
 # in-kernel; the dispatcher materializes nothing around it for these.
 FEATURES = ("gather", "row_weights", "scatter", "gated")
-ALIGN = "group"  # work items may start at any row: loads are masked, not Blocked
-SMALLEST_TILE = 16  # tl.dot needs every dimension >= 16
-# H100 / H200 (SXM): streaming multiprocessors, L2 and the opt-in shared memory per block.
-NUM_SMS = 132
-L2_BYTES = 50 * 2**20
+# Split-K may add its partial sums with atomics, in an order that changes from run to run:
+# only where a call allows it (``GmmConfig.deterministic=False``); the dispatcher reports it
+# (`dispatch.Backend.atomics`, `gmm_jax.explain`).
+ATOMICS = True
+ALIGN = cost_models.TRITON_ALIGN  # work items may start at any row: loads are masked
+SMALLEST_TILE = cost_models.SMALLEST_TILE  # tl.dot needs every dimension >= 16
+# H100 / H200 (SXM): the opt-in shared memory per block.
 SMEM_BYTES = 232448
-# The lhs rows one band of `program_order` keeps in L2 (the rest of L2 holds the weight
-# tiles the band streams through).
-BAND_BYTES = L2_BYTES // 3
-MAX_BAND = 64
-# Split-K writes and re-reads an f32 [L, M, N] buffer; a chunk of at least this many K rows
-# keeps that round trip small next to the MMA work.
-SPLIT_MIN_CHUNK = 1024
+# Re-exported for gmm_jax.bench, which reads the model here (it lives in `cost_models`).
+static_cost = cost_models.triton_static_cost
 # The "scaled" dtype pairs these kernels multiply on the tensor cores.
 SCALED_TYPES = common.INT8_SCALED + common.FP8_SCALED
 
@@ -178,57 +182,6 @@ def compiler_params(tiling: Tiling, itemsize: int, halves: int = 1) -> plgpu.Com
                               num_stages=num_stages(tiling, itemsize, halves))
 
 
-def row_classes(tile_m: int) -> tuple[int, ...]:
-  """Row counts of the partial-window branches: powers of 2 from 16 below ``tile_m``."""
-  classes, size = [], SMALLEST_TILE
-  while size < tile_m:
-    classes.append(size)
-    size *= 2
-  return tuple(classes)
-
-
-def band_rows(row_bytes: int, num_rows: int) -> int:
-  """Rows per band of `program_order`: a power of 2 whose lhs tiles fit `BAND_BYTES`."""
-  band = max(1, BAND_BYTES // max(int(row_bytes), 1))
-  band = 1 << (int(band).bit_length() - 1)
-  return int(max(1, min(band, MAX_BAND, num_rows)))
-
-
-def program_order(program, num_rows: int, num_cols: int, band: int, xp=jnp):
-  """(row, col) of 1-D program `program` in the banded order.
-
-  Bands of `band` consecutive rows (the last band may be shorter) are visited one after
-  the other; inside a band the row index runs fastest, then the column. Every (row, col)
-  of ``num_rows x num_cols`` is visited exactly once by the programs ``[0, num_rows *
-  num_cols)``. `xp` is jnp (in-kernel, traced ids) or np (host-side models).
-  """
-  per_band = band * num_cols
-  band_index = program // per_band
-  first_row = band_index * band
-  rows_in_band = xp.minimum(num_rows - first_row, band)
-  within = program - band_index * per_band
-  return first_row + within % rows_in_band, within // rows_in_band
-
-
-def default_k_chunk(m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling) -> int | None:
-  """Split-K chunk (K rows per work item) of a k-grouped gmm, or None for no split.
-
-  Split when the programs of all groups cannot fill the GPU (two programs per SM) and the
-  average group's K is long enough that the f32 partial-sum buffer's round trip (about
-  16 bytes per output element) costs little next to the MMA work (2 K flops per element).
-  """
-  if cfg.group_type != "k":
-    return None
-  mn_tiles = pl.cdiv(m, tiling.tile_m) * pl.cdiv(n, tiling.tile_n)
-  groups = max(1, cfg.num_local)
-  if groups * mn_tiles >= 2 * NUM_SMS or k < groups * SPLIT_MIN_CHUNK:
-    return None
-  chunks = pl.cdiv(2 * NUM_SMS, mn_tiles)
-  chunk = pl.cdiv(pl.cdiv(k, chunks), tiling.tile_k) * tiling.tile_k
-  chunk = max(SPLIT_MIN_CHUNK, chunk)
-  return chunk if chunk < k else None
-
-
 # ----------------------------------------------------------------------------- epilogue
 
 # erf has no Triton lowering (jax 0.10 and 0.12), so the exact GELU uses the rational
@@ -302,21 +255,28 @@ def unsupported_primitives(activation) -> set[str]:
 
 
 class Span(NamedTuple):
-  """``size`` consecutive indices from ``first``; ``ok`` masks those inside the array
-  (None: all are)."""
+  """``size`` consecutive indices from ``first``; ``ok`` masks those below ``limit`` (None:
+  all are, and `limit` may be None)."""
 
   first: jax.Array
   size: int
   ok: jax.Array | None
+  limit: int | jax.Array | None = None
 
 
 def _span(first, size: int, limit) -> Span:
-  return Span(first, size, edge_mask(first, size, limit))
+  return Span(first, size, edge_mask(first, size, limit), limit)
 
 
 def _cols(first, size: int, limit: int) -> Span:
   """A span along a static dimension: unmasked when `size` divides it."""
-  return Span(first, size, None if limit % size == 0 else edge_mask(first, size, limit))
+  return Span(first, size, None if limit % size == 0 else edge_mask(first, size, limit), limit)
+
+
+def _shifted(span: Span, offset: int) -> Span:
+  """The same span `offset` indices later (the up half of a gated product), masked alike."""
+  limit = None if span.limit is None else span.limit + offset
+  return Span(span.first + offset, span.size, span.ok, limit)
 
 
 def _mask2(first: Span, second: Span):
@@ -351,6 +311,60 @@ def _load_vector(ref, index: tuple, span: Span):
   return plgpu.load(view, mask=span.ok, other=jnp.zeros((), ref.dtype))
 
 
+# ---------------------------------------------------------------------- large operands
+
+# Pallas Triton (jax 0.10 to 0.12) computes the element offsets of a load or store in 32
+# bits unless the operand holds more than 2**32 bytes, and Triton adds them to the pointer
+# as signed numbers: an operand of 2**31 or more 1-byte elements (and at most 2**32 bytes)
+# would be read at wrapped, negative offsets. DeepSeek-V3's fp8 experts [256, 7168, 2048]
+# hold 3.76e9. Such an operand reaches the kernel as uint16 words (a bitcast, no copy: two
+# elements a word, so fewer than 2**31 words) and the kernel unpacks its tiles; every
+# smaller operand keeps its own dtype and 32-bit offsets.
+OFFSET_LIMIT = 2**31  # elements that signed 32-bit offsets address
+_WORD = jnp.uint16
+
+
+def needs_words(x) -> bool:
+  """Whether operand `x` reaches the kernels as words: 1-byte elements, at least
+  `OFFSET_LIMIT` of them, at most 2**32 bytes (past that jax indexes in 64 bits)."""
+  return np.dtype(x.dtype).itemsize == 1 and OFFSET_LIMIT <= math.prod(x.shape) <= 2**32
+
+
+def as_words(x: jax.Array) -> jax.Array:
+  """``[..., C]`` of a 1-byte dtype (C even) -> ``[..., C / 2]`` uint16, little-endian: a
+  word's low byte is the element with the lower index."""
+  pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+  if pairs.dtype != jnp.uint8:
+    pairs = lax.bitcast_convert_type(pairs, jnp.uint8)
+  return lax.bitcast_convert_type(pairs, _WORD)
+
+
+def _unpack(words: jax.Array, dtype) -> jax.Array:
+  """The inverse of `as_words` on a tile: ``[r, w]`` uint16 -> ``[r, 2w]`` of `dtype`."""
+  low = (words & 0xFF).astype(jnp.uint8)
+  high = (words >> 8).astype(jnp.uint8)
+  pairs = jnp.stack([low, high], axis=-1)  # Triton joins them
+  return lax.bitcast_convert_type(pairs.reshape(words.shape[0], 2 * words.shape[1]), dtype)
+
+
+def _halved(span: Span) -> Span:
+  """The words of a span of bytes that starts at an even index and has an even size."""
+  first = span.first // 2
+  if span.ok is None:
+    return Span(first, span.size // 2, None)
+  return Span(first, span.size // 2, edge_mask(first, span.size // 2, (span.limit + 1) // 2))
+
+
+def _load_tile(ref, index: tuple, rows: Span, cols: Span, transposed: bool, elements=None):
+  """`_load`, for an operand stored as words (`as_words`) when `elements` (its dtype) is
+  given: the words of the tile's minor span, unpacked."""
+  if elements is None:
+    return _load(ref, index, rows, cols, transposed)
+  if transposed:
+    return _unpack(_load(ref, index, _halved(rows), cols, True), elements)
+  return _unpack(_load(ref, index, rows, _halved(cols), False), elements)
+
+
 def _dot(x, w, cfg: GmmConfig, dot_dtype, acc_dtype):
   """``x @ w`` of tiles loaded by `_load` (x: [M, K] or [K, M]; w: [K, N] or [N, K])."""
   lhs_contract = 0 if cfg.transpose_lhs else 1
@@ -373,28 +387,46 @@ def _store(out_ref, out_index: tuple, rows: Span, cols: Span, value):
   plgpu.store(view, value, mask=_mask2(rows, cols))
 
 
-def _epilogue_and_store(acc, bias_ref, group, out_ref, out_index: tuple, rows: Span,
-                        cols: Span, cfg: GmmConfig):
-  bias = None
-  if bias_ref is not None:
-    bias = _load_vector(bias_ref, (group,), cols)[None, :]
-  out = apply_epilogue(acc, bias, kernel_activation(cfg.activation), cfg.out_dtype)
-  _store(out_ref, out_index, rows, cols, out)
+def finish_tile(accs, biases, activation, out_dtype, row_weights=None):
+  """The kernels' epilogue of one output tile: `apply_epilogue`'s contract (bias,
+  activation, gated halves, row weights, cast) on the accumulators a program keeps.
+
+  Args:
+    accs: ``(acc,)``, one ``[rows, cols]`` accumulator; or for a gated `activation`
+      ``(gate, up)``, the gate columns' tile and the up columns' tile (N columns later):
+      together the ``[gate | up]`` pre-activation that `apply_epilogue` halves (Triton
+      cannot concatenate or slice tiles, so the halves stay apart).
+    biases: the bias rows (``[1, cols]`` or None) matching `accs`.
+    activation: ``GmmConfig.activation``; "gelu" runs as `gelu_erf`.
+    out_dtype: the result's dtype.
+    row_weights: None or ``[rows]``, multiplied after the activation.
+  """
+  if not is_gated(activation):
+    return apply_epilogue(accs[0], biases[0], kernel_activation(activation), out_dtype,
+                          row_weights=row_weights)
+  gate, up = (acc.astype(jnp.float32) if jnp.issubdtype(acc.dtype, jnp.integer) else acc
+              for acc in accs)
+  if biases[0] is not None:
+    gate, up = gate + biases[0].astype(gate.dtype), up + biases[1].astype(up.dtype)
+  return apply_epilogue(GATED_PAIRS[activation](gate, up), None, None, out_dtype,
+                        row_weights=row_weights)
 
 
 # ----------------------------------------------------------------------------- kernels
 
 
-def _gather_load(ref, row_index, row_ok, cols: Span):
+def _gather_load(ref, row_index, row_ok, cols: Span, elements=None):
   """The ``[rows, cols]`` tile whose row r is ``ref[row_index[r]]`` (a zero row where
   `row_ok` is False): a pointer gather, 2-D integer indices (interpret mode takes no mix of
-  integer and slice indices)."""
-  shape = (row_index.shape[0], cols.size)
+  integer and slice indices). `elements`: as in `_load_tile`."""
+  stored = cols if elements is None else _halved(cols)
+  shape = (row_index.shape[0], stored.size)
   row_ids = jnp.broadcast_to(row_index[:, None], shape)
-  col_ids = jnp.broadcast_to((cols.first + lax.iota(jnp.int32, cols.size))[None, :], shape)
-  mask = row_ok[:, None] if cols.ok is None else row_ok[:, None] & cols.ok[None, :]
-  return plgpu.load(ref.at[row_ids, col_ids], mask=jnp.broadcast_to(mask, shape),
+  col_ids = jnp.broadcast_to((stored.first + lax.iota(jnp.int32, stored.size))[None, :], shape)
+  mask = row_ok[:, None] if stored.ok is None else row_ok[:, None] & stored.ok[None, :]
+  tile = plgpu.load(ref.at[row_ids, col_ids], mask=jnp.broadcast_to(mask, shape),
                     other=jnp.zeros((), ref.dtype))
+  return tile if elements is None else _unpack(tile, elements)
 
 
 def _scatter_store(out_ref, target, row_ok, cols: Span, value):
@@ -408,12 +440,31 @@ def _scatter_store(out_ref, target, row_ok, cols: Span, value):
   plgpu.store(out_ref.at[row_ids, col_ids], value, mask=jnp.broadcast_to(mask, shape))
 
 
+def _halves(cols: Span, n_out: int, cfg: GmmConfig) -> tuple[Span, ...]:
+  """The product's columns a program reads for output columns `cols`: the same span, or
+  the gate and up spans of a gated activation (the up half starts N columns later)."""
+  return (cols, _shifted(cols, n_out)) if cfg.gated else (cols,)
+
+
+class _Static(NamedTuple):
+  """What both kernels close over besides the config."""
+
+  dims: tuple[int, int, int]
+  tiling: Tiling
+  dot_dtype: np.dtype
+  acc_dtype: np.dtype
+  has_bias: bool
+  # The stored element dtype of an operand that reaches the kernel as words (`as_words`),
+  # else None.
+  lhs_elements: np.dtype | None = None
+  rhs_elements: np.dtype | None = None
+
+
 def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *refs,
-              dims, tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype, has_bias: bool,
-              quant: common.QuantStatic | None, num_items: int, band: int, gather: bool,
-              weighted: bool, scatter: bool):
+              static: _Static, cfg: GmmConfig, quant: common.QuantStatic | None,
+              num_items: int, band: int, gather: bool, weighted: bool, scatter: bool):
   refs = list(refs)
-  bias_ref = refs.pop(0) if has_bias else None
+  bias_ref = refs.pop(0) if static.has_bias else None
   scale_ref = refs.pop(0) if quant is not None else None
   zero_ref = refs.pop(0) if quant is not None and quant.has_zero else None
   lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode == "scaled" else None
@@ -421,17 +472,16 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
   row_weights_ref = refs.pop(0) if weighted else None
   out_indices_ref = refs.pop(0) if scatter else None
   out_ref = refs[-1]  # refs[-2] is the aliased zero input
-  _, k, n = dims
+  tiling, dot_dtype, acc_dtype = static.tiling, static.dot_dtype, static.acc_dtype
+  _, k, n = static.dims
   n_out = out_columns(n, cfg)
   item, col = program_order(pl.program_id(0), num_items, pl.cdiv(n_out, tiling.tile_n), band)
   start = item_start_ref[item]
   end = item_end_ref[item]
   length = end - start
   group = group_ids_ref[item]
-  # The product's columns this program reads: one span, or the gate and up spans of a
-  # gated activation (the up half starts N columns later, masked like the gate half).
   cols = _cols(col * tiling.tile_n, tiling.tile_n, n_out)
-  halves = (cols, Span(cols.first + n_out, cols.size, cols.ok)) if cfg.gated else (cols,)
+  halves = _halves(cols, n_out, cfg)
 
   def compute(tile_rows: int):
     rows = _span(start, tile_rows, end)
@@ -450,12 +500,12 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
       first = step_index * tiling.tile_k
       ks = _span(first, tiling.tile_k, k) if masked else Span(first, tiling.tile_k, None)
       if gather:
-        x = _gather_load(lhs_ref, source, source_ok, ks)
+        x = _gather_load(lhs_ref, source, source_ok, ks, static.lhs_elements)
       else:
-        x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
+        x = _load_tile(lhs_ref, (), rows, ks, cfg.transpose_lhs, static.lhs_elements)
       new = []
       for acc, span in zip(accs, halves):
-        w = _load(rhs_ref, (group,), ks, span, cfg.transpose_rhs)
+        w = _load_tile(rhs_ref, (group,), ks, span, cfg.transpose_rhs, static.rhs_elements)
         if quant is not None and quant.mode == "weight_only":
           zero = None if zero_ref is None else scale_row(zero_ref, step_index, span)
           w = common.dequantize_tile(w, scale_row(scale_ref, step_index, span), zero,
@@ -474,16 +524,7 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
     if bias_ref is not None:
       biases = [_load_vector(bias_ref, (group,), span)[None, :] for span in halves]
     weights = None if row_weights_ref is None else _load_vector(row_weights_ref, (), rows)
-    if cfg.gated:
-      gate, up = (acc.astype(jnp.float32) if jnp.issubdtype(acc.dtype, jnp.integer) else acc
-                  for acc in accs)
-      if bias_ref is not None:
-        gate, up = gate + biases[0].astype(gate.dtype), up + biases[1].astype(up.dtype)
-      out = apply_epilogue(GATED_PAIRS[cfg.activation](gate, up), None, None, cfg.out_dtype,
-                           row_weights=weights)
-    else:
-      out = apply_epilogue(accs[0], biases[0], kernel_activation(cfg.activation),
-                           cfg.out_dtype, row_weights=weights)
+    out = finish_tile(accs, biases, cfg.activation, cfg.out_dtype, weights)
     if scatter:
       target = _load_vector(out_indices_ref, (), rows)
       written = rows.ok & (target >= 0) & (target < out_ref.shape[0])
@@ -499,17 +540,26 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
 
 
 def _k_kernel(num_items_ref, group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref,
-              *refs, dims, tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype,
-              has_bias: bool, split: bool, num_items: int, band: int):
-  bias_ref = refs[0] if has_bias else None
+              *refs, static: _Static, cfg: GmmConfig, split: str | None, num_items: int,
+              band: int):
+  """k-grouping. `split`: None (each program owns a group's whole K: the epilogue runs
+  here), "atomic" (its f32 partial sum is added atomically into ``[L, M, N]``) or
+  "ordered" (it is stored to its chunk's slot ``slots_ref[item]`` of ``[chunks, L, M, N]``,
+  summed in a fixed order afterwards)."""
+  refs = list(refs)
+  slots_ref = refs.pop(0) if split == "ordered" else None
+  bias_ref = refs.pop(0) if static.has_bias else None
   out_ref = refs[-1]  # split: refs[-2] is the aliased zero buffer
-  m, _, n = dims
+  tiling, dot_dtype, acc_dtype = static.tiling, static.dot_dtype, static.acc_dtype
+  m, _, n = static.dims
+  n_out = out_columns(n, cfg)
   m_tiles = pl.cdiv(m, tiling.tile_m)
-  row, col = program_order(pl.program_id(0), num_items * m_tiles, pl.cdiv(n, tiling.tile_n),
-                           band)
+  row, col = program_order(pl.program_id(0), num_items * m_tiles,
+                           pl.cdiv(n_out, tiling.tile_n), band)
   item = row // m_tiles
   rows = _cols((row % m_tiles) * tiling.tile_m, tiling.tile_m, m)
-  cols = _cols(col * tiling.tile_n, tiling.tile_n, n)
+  cols = _cols(col * tiling.tile_n, tiling.tile_n, n_out)
+  halves = _halves(cols, n_out, cfg)
 
   @pl.when(item < num_items_ref[0])  # padding items past the active ones do nothing
   def _():
@@ -517,20 +567,30 @@ def _k_kernel(num_items_ref, group_ids_ref, item_start_ref, item_end_ref, lhs_re
     start = item_start_ref[item]
     end = item_end_ref[item]
 
-    def step(step_index, acc, masked: bool):
+    def step(step_index, accs, masked: bool):
       first = start + step_index * tiling.tile_k
       ks = _span(first, tiling.tile_k, end) if masked else Span(first, tiling.tile_k, None)
       x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
-      w = _load(rhs_ref, (), ks, cols, cfg.transpose_rhs)
-      return acc + _dot(x, w, cfg, dot_dtype, acc_dtype)
+      return tuple(acc + _dot(x, _load(rhs_ref, (), ks, span, cfg.transpose_rhs), cfg,
+                              dot_dtype, acc_dtype)
+                   for acc, span in zip(accs, halves))
 
     size = end - start
-    acc = _k_loop(step, jnp.zeros((tiling.tile_m, tiling.tile_n), acc_dtype),
-                  size // tiling.tile_k, (size + tiling.tile_k - 1) // tiling.tile_k)
-    if split:
-      index = (group, pl.ds(rows.first, rows.size), pl.ds(cols.first, cols.size))
-      mask = _mask2(rows, cols)
-      if mask is not None and cfg.interpret:
+    accs = tuple(jnp.zeros((tiling.tile_m, tiling.tile_n), acc_dtype) for _ in halves)
+    accs = _k_loop(step, accs, size // tiling.tile_k, (size + tiling.tile_k - 1) // tiling.tile_k)
+    if split is None:
+      biases = [None] * len(halves)
+      if bias_ref is not None:
+        biases = [_load_vector(bias_ref, (group,), span)[None, :] for span in halves]
+      _store(out_ref, (group,), rows, cols, finish_tile(accs, biases, cfg.activation,
+                                                        cfg.out_dtype))
+      return
+    for acc, span in zip(accs, halves):
+      index = (group, pl.ds(rows.first, rows.size), pl.ds(span.first, span.size))
+      mask = _mask2(rows, span)
+      if split == "ordered":
+        plgpu.store(out_ref.at[(slots_ref[item], *index)], acc, mask=mask)
+      elif mask is not None and cfg.interpret:
         # Interpret mode has no masked atomics; it runs one program at a time, so a
         # read-modify-write is the same sum.
         view = out_ref.at[index]
@@ -538,17 +598,27 @@ def _k_kernel(num_items_ref, group_ids_ref, item_start_ref, item_end_ref, lhs_re
         plgpu.store(view, current + acc, mask=mask)
       else:
         plgpu.atomic_add(out_ref, index, acc, mask=mask)
-    else:
-      _epilogue_and_store(acc, bias_ref, group, out_ref, (group,), rows, cols, cfg)
+
+
+def sum_in_order(partials: jax.Array) -> jax.Array:
+  """``partials[0] + partials[1] + ...``, left to right: elementwise adds in a fixed order,
+  so the sum is bitwise the same on every run (a reduction may be split differently)."""
+  if partials.shape[0] <= 64:  # one fusion reads each slot once
+    total = partials[0]
+    for chunk in range(1, partials.shape[0]):
+      total = total + partials[chunk]
+    return total
+  return lax.fori_loop(1, partials.shape[0], lambda chunk, total: total + partials[chunk],
+                       partials[0])
 
 
 # ----------------------------------------------------------------------------- entry point
 
 
-def _cost(m, k, n, num_out, lhs, rhs, out_bytes, cfg) -> pl.CostEstimate:
+def _cost(m, k, n, lhs, rhs, out_bytes, cfg) -> pl.CostEstimate:
   return pl.CostEstimate(
-      flops=int(2 * m * k * n * num_out),
-      transcendentals=int(m * n * num_out) if cfg.activation is not None else 0,
+      flops=int(2 * m * k * n),
+      transcendentals=int(m * n) if cfg.activation is not None else 0,
       bytes_accessed=int(lhs.size * lhs.dtype.itemsize + rhs.size * rhs.dtype.itemsize
                          + out_bytes))
 
@@ -576,6 +646,38 @@ def _check_rows(cfg: GmmConfig, rows: epilogue.Rows) -> None:
         "(transpose_lhs=False) only; got transpose_lhs=True")
 
 
+def _word_operands(lhs, rhs, out_shape, out_dtype, cfg: GmmConfig, tiling: Tiling):
+  """(lhs, rhs, lhs elements, rhs elements): an operand that `needs_words` as words, its
+  element dtype beside it (None for the others).
+
+  Raises:
+    NotImplementedError: such an operand the kernels cannot read as words (k-grouping, a
+      transposed lhs, an odd minor dimension or tile start), or such an output.
+  """
+  if needs_words(jax.ShapeDtypeStruct(out_shape, out_dtype)):
+    raise NotImplementedError(
+        f"the Triton kernels address at most {OFFSET_LIMIT} elements of a 1-byte output; "
+        f"got {out_shape} {np.dtype(out_dtype).name}")
+  big_lhs, big_rhs = needs_words(lhs), needs_words(rhs)
+  if not big_lhs and not big_rhs:
+    return lhs, rhs, None, None
+  n = rhs.shape[-2] if cfg.transpose_rhs else rhs.shape[-1]
+  # The minor dimension's tiles start at multiples of tile_k (K) or tile_n (N; the up half
+  # of a gated product N / 2 columns later), so they are word-aligned when these are even.
+  aligned = (cfg.group_type == "m" and not (big_lhs and cfg.transpose_lhs)
+             and n % (4 if cfg.gated else 2) == 0 and lhs.shape[-1] % 2 == 0
+             and tiling.tile_k % 2 == 0 and tiling.tile_n % 2 == 0
+             and jnp.dtype(rhs.dtype) != jnp.int4 and jnp.dtype(lhs.dtype) != jnp.int4)
+  if not aligned:
+    raise NotImplementedError(
+        f"the Triton kernels read an operand of {OFFSET_LIMIT} or more 1-byte elements as "
+        "16-bit words, for m-grouping with an even minor dimension (lhs not transposed); "
+        f"got {cfg.group_type}-grouping, lhs {lhs.shape} {lhs.dtype}, rhs {rhs.shape} "
+        f"{rhs.dtype}, transpose_lhs={cfg.transpose_lhs}")
+  return (as_words(lhs) if big_lhs else lhs, as_words(rhs) if big_rhs else rhs,
+          np.dtype(lhs.dtype) if big_lhs else None, np.dtype(rhs.dtype) if big_rhs else None)
+
+
 def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
                tiling: Tiling | None = None, *, k_chunk: int | None = None,
                rows: epilogue.Rows = epilogue.NO_ROWS):
@@ -589,11 +691,12 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     counts: int32 ``[G]`` global group sizes.
     group_offset: int32 scalar, the first global group held locally.
     bias: None or ``[num_local, N]`` (``[num_local, 2N]`` gated).
-    cfg: the static options.
+    cfg: the static options; with ``cfg.deterministic`` split-K partial sums are stored
+      per chunk and summed in a fixed order, else added atomically.
     tiling: power-of-2 tiles (each >= 16); default ``cfg.tiling``, else `default_tiling`.
       ``tile_n`` counts output columns (a gated program reads twice as many).
     k_chunk: k-grouping only: K rows per split-K work item (a multiple of ``tile_k``), 0
-      for no split; default `default_k_chunk`.
+      for no split; default `cost_models.default_k_chunk`.
     rows: m-grouping's row operands (`epilogue.Rows`), present as the config says:
       lhs_indices int32 ``[R]`` (row r reads ``lhs[lhs_indices[r]]``, a zero row when out
       of range), row_weights ``[R]`` (multiplied after the activation, in f32 before the
@@ -606,20 +709,13 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
 
   Raises:
     NotImplementedError: an activation with a primitive Triton cannot lower (compiled mode
-      only), a tile that is not a power of 2 >= 16, row operands with k-grouping, or
-      gathered rows with a transposed lhs.
+      only), a tile that is not a power of 2 >= 16, row operands with k-grouping, gathered
+      rows with a transposed lhs, or an operand of 2**31 or more 1-byte elements that the
+      kernels cannot read as words (see `needs_words`).
     ValueError: a `k_chunk` that is not a positive multiple of ``tile_k``; row operands
       that do not match the config.
   """
   _check_rows(cfg, rows)
-  plain = not isinstance(lhs, QArray) and not isinstance(rhs, QArray)
-  if cfg.group_type == "k" and cfg.gated and plain:
-    # k-grouping (weight gradients) rarely meets a gated activation: the kernel's sum in
-    # the activation's precision, the epilogue (bias, halving) after it, as split-K does.
-    inner = cfg.replace(activation=None, out_dtype=preactivation_dtype(lhs.dtype, rhs.dtype))
-    partial = gmm_triton(lhs, rhs, counts, group_offset, None, inner, tiling, k_chunk=k_chunk)
-    return apply_epilogue(partial, None if bias is None else bias[:, None, :], cfg.activation,
-                          cfg.out_dtype)
   gather, weighted, scatter = (operand is not None for operand in rows)
   token_scale = None
   if gather and isinstance(lhs, QArray) and quant_mode(lhs, rhs, cfg) == "scaled":
@@ -642,6 +738,8 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   out_shape = prepared.out_shape
   if cfg.group_type == "m":
     out_shape = (m if cfg.out_rows is None else cfg.out_rows, n_out)
+  else:
+    out_shape = (cfg.num_local, m, n_out)
   if prepared.empty or math.prod(out_shape) == 0:
     return jnp.zeros(out_shape, cfg.out_dtype)
   lhs, rhs, quant, tiling = prepared.lhs, prepared.rhs, prepared.quant, prepared.tiling
@@ -649,15 +747,19 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     quant = quant._replace(lhs_scale=epilogue.gather_rows(token_scale, rows.lhs_indices))
   if prepared.automatic:
     tiling = fit_registers(tiling, cfg)
-  dot_dtype, acc_dtype = prepared.dot_dtype, prepared.acc_dtype
-  itemsize = jnp.dtype(dot_dtype).itemsize
-  kernel_options = dict(dims=(m, k, n), tiling=tiling, cfg=cfg, dot_dtype=dot_dtype,
-                        acc_dtype=acc_dtype, has_bias=bias is not None)
+  lhs, rhs, lhs_elements, rhs_elements = _word_operands(lhs, rhs, out_shape, cfg.out_dtype,
+                                                        cfg, tiling)
+  itemsize = jnp.dtype(prepared.dot_dtype).itemsize
+  lhs_itemsize = prepared.lhs.dtype.itemsize  # the bands hold lhs tiles as stored
+  static = _Static(dims=(m, k, n), tiling=tiling, dot_dtype=prepared.dot_dtype,
+                   acc_dtype=prepared.acc_dtype, has_bias=bias is not None,
+                   lhs_elements=lhs_elements, rhs_elements=rhs_elements)
   biases = [] if bias is None else [bias]
   n_tiles = pl.cdiv(n_out, tiling.tile_n)
   params = compiler_params(tiling, itemsize, 2 if cfg.gated else 1)
   out_bytes = math.prod(out_shape) * np.dtype(cfg.out_dtype).itemsize
   tiles = (tiling.tile_m, tiling.tile_k, tiling.tile_n)
+  cost = _cost(m, k, n, lhs, rhs, out_bytes, cfg)
 
   if cfg.group_type == "m":
     quant_operands = []
@@ -668,28 +770,28 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
                                        ALIGN)
     num_items = meta.item_start.shape[0]
-    band = band_rows(tiling.tile_m * k * lhs.dtype.itemsize, num_items)
+    band = band_rows(tiling.tile_m * k * lhs_itemsize, num_items)
     row_operands = [rows.lhs_indices.astype(jnp.int32)] if gather else []
     row_operands += [rows.row_weights] if weighted else []
     row_operands += [rows.out_indices.astype(jnp.int32)] if scatter else []
     operands = [meta.group_ids, meta.item_start, meta.item_end, lhs, rhs, *biases,
                 *quant_operands, *row_operands, jnp.zeros(out_shape, cfg.out_dtype)]
     return common.pallas_call(
-        functools.partial(_m_kernel, quant=common.quant_static(quant), num_items=num_items,
-                          band=band, gather=gather, weighted=weighted, scatter=scatter,
-                          **kernel_options),
+        functools.partial(_m_kernel, static=static, cfg=cfg, quant=common.quant_static(quant),
+                          num_items=num_items, band=band, gather=gather, weighted=weighted,
+                          scatter=scatter),
         prepared, tiles=tiles,
         out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
         grid=(num_items * n_tiles,),
         input_output_aliases={len(operands) - 1: 0},  # rows no item owns stay 0
         interpret=cfg.interpret,
         compiler_params=params,
-        cost_estimate=_cost(m, k, n, 1, lhs, rhs, out_bytes, cfg),
+        cost_estimate=cost,
         name="gmm_m_triton",
     )(*operands)
 
   if k_chunk is None:
-    k_chunk = default_k_chunk(m, k, n, cfg, tiling) or 0
+    k_chunk = default_k_chunk(m, k, n_out, cfg, tiling) or 0
   if k_chunk < 0 or k_chunk % tiling.tile_k:
     raise ValueError(f"k_chunk must be 0 or a positive multiple of tile_k={tiling.tile_k}, "
                      f"got {k_chunk}")
@@ -699,14 +801,19 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   num_items = meta.item_start.shape[0]
   m_tiles = pl.cdiv(m, tiling.tile_m)
   window = k_chunk if split else max(1, k // max(1, cfg.num_local))
-  band = band_rows(tiling.tile_m * window * lhs.dtype.itemsize, num_items * m_tiles)
-  kernel_options["has_bias"] = bias is not None and not split
-  kernel = functools.partial(_k_kernel, split=split, num_items=num_items, band=band,
-                             **kernel_options)
+  band = band_rows(tiling.tile_m * window * lhs_itemsize, num_items * m_tiles)
+  mode = None if not split else ("ordered" if cfg.deterministic else "atomic")
+  kernel = functools.partial(_k_kernel, static=static._replace(has_bias=static.has_bias
+                                                               and not split),
+                             cfg=cfg, split=mode, num_items=num_items, band=band)
   operands = [meta.num_items.reshape(1), meta.group_ids, meta.item_start, meta.item_end,
               lhs, rhs]
+  if mode == "ordered":
+    # A split item's chunk within its group (a group's items are consecutive): its slot of
+    # the ordered partial-sum buffer.
+    operands.append(jnp.arange(num_items, dtype=jnp.int32) - jnp.searchsorted(
+        meta.group_ids, meta.group_ids, side="left").astype(jnp.int32))
   grid = (num_items * m_tiles * n_tiles,)
-  cost = _cost(m, k, n, 1, lhs, rhs, out_bytes, cfg)
   if not split:
     return common.pallas_call(
         kernel, prepared, tiles=tiles,
@@ -714,153 +821,18 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
         interpret=cfg.interpret, compiler_params=params, cost_estimate=cost,
         name="gmm_k_triton",
     )(*operands, *biases)
-  # Split-K: partial sums meet in an f32 (int32) buffer; the epilogue needs the whole sum.
-  partial = common.pallas_call(
-      kernel, prepared, tiles=tiles, out_shape=jax.ShapeDtypeStruct(out_shape, acc_dtype), grid=grid,
-      input_output_aliases={len(operands): 0}, interpret=cfg.interpret,
-      compiler_params=params, cost_estimate=cost, name="gmm_k_triton_split",
-  )(*operands, jnp.zeros(out_shape, acc_dtype))
-  return apply_epilogue(partial, None if bias is None else bias[:, None, :], cfg.activation,
+  # Split-K: the epilogue needs the whole sum. f32 (int32) partial sums of the 2N product
+  # columns of a gated activation, which the epilogue halves.
+  partial_shape = (cfg.num_local, m, n)
+  if mode == "ordered":
+    partial_shape = (cost_models.split_chunks(k, k_chunk), *partial_shape)
+  partials = common.pallas_call(
+      kernel, prepared, tiles=tiles, out_shape=jax.ShapeDtypeStruct(partial_shape,
+                                                                    prepared.acc_dtype),
+      grid=grid, input_output_aliases={len(operands): 0}, interpret=cfg.interpret,
+      compiler_params=params, cost_estimate=cost,
+      name="gmm_k_triton_split" if mode == "atomic" else "gmm_k_triton_chunks",
+  )(*operands, jnp.zeros(partial_shape, prepared.acc_dtype))
+  total = sum_in_order(partials) if mode == "ordered" else partials
+  return apply_epilogue(total, None if bias is None else bias[:, None, :], cfg.activation,
                         cfg.out_dtype)
-
-
-# ----------------------------------------------------------------------------- cost model
-
-
-def _items(counts, dim_size: int, window: int, num_local: int, cover: bool = False):
-  """Host-side twin of `metadata.make_tile_metadata(align="group")` with group_offset 0:
-  a list of (group, start, end) windows of at most `window` rows, in group order."""
-  bounds = np.concatenate([[0], np.cumsum(np.asarray(counts, np.int64))]).clip(0, dim_size)
-  items = []
-  for group in range(num_local):
-    start, end = (int(bounds[group]), int(bounds[group + 1])) if group < len(counts) else (0, 0)
-    if start == end and cover:
-      items.append((group, start, start))
-    for first in range(start, end, window):
-      items.append((group, first, min(first + window, end)))
-  return items
-
-
-class _L2:
-  """An LRU cache of whole tiles: counts the bytes that miss (read from HBM).
-
-  Programs run in waves of `NUM_SMS` (one 8-warp program per SM); the programs of a wave
-  stream K in step, so a tile they share is read once per wave however long it is. Across
-  waves a tile is reused only if it is still cached.
-  """
-
-  def __init__(self, capacity: int):
-    self.capacity, self.used, self.missed = capacity, 0, 0
-    self.lines = collections.OrderedDict()
-    self.wave, self.programs = {}, 0
-
-  def read(self, key, size: int):
-    self.wave.setdefault(key, size)
-
-  def program_done(self):
-    self.programs += 1
-    if self.programs % NUM_SMS == 0:
-      self.flush()
-
-  def flush(self):
-    for key, size in self.wave.items():
-      if key in self.lines:
-        self.lines.move_to_end(key)
-        continue
-      self.missed += size
-      self.lines[key] = size
-      self.used += size
-    while self.used > self.capacity:
-      _, evicted = self.lines.popitem(last=False)
-      self.used -= evicted
-    self.wave = {}
-
-
-def static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
-                itemsize: int = 2, *, k_chunk: int | None = None,
-                l2_bytes: int = L2_BYTES) -> dict:
-  """What the kernel does for concrete group sizes (a host-side numpy model).
-
-  Args:
-    counts: the group sizes (concrete), group_offset 0.
-    m, k, n, cfg, tiling: the call (`GmmConfig`) and its tiles.
-    itemsize: bytes per operand element; the output uses ``cfg.out_dtype``.
-    k_chunk: k-grouping's split-K chunk (default `default_k_chunk`; 0: no split).
-    l2_bytes: the L2 the tiles are cached in (LRU of whole tiles, programs in launch order).
-
-  Returns:
-    dict with useful_rows (rows of the grouped dimension the groups own: M rows for
-    m-grouping, K rows for k-grouping), mma_rows (the rows the MMAs process: m-grouping's
-    partial windows rounded up to their row class, k-grouping's K steps rounded up to
-    tile_k), grid_steps (programs launched), busy_steps (programs with work), hbm_bytes
-    (modelled operand bytes read from HBM plus the output written), ideal_bytes (each
-    operand read once and the output written once).
-  """
-  counts = np.asarray(counts, np.int64)
-  out_itemsize = np.dtype(cfg.out_dtype).itemsize
-  n_tiles = pl.cdiv(n, tiling.tile_n)
-  l2 = _L2(l2_bytes)
-  num_local = cfg.num_local
-  if cfg.group_type == "m":
-    items = _items(counts[:num_local], m, tiling.tile_m, num_local)
-    num_rows = metadata.max_work_items(m, tiling.tile_m, num_local, ALIGN)
-    classes = (*row_classes(tiling.tile_m), tiling.tile_m)
-    lengths = np.array([end - start for _, start, end in items], np.int64)
-    padded = [next(c for c in classes if c >= length) for length in lengths]
-    useful, mma = int(lengths.sum()), int(sum(padded))
-    band = band_rows(tiling.tile_m * k * itemsize, num_rows)
-    programs = np.arange(num_rows * n_tiles)
-    rows, cols = program_order(programs, num_rows, n_tiles, band, xp=np)
-    busy = 0
-    for row, col in zip(rows.tolist(), cols.tolist()):
-      if row >= len(items):
-        continue
-      busy += 1
-      group, start, end = items[row]
-      width = min(tiling.tile_n, n - col * tiling.tile_n)
-      l2.read(("lhs", row), (end - start) * k * itemsize)
-      l2.read(("rhs", group, col), k * width * itemsize)
-      l2.program_done()
-    l2.flush()
-    used_groups = len({group for group, _, _ in items})
-    ideal_in = (useful * k + used_groups * k * n) * itemsize
-    out_bytes = m * n * out_itemsize
-    return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_rows * n_tiles),
-                busy_steps=busy, hbm_bytes=int(l2.missed + out_bytes),
-                ideal_bytes=int(ideal_in + out_bytes))
-
-  if k_chunk is None:
-    k_chunk = default_k_chunk(m, k, n, cfg, tiling) or 0
-  split = 0 < k_chunk < k
-  items = _items(counts[:num_local], k, k_chunk if split else max(k, 1), num_local,
-                 cover=not split)
-  num_items = metadata.max_work_items(k, k_chunk if split else max(k, 1), num_local, ALIGN,
-                                      cover=not split)
-  m_tiles = pl.cdiv(m, tiling.tile_m)
-  lengths = np.array([end - start for _, start, end in items], np.int64)
-  useful = int(lengths.sum())
-  mma = int(sum(pl.cdiv(int(length), tiling.tile_k) * tiling.tile_k for length in lengths))
-  window = k_chunk if split else max(1, k // max(1, num_local))
-  band = band_rows(tiling.tile_m * window * itemsize, num_items * m_tiles)
-  programs = np.arange(num_items * m_tiles * n_tiles)
-  rows, cols = program_order(programs, num_items * m_tiles, n_tiles, band, xp=np)
-  busy = 0
-  for row, col in zip(rows.tolist(), cols.tolist()):
-    item, m_tile = divmod(row, m_tiles)
-    if item >= len(items):
-      continue
-    busy += 1
-    _, start, end = items[item]
-    height = min(tiling.tile_m, m - m_tile * tiling.tile_m)
-    width = min(tiling.tile_n, n - col * tiling.tile_n)
-    l2.read(("lhs", item, m_tile), (end - start) * height * itemsize)
-    l2.read(("rhs", item, col), (end - start) * width * itemsize)
-    l2.program_done()
-  l2.flush()
-  out_bytes = num_local * m * n * out_itemsize
-  hbm = l2.missed + out_bytes
-  if split:  # zero fill, atomic read-modify-write per item tile, epilogue read
-    hbm += num_local * m * n * 4 * 2 + len(items) * m * n * 4 * 2
-  ideal = useful * (m + n) * itemsize + out_bytes
-  return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_items * m_tiles * n_tiles),
-              busy_steps=busy, hbm_bytes=int(hbm), ideal_bytes=int(ideal))

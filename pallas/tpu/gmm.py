@@ -31,8 +31,9 @@ tile is cached in VMEM and redone only when the group (or column block) changes,
 paid once per group and column block, not once per item. fp8 weights are always dequantized:
 the MXU path used on v5e/v6e is bf16/int8.
 
-`static_cost` models on the host what a call does (rows through the MXU, grid steps, bytes
-DMA'd from HBM given the grid order and the skipped DMAs).
+`cost_models.tpu_static_cost` models on the host what a call does (rows through the MXU,
+grid steps, bytes DMA'd from HBM given the grid order and the skipped DMAs); the VMEM model
+and the work items live there too.
 """
 
 from __future__ import annotations
@@ -48,97 +49,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gmm_jax._src import metadata
+from gmm_jax._src import cost_models, metadata
 from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.cost_models import (DEQUANT_ROWS, LANE, fit_tile, k_items, m_items,
+                                      modelled_seconds, mxu_rows, vmem_bytes, vmem_capacity,
+                                      vmem_limit)
 from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
 from gmm_jax._src.qarray import QArray
 from gmm_jax.pallas import common
 
-ALIGN = "tile"  # BlockSpec index maps address whole tiles
-LANE = 128
-MIB = 2**20
-# When the device cannot be asked (CPU interpret mode, cross-lowering): v5e/v6e values.
-DEFAULT_VMEM_CAPACITY = 128 * MIB
-DEFAULT_MXU_ROWS = 128
-VMEM_RESERVE = 8 * MIB  # left to Mosaic's internal scratch
-VMEM_HEADROOM = 4 * MIB
-DEQUANT_ROWS = 256  # stored weight rows dequantized at a time into the VMEM cache
-
-
-def _fit(tile: int, dim: int) -> int:
-  """A block extent for `dim`: the whole dim when the tile covers it, else the tile."""
-  return dim if tile >= dim else tile
-
-
-def _tpu_info():
-  """The target TPU's `TpuInfo` (the default device's), or None when it is not a TPU."""
-  try:
-    return pltpu.get_tpu_info()
-  except Exception:  # noqa: BLE001  (CPU: ValueError; older jax or no device: others)
-    return None
-
-
-def vmem_capacity() -> int:
-  """Bytes of VMEM of the target TPU core (128 MiB on v5e/v6e when it cannot be asked)."""
-  info = _tpu_info()
-  return int(getattr(info, "vmem_capacity_bytes", 0) or DEFAULT_VMEM_CAPACITY)
-
-
-def mxu_rows() -> int:
-  """Rows of the MXU (128 on v5e, 256 on v6e): the row slice a partial item computes."""
-  info = _tpu_info()
-  return int(getattr(info, "mxu_column_size", 0) or DEFAULT_MXU_ROWS)
-
-
-# ------------------------------------------------------------------------------- VMEM
-
-
-def vmem_bytes(tiling: Tiling, group_type: str, *, lhs_itemsize: int, rhs_itemsize: int,
-               out_itemsize: int, dot_itemsize: int, k_steps: int, transpose_lhs: bool = False,
-               weight_cache: bool = False, has_bias: bool = False, scales: int = 0,
-               lhs_scale: bool = False) -> int:
-  """Bytes of VMEM one kernel invocation uses, modelled from its blocks.
-
-  Double-buffered input and output blocks, the f32/int32 accumulator (k-grouping always;
-  m-grouping with several K steps), the f32 dot result and one epilogue temporary, a cast
-  weight tile (cached or not) when rhs is cast, the transposed lhs tile, and the small bias/
-  scale blocks (a ``[1, tile_n]`` block pads to 8 sublanes, a ``[tile_m, 1]`` or
-  ``[tile_n, 1]`` one to 128 lanes; scale blocks are counted at the latter size).
-  """
-  tm, tk, tn = tiling.tile_m, tiling.tile_k, tiling.tile_n
-  total = 2 * tm * tk * lhs_itemsize + 2 * tk * tn * rhs_itemsize + 2 * tm * tn * out_itemsize
-  if group_type == "k" or k_steps > 1:
-    total += tm * tn * 4
-  total += 2 * tm * tn * 4  # the dot's f32 result and an epilogue temporary
-  if weight_cache or rhs_itemsize != dot_itemsize:
-    total += tk * tn * dot_itemsize
-  if weight_cache:  # f32 temporaries of one dequantized slice
-    total += 2 * DEQUANT_ROWS * max(tk, tn) * 4
-  if transpose_lhs:
-    total += tm * tk * dot_itemsize
-  total += 2 * 8 * tn * 4 * int(has_bias)
-  total += 2 * tn * LANE * 4 * scales  # a [tile_n, 1] scale block pads to 128 lanes
-  if lhs_scale:
-    total += 2 * tm * LANE * 4
-  return int(total)
-
-
-def vmem_limit(needed: int, capacity: int | None = None) -> int:
-  """The ``vmem_limit_bytes`` for a kernel that needs `needed` bytes: 25% + 4 MiB headroom,
-  rounded up to a MiB, at most the capacity less Mosaic's reserve.
-
-  Raises:
-    NotImplementedError: `needed` does not fit (tiles too large for this TPU's VMEM).
-  """
-  capacity = vmem_capacity() if capacity is None else capacity
-  ceiling = capacity - VMEM_RESERVE
-  if needed > ceiling:
-    raise NotImplementedError(
-        f"the TPU kernel's blocks need about {needed / MIB:.1f} MiB of VMEM, more than the "
-        f"{ceiling / MIB:.0f} MiB available ({capacity / MIB:.0f} MiB less "
-        f"{VMEM_RESERVE / MIB:.0f} MiB reserve); use smaller tiles")
-  limit = needed + needed // 4 + VMEM_HEADROOM
-  return int(min(ceiling, -(-limit // MIB) * MIB))
+ALIGN = cost_models.TPU_ALIGN  # BlockSpec index maps address whole tiles
+# Re-exported for tests/test_pallas_tpu.py and gmm_jax.bench, which read them here (the
+# model lives in `cost_models`).
+static_cost = cost_models.tpu_static_cost
+VMEM_RESERVE = cost_models.VMEM_RESERVE
 
 
 # ------------------------------------------------------------------------------ tiling
@@ -162,46 +86,6 @@ def _lane_tiles(dim: int, largest: int, smallest: int = 256) -> list[int]:
     if t not in seen:
       seen.append(t)
   return seen or [dim]
-
-
-def _device_rates() -> tuple[float, float]:
-  """(bf16 MXU flop/s, HBM bytes/s) of the target TPU (v5e's when it cannot be asked)."""
-  info = _tpu_info()
-  flops = float(getattr(info, "bf16_ops_per_second", 0) or 197e12)
-  bandwidth = float(getattr(info, "mem_bw_bytes_per_second", 0) or 820e9)
-  return flops, bandwidth
-
-
-STEP_OVERHEAD_S = 0.35e-6  # per grid step (pipeline bookkeeping), the usual Pallas TPU figure
-
-
-def modelled_seconds(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig, itemsize: int,
-                     row_chunk: int | None = None) -> float:
-  """A roofline estimate of one call with balanced groups: max(MXU time of the padded work,
-  HBM time of the DMAs the grid order implies) + a fixed cost per grid step. Used to rank
-  the tiles that fit in VMEM (`default_tiling`); `static_cost` models concrete counts."""
-  peak, bandwidth = _device_rates()
-  peak = peak * (2 / itemsize if itemsize > 2 else 1)  # f32 dots take several passes
-  row_chunk = mxu_rows() if row_chunk is None else row_chunk
-  tm, tk, tn = _fit(tiling.tile_m, m), _fit(tiling.tile_k, k), _fit(tiling.tile_n, n)
-  groups = max(1, min(cfg.num_local, m if cfg.group_type == "m" else k))
-  out_itemsize = cfg.out_dtype.itemsize
-  if cfg.group_type == "m":
-    tiles, k_steps, n_tiles = math.ceil(m / tm), math.ceil(k / tk), math.ceil(n / tn)
-    items = tiles + groups - 1
-    rows = m + (groups - 1) * 2 * min(row_chunk, tm)  # slices at group boundaries
-    flops = 2 * rows * k * n_tiles * tn
-    lhs = m * k * itemsize * n_tiles * (items / tiles if k_steps > 1 else 1)
-    rhs = (items if k_steps > 1 else groups) * k * n_tiles * tn * itemsize
-    hbm = lhs + rhs + m * n * out_itemsize
-    steps = n_tiles * items * k_steps
-  else:
-    m_tiles, n_tiles = math.ceil(m / tm), math.ceil(n / tn)
-    items = math.ceil(k / tk) + groups - 1
-    flops = 2 * m_tiles * tm * n_tiles * tn * items * tk
-    hbm = (m * k * n_tiles + k * n * m_tiles) * itemsize + cfg.num_local * m * n * out_itemsize
-    steps = m_tiles * n_tiles * items
-  return max(flops / peak, hbm / bandwidth) + steps * STEP_OVERHEAD_S
 
 
 def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) -> Tiling:
@@ -286,47 +170,6 @@ def unsupported_primitives(activation) -> set[str]:
 
 
 # ------------------------------------------------------------------------------- items
-
-
-def m_items(counts, m: int, tile_m: int, group_offset, num_local: int, k_steps: int):
-  """The m-grouping kernel's items: `metadata.make_tile_metadata` items plus a zero item
-  for each row tile that no item touches, in row tile order.
-
-  Returns:
-    A tuple of int32 arrays ``(groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed)``
-    of one static length, and the int32 item count. A zero item (``real == 0``) owns no
-    rows; its group, lhs tile and K block (``k_fixed``) repeat the previous real item's last
-    blocks (the first real item's first blocks before it), so it triggers no DMA.
-  """
-  meta = metadata.make_tile_metadata(counts, m, tile_m, group_offset, num_local, ALIGN)
-  num_tiles = pl.cdiv(m, tile_m)
-  slots = meta.tile_ids.shape[0]
-  real_slot = jnp.arange(slots, dtype=jnp.int32) < meta.num_items
-  covered = jnp.zeros((num_tiles,), jnp.int32).at[meta.tile_ids].max(real_slot.astype(jnp.int32))
-  tile_key = jnp.concatenate([jnp.where(real_slot, meta.tile_ids, num_tiles),
-                              jnp.where(covered > 0, num_tiles, jnp.arange(num_tiles))])
-  order = jnp.argsort(tile_key, stable=True)
-  zeros = jnp.zeros((num_tiles,), jnp.int32)
-  pick = lambda a: jnp.concatenate([a.astype(jnp.int32), zeros])[order]  # noqa: E731
-  real = pick(real_slot)
-  out_tiles = jnp.minimum(tile_key[order], num_tiles - 1).astype(jnp.int32)
-  starts, ends = pick(meta.item_start) * real, pick(meta.item_end) * real
-  position = jnp.arange(slots + num_tiles, dtype=jnp.int32)
-  previous = lax.cummax(jnp.where(real > 0, position, -1))
-  source = jnp.where(previous >= 0, previous, jnp.argmax(real).astype(jnp.int32))
-  groups = pick(meta.group_ids)[source]
-  lhs_tiles = out_tiles[source]
-  k_fixed = jnp.where((real == 0) & (previous >= 0), k_steps - 1, 0).astype(jnp.int32)
-  count = (meta.num_items + num_tiles - jnp.sum(covered)).astype(jnp.int32)
-  return (groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed), count
-
-
-def k_items(counts, k: int, tile_k: int, group_offset, num_local: int):
-  """The k-grouping kernel's items (``cover=True``): ``(groups, tiles, starts, ends)`` and
-  the int32 item count."""
-  meta = metadata.make_tile_metadata(counts, k, tile_k, group_offset, num_local, ALIGN,
-                                     cover=True)
-  return (meta.group_ids, meta.tile_ids, meta.item_start, meta.item_end), meta.num_items
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -526,8 +369,9 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
   m, k, n = prepared.dims
   k_blocks = max(k, 1)
   tiling = prepared.tiling
-  tiling = Tiling(tile_m=_fit(tiling.tile_m, m) if m else 1,
-                  tile_k=_fit(tiling.tile_k, k_blocks), tile_n=_fit(tiling.tile_n, n) if n else 1)
+  tiling = Tiling(tile_m=fit_tile(tiling.tile_m, m) if m else 1,
+                  tile_k=fit_tile(tiling.tile_k, k_blocks),
+                  tile_n=fit_tile(tiling.tile_n, n) if n else 1)
   quant = prepared.quant
   weight_only = quant is not None and quant.mode == "weight_only"
   k_steps = pl.cdiv(k_blocks, tiling.tile_k)
@@ -708,111 +552,3 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       name="gmm_k_tpu",
       **_cost_estimate(flops, _transcendentals(cfg, cfg.num_local * m * n), hbm),
   )(*scalars, lhs, rhs, *biases)
-
-
-# ------------------------------------------------------------------------- cost model
-
-
-def _block_bytes(index, tile: int, dim: int) -> np.ndarray:
-  """Elements of blocks `index` of `tile` along a dim of `dim` (the edge block is short)."""
-  return np.clip(dim - np.asarray(index) * tile, 0, tile)
-
-
-def _dma_bytes(keys: np.ndarray, sizes: np.ndarray) -> int:
-  """Bytes fetched along a sequence of grid steps: a block is fetched when its index
-  (a row of `keys`) differs from the previous step's."""
-  if keys.shape[0] == 0:
-    return 0
-  changed = np.ones(keys.shape[0], bool)
-  changed[1:] = np.any(keys[1:] != keys[:-1], axis=1)
-  return int(np.sum(sizes[changed]))
-
-
-def static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
-                itemsize: int = 2, *, group_offset: int = 0, row_chunk: int | None = None,
-                out_itemsize: int | None = None) -> dict:
-  """A host-side model of what the kernels do for concrete group sizes.
-
-  Args:
-    counts: int ``[G]`` group sizes (concrete).
-    m, k, n: the problem (M, K, N as `GmmConfig` defines them).
-    cfg: group type and ``num_local`` (transposes do not change the model).
-    tiling: the tiles (edges fitted to the dims as the kernels do).
-    itemsize: bytes per lhs/rhs element; `out_itemsize` (default ``cfg.out_dtype``'s).
-    group_offset: the first global group held locally.
-    row_chunk: rows of a partial item's MXU slices (default: the target's `mxu_rows`).
-
-  Returns:
-    A dict: ``useful_rows`` (rows of the grouped dim owned by local groups, per column
-    block), ``mma_rows`` (rows streamed through the MXU per column block: whole tiles for
-    items that own a whole tile, touched ``row_chunk`` slices otherwise; k-grouping: K
-    columns incl. the tile padding of partial items), ``grid_steps`` and ``work_steps``
-    (steps that compute), ``hbm_bytes`` (lhs/rhs blocks fetched when their index changes
-    between consecutive steps + output blocks written back once per visit),
-    ``ideal_bytes`` (each operand once + the output once), ``items``, and
-    ``group_aligned_rows`` (m-grouping: the rows any scheme that streams whole
-    ``row_chunk``-row MXU passes per group needs, ``sum(ceil(count / row_chunk)) *
-    row_chunk``: the floor for `mma_rows`; k-grouping: ``useful_rows``).
-  """
-  counts = jnp.asarray(np.asarray(counts), jnp.int32)
-  out_itemsize = cfg.out_dtype.itemsize if out_itemsize is None else out_itemsize
-  row_chunk = mxu_rows() if row_chunk is None else row_chunk
-  kb = max(k, 1)
-  tm, tk, tn = _fit(tiling.tile_m, m), _fit(tiling.tile_k, kb), _fit(tiling.tile_n, n)
-  num_m, num_k, num_n = pl.cdiv(m, tm), pl.cdiv(kb, tk), pl.cdiv(n, tn)
-  ideal = (m * kb + cfg.num_local * kb * n if cfg.group_type == "m" else m * kb + kb * n)
-  ideal = ideal * itemsize + (m * n if cfg.group_type == "m" else cfg.num_local * m * n) * (
-      out_itemsize)
-  if cfg.group_type == "m":
-    arrays, count = m_items(counts, m, tm, jnp.int32(group_offset), cfg.num_local, num_k)
-    groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed = (
-        np.asarray(a)[:int(count)] for a in arrays)
-    real = real.astype(bool)
-    owned = ends - starts
-    lo = out_tiles * tm
-    full = (starts <= lo) & (ends >= lo + tm)
-    chunks = tm // row_chunk if row_chunk < tm and tm % row_chunk == 0 else 1
-    if chunks > 1:
-      chunk_lo = lo[:, None] + np.arange(chunks)[None, :] * row_chunk
-      touched = (starts[:, None] < chunk_lo + row_chunk) & (ends[:, None] > chunk_lo)
-      rows = np.where(full, tm, touched.sum(axis=1) * row_chunk)
-    else:
-      rows = np.full_like(starts, tm)
-    mma_rows = int(np.sum(np.where(real, rows, 0)))
-    items = len(groups)
-    n_i, item, k_i = (a.ravel() for a in np.meshgrid(np.arange(num_n), np.arange(items),
-                                                     np.arange(num_k), indexing="ij"))
-    k_eff = np.where(real[item], k_i, k_fixed[item])
-    lhs_keys = np.stack([lhs_tiles[item], k_eff], 1)
-    lhs_sizes = _block_bytes(lhs_tiles[item], tm, m) * _block_bytes(k_eff, tk, kb)
-    rhs_keys = np.stack([groups[item], k_eff, n_i], 1)
-    rhs_sizes = _block_bytes(k_eff, tk, kb) * _block_bytes(n_i, tn, n)
-    out_keys = np.stack([out_tiles[item], n_i], 1)
-    out_sizes = _block_bytes(out_tiles[item], tm, m) * _block_bytes(n_i, tn, n)
-    useful = int(np.sum(np.where(real, owned, 0)))
-    work = int(np.sum(real)) * num_n * num_k
-    group_starts, group_ends = (np.asarray(a) for a in metadata.local_group_bounds(
-        counts, m, jnp.int32(group_offset), cfg.num_local))
-    bound_chunk = min(row_chunk, tm)
-    bound = int(np.sum(-(-(group_ends - group_starts) // bound_chunk)) * bound_chunk)
-  else:
-    arrays, count = k_items(counts, kb if k else 0, tk, jnp.int32(group_offset), cfg.num_local)
-    groups, tiles, starts, ends = (np.asarray(a)[:int(count)] for a in arrays)
-    items = len(groups)
-    useful = int(np.sum(ends - starts))
-    mma_rows = int(np.sum(np.where(ends > starts, tk, 0)))
-    m_i, n_i, item = (a.ravel() for a in np.meshgrid(np.arange(num_m), np.arange(num_n),
-                                                     np.arange(items), indexing="ij"))
-    lhs_keys = np.stack([tiles[item], m_i], 1)
-    lhs_sizes = _block_bytes(tiles[item], tk, kb) * _block_bytes(m_i, tm, m)
-    rhs_keys = np.stack([tiles[item], n_i], 1)
-    rhs_sizes = _block_bytes(tiles[item], tk, kb) * _block_bytes(n_i, tn, n)
-    out_keys = np.stack([groups[item], m_i, n_i], 1)
-    out_sizes = _block_bytes(m_i, tm, m) * _block_bytes(n_i, tn, n)
-    work = int(np.sum(ends > starts)) * num_m * num_n
-    bound = useful
-  hbm = (_dma_bytes(lhs_keys, lhs_sizes) + _dma_bytes(rhs_keys, rhs_sizes)) * itemsize
-  hbm += _dma_bytes(out_keys, out_sizes) * out_itemsize
-  return dict(useful_rows=useful, mma_rows=mma_rows, group_aligned_rows=bound,
-              grid_steps=int(len(lhs_keys)),
-              work_steps=work, hbm_bytes=int(hbm), ideal_bytes=int(ideal), items=items)
