@@ -67,6 +67,9 @@ SHAPES = {
     # Fused MoE down projections (the [R, F] hidden rows back to D columns).
     "mixtral-down": (16384, 14336, 4096, 8),
     "deepseek-down": (8192, 1408, 2048, 64),
+    # DeepSeek-V3's routed experts (256 of D=7168, F=2048; 8 routed per token): 3.76e9
+    # weight elements, past what 32-bit offsets address in 1-byte dtypes.
+    "deepseek-v3": (16384, 7168, 2048, 256),
 }
 # Routed experts per token of the fused MoE cases: M = tokens * MOE_TOP_K grouped rows.
 MOE_TOP_K = 2
@@ -161,6 +164,13 @@ CASES = (
          weights="int8", transpose_rhs=True, implementation="pallas_triton",
          platforms=("gpu",)),
     Case("small-moe-train", "small", "train", activation="swiglu", moe="gather"),
+    # 1-byte weights of 2**31+ elements (read as 16-bit words): fp8 x fp8 on the tensor
+    # cores, and fp8 weights dequantized in-kernel for bf16 tokens.
+    Case("deepseek-v3-fp8xfp8", "deepseek-v3", weights="float8_e4m3fn",
+         activations_q="float8_e4m3fn", dtype="float32", implementation="pallas_triton",
+         platforms=("gpu",)),
+    Case("deepseek-v3-fp8-weights", "deepseek-v3", weights="float8_e4m3fn",
+         implementation="pallas_triton", platforms=("gpu",)),
 )
 
 
