@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 from gmm_jax import quantize
 from gmm_jax._src.config import GmmConfig, Tiling
-from gmm_jax._src.epilogue import Rows
+from gmm_jax._src.epilogue import Rows, apply_epilogue
 from gmm_jax.pallas.gpu import gmm as triton_gmm
 from oracle import ACTIVATIONS, f64, tolerances
+from oracle import GATED as ORACLE_GATED
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -233,6 +234,75 @@ def test_k_grouped_gated_bias():
       + f64(bias)[g], 2, axis=-1)) for g in range(G)])
   assert got.shape == (G, m, n_out)
   np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=K))
+
+
+@pytest.mark.parametrize("k_chunk, deterministic", [
+    pytest.param(0, True, id="one-pass"),
+    pytest.param(32, True, id="split-ordered"),
+    pytest.param(32, False, id="split-atomic"),
+])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "swiglu_clamped"])
+def test_k_grouped_gated_against_the_oracle(activation, transposed, k_chunk, deterministic):
+  """k-grouping's gated activation in-kernel (gate and up accumulators, a one-pass
+  program's epilogue) or after split-K's sum: act(z[..., :N]) * z[..., N:] of z = x_g @ w_g
+  + bias_g, bias [G, 2N]; an empty group gives the gated bias."""
+  m, n_out, k, sizes = 20, 24, 96, [40, 0, 13, 29]
+  keys = jax.random.split(jax.random.key(9), 3)
+  lhs = jax.random.normal(keys[0], (m, k), jnp.float32)
+  rhs = jax.random.normal(keys[1], (k, 2 * n_out), jnp.float32) / math.sqrt(k)
+  bias = jax.random.normal(keys[2], (len(sizes), 2 * n_out), jnp.float32)
+  cfg = GmmConfig(group_type="k", num_local=len(sizes), interpret=True, activation=activation,
+                  transpose_lhs=transposed, transpose_rhs=transposed,
+                  deterministic=deterministic)
+  fn = jax.jit(lambda *a: triton_gmm.gmm_triton(*a, cfg, TILES, k_chunk=k_chunk))
+  got = fn(lhs.T if transposed else lhs, rhs.T if transposed else rhs,
+           jnp.asarray(sizes, jnp.int32), jnp.int32(0), bias)
+  starts = np.concatenate([[0], np.cumsum(sizes)])
+  z = np.stack([f64(lhs)[:, starts[g]:starts[g + 1]] @ f64(rhs)[starts[g]:starts[g + 1]]
+                + f64(bias)[g] for g in range(len(sizes))])
+  assert got.shape == (len(sizes), m, n_out)
+  np.testing.assert_allclose(f64(got), ORACLE_GATED[activation](z),
+                             **tolerances(jnp.float32, k=k))
+
+
+@pytest.mark.parametrize("activation", [None, "relu", "gelu", "gelu_tanh", "silu",
+                                        "fast_gelu", "swiglu", "geglu", "geglu_tanh",
+                                        "swiglu_clamped"])
+@pytest.mark.parametrize("acc_dtype, out_dtype", [(jnp.float32, jnp.float32),
+                                                  (jnp.float32, jnp.bfloat16),
+                                                  (jnp.int32, jnp.float32)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_tile_epilogue_follows_apply_epilogue(activation, acc_dtype, out_dtype, weighted):
+  """The kernels' epilogue of a tile (`finish_tile`, the gate and up accumulators kept
+  apart) is `apply_epilogue` on the ``[gate | up]`` tile: bias, activation, gated halves,
+  row weights, cast."""
+  rows, cols = 16, 32
+  keys = jax.random.split(jax.random.key(3), 5)
+  gated = activation in ORACLE_GATED
+
+  def tile(key, shape):
+    if acc_dtype == jnp.int32:
+      return jax.random.randint(key, shape, -40, 40, jnp.int32)
+    return 3 * jax.random.normal(key, shape, jnp.float32)
+
+  accs = (tile(keys[0], (rows, cols)), tile(keys[1], (rows, cols)))[:2 if gated else 1]
+  biases = tuple(jax.random.normal(key, (1, cols), jnp.float32) for key in keys[2:4])
+  biases = biases[:len(accs)]
+  weights = jax.random.uniform(keys[4], (rows,), jnp.float32) if weighted else None
+  got = triton_gmm.finish_tile(accs, biases, activation, out_dtype, weights)
+  want = apply_epilogue(jnp.concatenate(accs, -1), jnp.concatenate(biases, -1), activation,
+                        out_dtype, row_weights=weights)
+  assert got.dtype == want.dtype and got.shape == want.shape == (rows, cols)
+  if activation in ("gelu", "geglu"):
+    # The kernel's erf is a rational approximation, within a few f32 ulps of 1 where
+    # 1 + erf(x) is small: an absolute error of about 2**-22 |x| in x * Phi(x) (times |up|
+    # for geglu); a 16-bit output may round the other way.
+    scale = float(jnp.max(jnp.abs(jnp.concatenate(accs, -1)) + 1.0)) ** (2 if gated else 1)
+    rtol = 2e-6 if out_dtype == jnp.float32 else 8e-3
+    np.testing.assert_allclose(f64(got), f64(want), rtol=rtol, atol=2**-21 * scale)
+  else:
+    np.testing.assert_array_equal(f64(got), f64(want))
 
 
 def test_empty_groups_and_zero_out_rows():
