@@ -28,6 +28,7 @@ FLOORS = {
     "gmm_jax._src.cost_models": 1,
     "gmm_jax._src.reference": 2,
     "gmm_jax._src.xla": 2,
+    "gmm_jax._src.lax_ragged": 2,
     "gmm_jax._src.op": 2,
     "gmm_jax.pallas": 2,
     "gmm_jax.pallas.common": 2,
@@ -45,6 +46,7 @@ FLOORS = {
     "gmm_jax.nn": 6,
     "gmm_jax.bench": 6,
     "gmm_jax.bench_moe": 6,
+    "gmm_jax.bench_fallback": 6,
     "gmm_jax.examples": 7,  # built on gmm_jax.nn (floor 6)
     "gmm_jax.examples.train_moe": 7,
     "gmm_jax.aot": 6,
@@ -195,7 +197,8 @@ def test_the_dispatcher_names_no_backend():
 
 def test_backends_never_import_the_layers_above_them(graph):
   _, edges = graph
-  backends = ["gmm_jax._src.reference", "gmm_jax._src.xla", "gmm_jax.pallas.common",
+  backends = ["gmm_jax._src.reference", "gmm_jax._src.xla", "gmm_jax._src.lax_ragged",
+              "gmm_jax.pallas.common",
               "gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.tpu.gmm"]
   forbidden = {"gmm_jax._src.dispatch", "gmm_jax._src.op", "gmm_jax._src.quantized",
                "gmm_jax._src.api"}

@@ -9,13 +9,13 @@ from __future__ import annotations
 import importlib
 
 from gmm_jax._src import dispatch
-from gmm_jax._src import reference, xla
+from gmm_jax._src import lax_ragged, reference, xla
 
 # Preference order per platform; names that did not register are skipped.
 CHAINS = {
     "cpu": ("xla", "reference"),
     "gpu": ("pallas_mosaic_gpu", "pallas_triton", "xla"),
-    "tpu": ("pallas_tpu", "xla"),
+    "tpu": ("pallas_tpu", "lax_ragged_dot", "xla"),
 }
 # For calls that gather, weight or scatter rows (a fused MoE layer) or use a gated
 # activation: Triton does them in-kernel, Mosaic GPU does not (it would run on a gathered
@@ -37,6 +37,9 @@ def _register() -> None:
                                      platforms=every_platform, features=reference.FEATURES))
   dispatch.register(dispatch.Backend("xla", lambda *args, **kw: xla.gmm_xla(*args, **kw),
                                      platforms=every_platform, features=xla.FEATURES))
+  dispatch.register(dispatch.Backend(
+      "lax_ragged_dot", lambda *args, **kw: lax_ragged.gmm_lax_ragged(*args, **kw),
+      platforms=every_platform, features=lax_ragged.FEATURES))
   for name, module_name, function, platform in KERNELS:
     try:  # an optional dependency: this jax's Pallas backend for the platform
       module = importlib.import_module(module_name)
