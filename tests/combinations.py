@@ -1,0 +1,752 @@
+"""Drawn gmm calls over the whole option space, and the properties every call must have.
+
+A `Case` is one combination of options (implementation x group type x transposes x
+activation x bias x row operands x group_offset x quantization x dtype, with a small fixed
+shape and drawn group sizes); `cases` draws them with hypothesis. Each ``check_*`` function
+states one property as its definition (the float64 numpy oracle of `oracle.py`, a Python
+loop over a batch, the unsharded call, a finite difference, ...) and raises AssertionError
+when the call breaks it. `tests/test_combinations.py` drives them.
+
+A failing check's exception carries a note with a one-line reproducer (run from tests/).
+
+NotImplementedError is a legal outcome only for combinations the documentation says are
+unsupported (`documented_refusal`, from `gmm`'s docstring and docs/support.md); drawn
+cases avoid them where they can, and any other exception fails the check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Any, Callable
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from oracle import GATED, f64, gmm_oracle, local_rows, rows_oracle, tolerances
+
+import gmm_jax
+
+# Implementations in the order hypothesis shrinks towards (the simplest first).
+IMPLEMENTATIONS = ("xla", "reference", "pallas_tpu", "pallas_triton", "pallas_mosaic_gpu")
+ELEMENTWISE = ("silu", "gelu_tanh")
+GATED_NAMES = ("swiglu", "geglu", "swiglu_clamped")
+ACTIVATIONS = (None,) + ELEMENTWISE + GATED_NAMES
+QUANT_MODES = ("none", "weight_only", "scaled")
+DTYPES = ("float32", "bfloat16")
+ROW_OPERANDS = ("lhs_indices", "row_weights", "out_indices")
+
+# A few fixed shapes per group type, (M, K, N, G) with N the output columns (a gated
+# activation's rhs has 2N), so that draws share compilations. Every dimension is a multiple
+# of 8 (each can be split over the 8-device mesh) except G, which is split over 2 or 4.
+SHAPES = {
+    "m": ((16, 8, 8, 4), (32, 16, 4, 2)),
+    "k": ((8, 16, 8, 4), (16, 32, 4, 2)),
+}
+
+# The meshes the sharded property draws from: all 8 host CPU devices (tests/conftest.py).
+MESHES = {"8": ((8,), ("x",)), "2x4": ((2, 4), ("x", "y"))}
+
+BATCH = 2  # the batch of the vmap properties
+
+
+# ------------------------------------------------------------------------------ the case
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One gmm call: every option, the shape and the group sizes (see `make_operands`).
+
+  Attributes:
+    m: rows of the grouped problem (R with row operands) for "m"; lhs rows M for "k".
+    k: the contraction length.
+    n: output columns (the rhs has 2n with a gated activation).
+    sizes: the sizes of all G groups (they may sum to less than the grouped dimension).
+    num_local: groups held locally (rhs groups for "m", output groups for "k").
+    group_offset: the first group held locally.
+    rows: the row operands passed (m-grouping only).
+    out_rows: rows of the result with out_indices (m or 2m).
+    seed: the operands' random seed.
+  """
+
+  implementation: str = "xla"
+  group_type: str = "m"
+  transpose_lhs: bool = False
+  transpose_rhs: bool = False
+  activation: str | None = None
+  bias: bool = False
+  rows: tuple[str, ...] = ()
+  group_offset: int = 0
+  num_local: int = 4
+  quant: str = "none"
+  dtype: str = "float32"
+  m: int = 16
+  k: int = 8
+  n: int = 8
+  sizes: tuple[int, ...] = (4, 0, 5, 3)
+  out_rows: int = 16
+  seed: int = 0
+
+  @property
+  def gated(self) -> bool:
+    return self.activation in GATED_NAMES or self.activation in GATED
+
+  @property
+  def rhs_cols(self) -> int:
+    return 2 * self.n if self.gated else self.n
+
+  @property
+  def num_groups(self) -> int:
+    return len(self.sizes)
+
+  @property
+  def tokens(self) -> int:
+    """Rows of lhs: half the grouped rows with lhs_indices (each token read twice)."""
+    if self.group_type == "m" and "lhs_indices" in self.rows:
+      return self.m // 2
+    return self.m
+
+  @property
+  def result_rows(self) -> int:
+    return self.out_rows if "out_indices" in self.rows else self.m
+
+  @property
+  def out_dtype(self) -> np.dtype:
+    # Weight-only keeps the activations' dtype; QArray x QArray gives f32 (`gmm` docs).
+    return np.dtype(jnp.float32) if self.quant == "scaled" else np.dtype(self.dtype)
+
+  @property
+  def out_shape(self) -> tuple[int, ...]:
+    if self.group_type == "m":
+      return (self.result_rows, self.n)
+    return (self.num_local, self.m, self.n)
+
+  @property
+  def pass_group_offset(self) -> bool:
+    return self.group_offset != 0 or self.num_local != self.num_groups
+
+  def replace(self, **changes) -> "Case":
+    return dataclasses.replace(self, **changes)
+
+
+def reproducer(check: str, *args) -> str:
+  """A command that reruns one check of one case (from the tests/ directory)."""
+  arguments = ", ".join(repr(a) if not isinstance(a, Case) else "c." + repr(a) for a in args)
+  return (f"reproduce: cd tests && python -c \"import conftest, combinations as c; "
+          f"c.{check}({arguments})\"")
+
+
+@contextlib.contextmanager
+def _reproducible(check: str, *args):
+  try:
+    yield
+  except Exception as err:  # every failure of a check, its reproducer attached
+    err.add_note(reproducer(check, *args))
+    raise
+
+
+def documented_refusal(case: Case) -> str | None:
+  """Why the docs say `case` is unsupported (gmm may then raise NotImplementedError), or None.
+
+  From `gmm`'s docstring (row operands) and docs/support.md (the implementations' "-"
+  cells).
+  """
+  if case.rows and case.group_type != "m":
+    return "row operands need m-grouping"
+  if "lhs_indices" in case.rows and (case.transpose_lhs or case.quant == "scaled"):
+    return "lhs_indices need an untransposed float lhs"
+  if case.rows and case.quant == "scaled":
+    return "row operands with quantized weights are weight-only only"
+  if case.implementation == "pallas_mosaic_gpu":
+    # Through gmm the dispatcher hands interpret mode to Triton (support.md, footnote 1);
+    # the kernel also refuses k-grouping, f32, a transposed lhs and quantized operands.
+    return "Mosaic GPU in interpret mode through gmm, or a mode its kernel refuses"
+  return None
+
+
+@functools.lru_cache(maxsize=None)
+def available_implementations() -> tuple[str, ...]:
+  """The implementations whose interpret mode this jax runs through `gmm`.
+
+  A tiny bf16 m-grouped call each (the mode every kernel serves): Mosaic GPU refuses
+  interpret mode through the dispatcher today (support.md, footnote 1), so its value is
+  skipped until it serves one.
+  """
+  lhs = jnp.ones((8, 8), jnp.bfloat16)
+  rhs = jnp.ones((1, 8, 8), jnp.bfloat16)
+  served = []
+  for name in IMPLEMENTATIONS:
+    try:
+      gmm_jax.gmm(lhs, rhs, jnp.asarray([8], jnp.int32), implementation=name,
+                  interpret=name.startswith("pallas"))
+    except NotImplementedError:
+      continue
+    served.append(name)
+  return tuple(served)
+
+
+# ------------------------------------------------------------------------------ drawing
+
+
+@st.composite
+def group_sizes(draw, num_groups: int, dim: int) -> tuple[int, ...]:
+  """G sizes summing to at most `dim`: cut points of a drawn total (empty groups when two
+  coincide, rows past the total when it is short of `dim`)."""
+  total = draw(st.integers(0, dim))
+  cuts = sorted(draw(st.lists(st.integers(0, total), min_size=num_groups - 1,
+                              max_size=num_groups - 1)))
+  bounds = [0] + cuts + [total]
+  return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+@st.composite
+def cases(draw, *, implementations=None, group_types=("m", "k"), activations=ACTIVATIONS,
+          dtypes=DTYPES, quants=QUANT_MODES, rows=True, empty_local_group=False) -> Case:
+  """Draws a `Case` that the documentation says gmm serves.
+
+  Args:
+    implementations: names to draw from (default: `available_implementations()`).
+    group_types, activations, dtypes, quants: the values to draw from.
+    rows: whether m-grouped cases may have row operands.
+    empty_local_group: force at least one locally held group to be empty.
+  """
+  implementation = draw(st.sampled_from(implementations or available_implementations()))
+  group_type = draw(st.sampled_from(group_types))
+  m, k, n, num_groups = draw(st.sampled_from(SHAPES[group_type]))
+  activation = draw(st.sampled_from(activations))
+  quant = draw(st.sampled_from(quants))
+  row_operands = ()
+  if rows and group_type == "m" and quant != "scaled":
+    row_operands = tuple(name for name in ROW_OPERANDS if draw(st.booleans()))
+  transpose_lhs = draw(st.booleans()) and "lhs_indices" not in row_operands
+  num_local = draw(st.integers(1, num_groups))
+  group_offset = draw(st.integers(0, num_groups - num_local))
+  sizes = list(draw(group_sizes(num_groups, m if group_type == "m" else k)))
+  if empty_local_group:
+    sizes[group_offset + draw(st.integers(0, num_local - 1))] = 0
+  case = Case(
+      implementation=implementation, group_type=group_type, transpose_lhs=transpose_lhs,
+      transpose_rhs=draw(st.booleans()), activation=activation, bias=draw(st.booleans()),
+      rows=row_operands, group_offset=group_offset, num_local=num_local, quant=quant,
+      dtype=draw(st.sampled_from(dtypes)), m=m, k=k, n=n, sizes=tuple(sizes),
+      out_rows=m * draw(st.sampled_from((1, 2))) if "out_indices" in row_operands else m,
+      seed=draw(st.integers(0, 2**16)))
+  hypothesis.assume(documented_refusal(case) is None)
+  return case
+
+
+def vmap_operands(case: Case) -> tuple[str, ...]:
+  """The operands of `case` a vmap may batch."""
+  names = ["lhs", "rhs", "group_sizes"]
+  names += ["bias"] if case.bias else []
+  names += list(case.rows)
+  names += ["group_offset"] if case.pass_group_offset else []
+  return tuple(names)
+
+
+@st.composite
+def vmap_cases(draw, **case_options) -> tuple[Case, str, tuple]:
+  """(case, batched operand, its batch of group sizes or offsets where it is one)."""
+  case = draw(cases(**case_options))
+  operand = draw(st.sampled_from(vmap_operands(case)))
+  batch = ()
+  if operand == "group_sizes":
+    dim = case.m if case.group_type == "m" else case.k
+    batch = (case.sizes,) + tuple(
+        draw(group_sizes(case.num_groups, dim)) for _ in range(BATCH - 1))
+  elif operand == "group_offset":
+    batch = (case.group_offset,) + tuple(
+        draw(st.integers(0, case.num_groups)) for _ in range(BATCH - 1))
+  return case, operand, batch
+
+
+def _stored_shapes(case: Case) -> dict[str, tuple[int, ...]]:
+  """The stored shape of each array operand (a QArray's values)."""
+  shapes = {"group_sizes": (case.num_groups,)}
+  shapes["lhs"] = (case.k, case.tokens) if case.transpose_lhs else (case.tokens, case.k)
+  matrix = (case.rhs_cols, case.k) if case.transpose_rhs else (case.k, case.rhs_cols)
+  shapes["rhs"] = ((case.num_local,) + matrix) if case.group_type == "m" else matrix
+  if case.bias:
+    shapes["bias"] = (case.num_local, case.rhs_cols)
+  for name in case.rows:
+    shapes[name] = (case.m,)
+  return shapes
+
+
+@st.composite
+def sharded_cases(draw, **case_options) -> tuple[Case, str, tuple]:
+  """(case, mesh name, placements): one or two operand dimensions, each split over mesh
+  axes whose size divides it; placements are ``(operand, dim, axes)``."""
+  case = draw(cases(**case_options))
+  mesh_name = draw(st.sampled_from(tuple(MESHES)))
+  mesh_shape, axis_names = MESHES[mesh_name]
+  axis_sizes = dict(zip(axis_names, mesh_shape))
+  choices = []
+  for operand, shape in _stored_shapes(case).items():
+    for dim, size in enumerate(shape):
+      for axes in list(axis_names) + ([tuple(axis_names)] if len(axis_names) > 1 else []):
+        count = math.prod(axis_sizes[a] for a in (axes if isinstance(axes, tuple) else (axes,)))
+        if size % count == 0:
+          choices.append((operand, dim, axes))
+  hypothesis.assume(choices)
+  first = draw(st.sampled_from(choices))
+  placements = [first]
+  if draw(st.booleans()):
+    # A second dimension on axes the first does not use (a spec names each axis once).
+    used = set(first[2] if isinstance(first[2], tuple) else (first[2],))
+    rest = [c for c in choices if c[0] != first[0] and not used & set(
+        c[2] if isinstance(c[2], tuple) else (c[2],))]
+    if rest:
+      placements.append(draw(st.sampled_from(rest)))
+  return case, mesh_name, tuple(placements)
+
+
+# ---------------------------------------------------------------------------- operands
+
+
+def _uniform(rng, shape, low=-1.0, high=1.0):
+  return rng.uniform(low, high, shape).astype(np.float32)
+
+
+def _n_axis(case: Case) -> int:
+  """The output-column axis of the stored rhs."""
+  return (case.group_type == "m") + (0 if case.transpose_rhs else 1)
+
+
+def make_operands(case: Case, seed_offset: int = 0) -> dict[str, Any]:
+  """The operands of `case`: lhs, rhs (QArrays when quantized), group_sizes and, where the
+  case has them, bias and row operands; None otherwise. Magnitudes stay small (|z| < 3 in
+  the accumulator) so activations are smooth and finite differences are accurate."""
+  rng = np.random.default_rng(case.seed + 7919 * seed_offset)
+  dtype = jnp.dtype(case.dtype)
+  shapes = _stored_shapes(case)
+  lhs = jnp.asarray(_uniform(rng, shapes["lhs"]), dtype)
+  rhs = jnp.asarray(_uniform(rng, shapes["rhs"]) * math.sqrt(3.0 / case.k), dtype)
+  if case.quant != "none":
+    rhs = gmm_jax.quantize(rhs, jnp.int8, channelwise_axes=(0, _n_axis(case))
+                           if case.group_type == "m" else (_n_axis(case),), scale_dtype=dtype)
+  if case.quant == "scaled":  # per token (the M axis of the stored lhs)
+    lhs = gmm_jax.quantize(lhs, jnp.int8, channelwise_axes=(int(case.transpose_lhs),),
+                           scale_dtype=dtype)
+  ops = {"lhs": lhs, "rhs": rhs, "group_sizes": jnp.asarray(case.sizes, jnp.int32),
+         "bias": None, "lhs_indices": None, "row_weights": None, "out_indices": None,
+         "group_offset": None}
+  if case.bias:
+    ops["bias"] = jnp.asarray(_uniform(rng, shapes["bias"]), dtype)
+  if "lhs_indices" in case.rows:
+    ops["lhs_indices"] = jnp.asarray(rng.permutation(np.arange(case.m) % case.tokens),
+                                     jnp.int32)
+  if "row_weights" in case.rows:
+    ops["row_weights"] = jnp.asarray(_uniform(rng, (case.m,), 0.0, 1.0), dtype)
+  if "out_indices" in case.rows:
+    ops["out_indices"] = jnp.asarray(rng.permutation(case.out_rows)[:case.m], jnp.int32)
+  if case.pass_group_offset:
+    ops["group_offset"] = case.group_offset
+  return ops
+
+
+def float_operands(case: Case) -> tuple[str, ...]:
+  """The operands gradients are taken for (QArrays and integers have none)."""
+  names = []
+  names += ["lhs"] if case.quant != "scaled" else []
+  names += ["rhs"] if case.quant == "none" else []
+  names += ["bias"] if case.bias else []
+  names += ["row_weights"] if "row_weights" in case.rows else []
+  return tuple(names)
+
+
+def apply(case: Case, ops: dict[str, Any], **options):
+  """`gmm_jax.gmm` on `ops` with the options of `case` (and any other `options`)."""
+  return gmm_jax.gmm(
+      ops["lhs"], ops["rhs"], ops["group_sizes"], group_type=case.group_type,
+      num_groups=case.num_local if case.group_type == "k" else None, bias=ops["bias"],
+      activation=case.activation, transpose_lhs=case.transpose_lhs,
+      transpose_rhs=case.transpose_rhs, group_offset=ops["group_offset"],
+      implementation=case.implementation, interpret=case.implementation.startswith("pallas"),
+      lhs_indices=ops["lhs_indices"], row_weights=ops["row_weights"],
+      out_indices=ops["out_indices"],
+      out_rows=case.out_rows if "out_indices" in case.rows else None, **options)
+
+
+@functools.lru_cache(maxsize=256)
+def jitted(case: Case) -> Callable:
+  """One compiled `apply` per case (the loops of the vmap properties reuse it)."""
+  return jax.jit(functools.partial(apply, case))
+
+
+def _loss(case: Case, params: dict, others: dict, cotangent):
+  out = apply(case, {**others, **params})
+  return jnp.sum(out.astype(jnp.float32) * cotangent)
+
+
+@functools.lru_cache(maxsize=256)
+def jitted_grad(case: Case) -> Callable:
+  """``(params, others, cotangent) -> d<out, cotangent>/d params``, compiled."""
+  return jax.jit(jax.grad(functools.partial(_loss, case)))
+
+
+def split(case: Case, ops: dict) -> tuple[dict, dict]:
+  """(float operands, the rest)."""
+  params = {name: ops[name] for name in float_operands(case)}
+  return params, {name: v for name, v in ops.items() if name not in params}
+
+
+def cotangent(case: Case, seed_offset: int = 0) -> jax.Array:
+  rng = np.random.default_rng(case.seed + 104729 + seed_offset)
+  return jnp.asarray(_uniform(rng, case.out_shape))
+
+
+def call(case: Case, fn: Callable, *args):
+  """fn(*args); a NotImplementedError is a failure unless the docs say `case` is
+  unsupported (then the example is rejected)."""
+  try:
+    return fn(*args)
+  except NotImplementedError as err:
+    if documented_refusal(case) is not None:
+      hypothesis.reject()
+    raise AssertionError(f"gmm raised NotImplementedError for a combination the docs say "
+                         f"is supported: {err}") from err
+
+
+# ------------------------------------------------------------------------------ oracle
+
+
+def _dequantized(x) -> np.ndarray:
+  """float64 values of an operand; a QArray's scale broadcasts (channelwise or per-tensor),
+  computed here rather than with gmm_jax.dequantize."""
+  if isinstance(x, gmm_jax.QArray):
+    return f64(x.qvalue) * f64(x.scale)
+  return f64(x)
+
+
+def oracle(case: Case, ops: dict) -> np.ndarray:
+  """float64 expected result of `apply(case, ops)` (ops' group sizes and offset)."""
+  lhs, rhs = _dequantized(ops["lhs"]), _dequantized(ops["rhs"])
+  sizes = np.asarray(ops["group_sizes"])
+  offset = 0 if ops["group_offset"] is None else int(ops["group_offset"])
+  bias = None if ops["bias"] is None else f64(ops["bias"])
+  rhs = np.swapaxes(rhs, -1, -2) if case.transpose_rhs else rhs
+  if case.group_type == "m":
+    lhs = lhs.T if case.transpose_lhs else lhs
+    as_np = lambda x: None if x is None else np.asarray(x)  # noqa: E731
+    return rows_oracle(lhs, rhs, sizes, lhs_indices=as_np(ops["lhs_indices"]),
+                       row_weights=None if ops["row_weights"] is None else f64(
+                           ops["row_weights"]),
+                       out_indices=as_np(ops["out_indices"]),
+                       out_rows=case.out_rows if "out_indices" in case.rows else None,
+                       bias=bias, activation=case.activation, group_offset=offset,
+                       num_local=case.num_local)
+  out = gmm_oracle(lhs, rhs, sizes, "k", bias=bias,
+                   activation=None if case.gated else case.activation,
+                   transpose_lhs=case.transpose_lhs, group_offset=offset,
+                   num_local=case.num_local)
+  return GATED[case.activation](out) if case.gated else out
+
+
+def unwritten_rows(case: Case, ops: dict) -> np.ndarray:
+  """Boolean ``[result rows]`` (m-grouping): rows no local group writes, exactly 0."""
+  offset = 0 if ops["group_offset"] is None else int(ops["group_offset"])
+  local = local_rows(np.asarray(ops["group_sizes"]), case.m, offset, case.num_local)
+  if ops["out_indices"] is None:
+    return ~local
+  written = np.zeros(case.result_rows, bool)
+  written[np.asarray(ops["out_indices"])[local]] = True
+  return ~written
+
+
+def tolerance(case: Case, k: int | None = None) -> dict[str, float]:
+  dtypes = [case.dtype, case.out_dtype]
+  return tolerances(*dtypes, k=case.k if k is None else k)
+
+
+def _grad_tolerance(case: Case) -> dict[str, float]:
+  # A gradient contracts over M, N or K (dlhs over N, drhs and dbias over the rows).
+  return tolerance(case, k=max(case.m, case.k, case.rhs_cols))
+
+
+def assert_close(got, want, tol, what: str):
+  got, want = f64(got), f64(want)
+  assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+  np.testing.assert_allclose(got, want, err_msg=what, **tol)
+
+
+def assert_bitwise(got, want, what: str):
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.dtype == want.dtype and got.shape == want.shape, what
+  assert got.tobytes() == want.tobytes(), (
+      f"{what}: not bitwise equal (max abs difference "
+      f"{np.max(np.abs(f64(got) - f64(want))) if got.size else 0})")
+
+
+# -------------------------------------------------------------------------- properties
+
+
+def check_oracle(case: Case):
+  """gmm equals the float64 numpy oracle, in the documented dtype and shape; rows no local
+  group writes are exactly 0."""
+  with _reproducible("check_oracle", case):
+    ops = make_operands(case)
+    out = call(case, jitted(case), ops)
+    assert out.shape == case.out_shape and out.dtype == case.out_dtype, (
+        f"{jax.typeof(out)}, want {case.out_dtype}{list(case.out_shape)}")
+    want = oracle(case, ops)
+    assert_close(out, want, tolerance(case), "gmm vs the float64 oracle")
+    if case.group_type == "m":
+      assert not np.any(f64(out)[unwritten_rows(case, ops)]), "unwritten rows are not 0"
+
+
+def check_gated_halves(case: Case):
+  """A gated activation equals its gate applied (in numpy) to the two halves of the same call
+  with no activation: ``gate(z[:, :N]) * z[:, N:]``, then the row weights."""
+  assert case.gated, case
+  with _reproducible("check_gated_halves", case):
+    ops = make_operands(case)
+    # The halves in f32, so that only the gated call's own rounding is compared.
+    ungated = case.replace(activation=None,
+                           rows=tuple(r for r in case.rows if r != "row_weights"))
+    halves = call(case, jax.jit(functools.partial(apply, ungated,
+                                                  preferred_element_type=jnp.float32)),
+                  {**ops, "row_weights": None})
+    want = GATED[case.activation](f64(halves))
+    if ops["row_weights"] is not None:
+      weights = f64(ops["row_weights"])
+      if ops["out_indices"] is not None:  # each weight goes where its row is written
+        by_row = np.zeros(case.result_rows)
+        by_row[np.asarray(ops["out_indices"])] = weights
+        weights = by_row
+      want = want * weights[:, None]
+    got = call(case, jitted(case), ops)
+    assert_close(got, want, tolerance(case), f"{case.activation} vs the gate of the halves")
+
+
+def _batched(case: Case, operand: str, batch: tuple) -> tuple[list[dict], Any]:
+  """BATCH operand dicts differing in `operand`, and that operand stacked."""
+  base = make_operands(case)
+  if operand == "group_sizes":
+    values = [jnp.asarray(s, jnp.int32) for s in batch]
+  elif operand == "group_offset":
+    values = [jnp.asarray(o, jnp.int32) for o in batch]
+  else:
+    values = [base[operand]] + [make_operands(case, seed_offset=i)[operand]
+                                for i in range(1, BATCH)]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *values)
+  return [{**base, operand: v} for v in values], stacked
+
+
+def _with_offsets(case: Case, ops: dict) -> dict:
+  # A traced group_offset skips the concrete validation; give each loop call a concrete one.
+  if isinstance(ops["group_offset"], jax.Array):
+    return {**ops, "group_offset": int(ops["group_offset"])}
+  return ops
+
+
+def check_vmap(case: Case, operand: str, batch: tuple = ()):
+  """vmap over one operand equals a Python loop over its batch."""
+  with _reproducible("check_vmap", case, operand, batch):
+    each, stacked = _batched(case, operand, batch)
+    base = each[0]
+    mapped = call(case, jax.jit(jax.vmap(
+        lambda value: apply(case, {**base, operand: value}))), stacked)
+    for i, ops in enumerate(each):
+      want = call(case, jitted(case), _with_offsets(case, ops))
+      assert_close(mapped[i], want, tolerance(case),
+                   f"vmap over {operand}: batch element {i} vs a loop")
+
+
+def check_grad_of_vmap(case: Case, operand: str, batch: tuple = ()):
+  """The gradient of a vmapped call (summed over the batch) equals the loop of gradients:
+  the batched operand's gradient stacks, the others' add up."""
+  with _reproducible("check_grad_of_vmap", case, operand, batch):
+    each, stacked = _batched(case, operand, batch)
+    params, others = split(case, each[0])
+    hypothesis.assume(params)
+    cot = jnp.stack([cotangent(case, i) for i in range(BATCH)])
+    rest = {name: v for name, v in params.items() if name != operand}
+
+    def loss(rest, value):
+      def one(value, cot_i):
+        ops = {**others, **rest, operand: value}
+        return jnp.sum(apply(case, ops).astype(jnp.float32) * cot_i)
+      return jnp.sum(jax.vmap(one)(value, cot))
+
+    if operand in params:
+      got_rest, got_operand = call(case, jax.jit(jax.grad(loss, argnums=(0, 1))), rest,
+                                   stacked)
+      got = {**got_rest, operand: got_operand}
+    else:
+      got = call(case, jax.jit(jax.grad(loss)), rest, stacked)
+    loops = []
+    for i, ops in enumerate(each):
+      p, o = split(case, _with_offsets(case, ops))
+      loops.append(call(case, jitted_grad(case), p, o, cot[i]))
+    for name in params:
+      if name == operand:
+        want = jnp.stack([g[name] for g in loops])
+      else:
+        want = sum(f64(g[name]) for g in loops)
+      assert_close(got[name], want, _grad_tolerance(case),
+                   f"d/d{name} of vmap over {operand} vs the loop of gradients")
+
+
+def _mesh(name: str) -> Mesh:
+  shape, names = MESHES[name]
+  devices = jax.devices()[:math.prod(shape)]
+  assert len(devices) == math.prod(shape), "tests/conftest.py sets 8 host CPU devices"
+  return Mesh(np.array(devices).reshape(shape), names)
+
+
+def _place(value, ndim_spec: list, mesh: Mesh):
+  """device_put with the spec; a QArray's scale is split where it has the full size."""
+  if isinstance(value, gmm_jax.QArray):
+    scale_spec = [s if value.scale.shape[d] == value.qvalue.shape[d] else None
+                  for d, s in enumerate(ndim_spec)]
+    return gmm_jax.QArray(_place(value.qvalue, ndim_spec, mesh),
+                          _place(value.scale, scale_spec, mesh), tile=value.tile)
+  return jax.device_put(value, NamedSharding(mesh, P(*ndim_spec)))
+
+
+def placed(case: Case, ops: dict, mesh_name: str, placements: tuple) -> dict:
+  """`ops` on the mesh: each placement's dimension split, every other one replicated."""
+  mesh = _mesh(mesh_name)
+  specs = {}
+  for operand, dim, axes in placements:
+    value = ops[operand]
+    ndim = len(value.shape)
+    specs.setdefault(operand, [None] * ndim)[dim] = axes
+  out = dict(ops)
+  for name, value in ops.items():
+    if isinstance(value, (jax.Array, gmm_jax.QArray)):
+      out[name] = _place(value, specs.get(name, [None] * len(value.shape)), mesh)
+  return out
+
+
+def check_sharded(case: Case, mesh_name: str, placements: tuple):
+  """Under plain jit, operands split over the mesh give the unsharded result, forward and
+  gradients."""
+  with _reproducible("check_sharded", case, mesh_name, placements):
+    ops = make_operands(case)
+    on_mesh = placed(case, ops, mesh_name, placements)
+    want = call(case, jitted(case), ops)
+    got = call(case, jitted(case), on_mesh)
+    assert_close(got, want, tolerance(case), f"forward sharded {placements}")
+    params, others = split(case, ops)
+    if not params:
+      return
+    cot = cotangent(case)
+    want_grads = call(case, jitted_grad(case), params, others, cot)
+    got_grads = call(case, jitted_grad(case), *split(case, on_mesh), cot)
+    for name in params:
+      assert_close(got_grads[name], want_grads[name], _grad_tolerance(case),
+                   f"d/d{name} sharded {placements}")
+
+
+# Central differences in f32 with step EPS: the truncation error is ~EPS^2 |f'''| / 6
+# (< 1e-4 for these smooth activations at |z| < 3) and the rounding error ~2^-24 |f| / EPS
+# (~1e-5); FD_TOLERANCE bounds both with a margin.
+EPS = 1e-2
+FD_TOLERANCE = dict(rtol=2e-3, atol=2e-3)
+
+
+def check_jvp_fd(case: Case):
+  """jax.jvp along random tangents of every float operand equals a central finite
+  difference (f32 cases)."""
+  assert case.dtype == "float32", case
+  with _reproducible("check_jvp_fd", case):
+    ops = make_operands(case)
+    params, others = split(case, ops)
+    hypothesis.assume(params)
+    rng = np.random.default_rng(case.seed + 1)
+    tangents = {k: jnp.asarray(_uniform(rng, v.shape), v.dtype) for k, v in params.items()}
+    f = lambda p: apply(case, {**others, **p})  # noqa: E731
+    out, jvp = call(case, jax.jit(lambda p, t: jax.jvp(f, (p,), (t,))), params, tangents)
+    step = lambda s: {k: v + s * tangents[k] for k, v in params.items()}  # noqa: E731
+    forward = jax.jit(f)
+    plus, minus = call(case, forward, step(EPS)), call(case, forward, step(-EPS))
+    want = (f64(plus) - f64(minus)) / (2 * EPS)
+    assert_close(out, call(case, forward, params), tolerance(case), "jvp's primal")
+    assert_close(jvp, want, FD_TOLERANCE, "jvp vs a central finite difference")
+
+
+def check_jit_eager(case: Case):
+  """jit(gmm) equals gmm run eagerly, forward and gradients."""
+  with _reproducible("check_jit_eager", case):
+    ops = make_operands(case)
+    eager = call(case, apply, case, ops)
+    assert_close(call(case, jitted(case), ops), eager, tolerance(case, k=1), "jit vs eager")
+    params, others = split(case, ops)
+    if params:
+      cot = cotangent(case)
+      eager_grads = call(case, jax.grad(functools.partial(_loss, case)), params, others, cot)
+      jit_grads = call(case, jitted_grad(case), params, others, cot)
+      for name in params:
+        assert_close(jit_grads[name], eager_grads[name], tolerance(case, k=1),
+                     f"d/d{name}: jit vs eager")
+
+
+def check_empty_group_grads(case: Case):
+  """What no local group reads gets exactly zero gradient: the weight and bias rows of an
+  empty local group (m-grouping), lhs rows (tokens) / contraction columns outside every
+  local group, and the row weights of rows no local group owns."""
+  with _reproducible("check_empty_group_grads", case):
+    ops = make_operands(case)
+    params, others = split(case, ops)
+    hypothesis.assume(params)
+    grads = call(case, jitted_grad(case), params, others, cotangent(case))
+    sizes = np.asarray(case.sizes)
+    empty = [local for local in range(case.num_local)
+             if sizes[case.group_offset + local] == 0]
+    dim = case.m if case.group_type == "m" else case.k
+    outside = ~local_rows(sizes, dim, case.group_offset, case.num_local)
+    if case.group_type == "m":
+      if "rhs" in grads:
+        drhs = f64(grads["rhs"])
+        for local in empty:
+          assert not np.any(drhs[local]), f"d/drhs of empty local group {local} is not 0"
+      if "bias" in grads:
+        dbias = f64(grads["bias"])
+        for local in empty:
+          assert not np.any(dbias[local]), f"d/dbias of empty local group {local} is not 0"
+      if "row_weights" in grads:
+        assert not np.any(f64(grads["row_weights"])[outside]), (
+            "d/drow_weights of rows of no local group is not 0")
+      if "lhs" in grads:
+        read = np.zeros(case.tokens, bool)
+        indices = (np.arange(case.m) if ops["lhs_indices"] is None
+                   else np.asarray(ops["lhs_indices"]))
+        read[indices[~outside]] = True
+        dlhs = f64(grads["lhs"])
+        dlhs = dlhs.T if case.transpose_lhs else dlhs
+        assert not np.any(dlhs[~read]), "d/dlhs of tokens no local group reads is not 0"
+    else:
+      if "rhs" in grads:
+        drhs = f64(grads["rhs"])
+        drhs = drhs.T if case.transpose_rhs else drhs
+        assert not np.any(drhs[outside]), "d/drhs rows outside every local group are not 0"
+      if "lhs" in grads:
+        dlhs = f64(grads["lhs"])
+        dlhs = dlhs.T if case.transpose_lhs else dlhs
+        assert not np.any(dlhs[:, outside]), (
+            "d/dlhs columns outside every local group are not 0")
+
+
+def check_bitwise(case: Case):
+  """Two runs give bitwise identical results and gradients (`deterministic=True`, the
+  default)."""
+  with _reproducible("check_bitwise", case):
+    ops = make_operands(case)
+    params, others = split(case, ops)
+    cot = cotangent(case)
+    forward = jax.jit(functools.partial(apply, case))
+    backward = jax.jit(jax.grad(functools.partial(_loss, case)))
+    runs = []
+    for _ in range(2):
+      out = call(case, forward, ops)
+      runs.append((out, call(case, backward, params, others, cot) if params else {}))
+    assert_bitwise(runs[0][0], runs[1][0], "forward, two runs")
+    for name in params:
+      assert_bitwise(runs[0][1][name], runs[1][1][name], f"d/d{name}, two runs")

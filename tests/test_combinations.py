@@ -1,0 +1,218 @@
+"""Combinations of gmm's options, each drawn case held to properties written as definitions.
+
+Hypothesis draws implementation x group type x transposes x activation (none, elementwise,
+gated) x bias x row operands x group_offset x quantization (none, int8 weight-only, int8 x
+int8 scaled) x dtype (f32, bf16), with group sizes that leave groups empty and rows past
+the total (`combinations.cases`). Each test checks one property (`combinations.check_*`):
+the float64 oracle, gated = gate of the ungated halves, vmap = loop, sharded = unsharded,
+grad of vmap = loop of grads, jvp = finite difference, jit = eager, empty groups' gradients
+exactly 0, two runs bitwise equal.
+
+The default run is deterministic (the "gmm" profile derandomizes) with a few examples per
+property and tiny shapes; each ``*_slow`` twin (``-m slow``) draws SLOW times as many. The
+explicit examples are the wrong results issue 24 reported, kept as regressions.
+"""
+
+from __future__ import annotations
+
+import combinations as comb
+import hypothesis
+import pytest
+
+SLOW = 20  # the slow twins draw this many times the default examples
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+
+def _settings(examples: int, slow: bool):
+  return hypothesis.settings(max_examples=examples * (SLOW if slow else 1))
+
+
+def _with_float_operands(strategy):
+  return strategy.filter(lambda drawn: comb.float_operands(
+      drawn[0] if isinstance(drawn, tuple) else drawn))
+
+
+# The wrong results issue 24 reported, kept as fixed examples (the drawn ones below may or
+# may not meet them in a given run).
+_M_CASE = comb.Case(m=16, k=8, n=8, sizes=(4, 0, 5, 3))
+_K_CASE = comb.Case(group_type="k", m=8, k=16, n=8, sizes=(3, 0, 6, 2))
+REGRESSIONS = [
+    pytest.param(comb.check_vmap, (_M_CASE.replace(activation="swiglu"), "rhs"),
+                 id="vmap-rhs-swiglu"),
+    pytest.param(comb.check_vmap, (_M_CASE.replace(activation="swiglu", bias=True,
+                                                   implementation="pallas_tpu"), "rhs"),
+                 id="vmap-rhs-swiglu-pallas_tpu"),
+    pytest.param(comb.check_grad_of_vmap, (_M_CASE.replace(activation="swiglu"), "rhs"),
+                 id="grad-of-vmap-rhs-swiglu"),
+    pytest.param(comb.check_oracle, (_K_CASE.replace(implementation="pallas_tpu",
+                                                     activation="swiglu", bias=True),),
+                 id="k-swiglu-pallas_tpu"),
+    pytest.param(comb.check_oracle, (_K_CASE.replace(implementation="pallas_tpu",
+                                                     activation="geglu", transpose_rhs=True,
+                                                     sizes=(5, 5, 0, 4)),),
+                 id="k-geglu-transpose_rhs-pallas_tpu"),
+    pytest.param(comb.check_sharded, (_M_CASE.replace(activation="swiglu", bias=True), "8",
+                                      (("rhs", 2, "x"), ("bias", 1, "x"))),
+                 id="m-swiglu-columns-sharded"),
+    pytest.param(comb.check_sharded, (_K_CASE.replace(activation="swiglu", bias=True), "8",
+                                      (("rhs", 1, "x"), ("bias", 1, "x"))),
+                 id="k-swiglu-columns-sharded"),
+]
+
+
+@pytest.mark.parametrize("check, args", REGRESSIONS)
+def test_reported_combinations(check, args):
+  check(*args)
+
+
+# ------------------------------------------------------------------------- the oracle
+
+
+@_settings(10, slow=False)
+@hypothesis.given(case=comb.cases())
+def test_equals_the_oracle(case):
+  comb.check_oracle(case)
+
+
+@pytest.mark.slow
+@_settings(10, slow=True)
+@hypothesis.given(case=comb.cases())
+def test_equals_the_oracle_slow(case):
+  comb.check_oracle(case)
+
+
+# ----------------------------------------------------------------- gated = gate(halves)
+
+GATED_CASES = comb.cases(activations=comb.GATED_NAMES)
+
+
+@_settings(5, slow=False)
+@hypothesis.given(case=GATED_CASES)
+def test_gated_is_the_gate_of_the_halves(case):
+  comb.check_gated_halves(case)
+
+
+@pytest.mark.slow
+@_settings(5, slow=True)
+@hypothesis.given(case=GATED_CASES)
+def test_gated_is_the_gate_of_the_halves_slow(case):
+  comb.check_gated_halves(case)
+
+
+# ------------------------------------------------------------------------ vmap = loop
+
+
+@_settings(6, slow=False)
+@hypothesis.given(drawn=comb.vmap_cases())
+def test_vmap_is_a_loop(drawn):
+  comb.check_vmap(*drawn)
+
+
+@pytest.mark.slow
+@_settings(6, slow=True)
+@hypothesis.given(drawn=comb.vmap_cases())
+def test_vmap_is_a_loop_slow(drawn):
+  comb.check_vmap(*drawn)
+
+
+# ------------------------------------------------------------------ grad of vmap = loop
+
+GRAD_VMAP_CASES = _with_float_operands(comb.vmap_cases())
+
+
+@_settings(4, slow=False)
+@hypothesis.given(drawn=GRAD_VMAP_CASES)
+def test_grad_of_vmap_is_the_loop_of_grads(drawn):
+  comb.check_grad_of_vmap(*drawn)
+
+
+@pytest.mark.slow
+@_settings(4, slow=True)
+@hypothesis.given(drawn=GRAD_VMAP_CASES)
+def test_grad_of_vmap_is_the_loop_of_grads_slow(drawn):
+  comb.check_grad_of_vmap(*drawn)
+
+
+# ------------------------------------------------------------------ sharded = unsharded
+
+
+@_settings(4, slow=False)
+@hypothesis.given(drawn=comb.sharded_cases())
+def test_sharded_is_unsharded(drawn):
+  comb.check_sharded(*drawn)
+
+
+@pytest.mark.slow
+@_settings(4, slow=True)
+@hypothesis.given(drawn=comb.sharded_cases())
+def test_sharded_is_unsharded_slow(drawn):
+  comb.check_sharded(*drawn)
+
+
+# ------------------------------------------------------------- jvp = finite difference
+
+F32_CASES = _with_float_operands(comb.cases(dtypes=("float32",)))
+
+
+@_settings(4, slow=False)
+@hypothesis.given(case=F32_CASES)
+def test_jvp_is_a_finite_difference(case):
+  comb.check_jvp_fd(case)
+
+
+@pytest.mark.slow
+@_settings(4, slow=True)
+@hypothesis.given(case=F32_CASES)
+def test_jvp_is_a_finite_difference_slow(case):
+  comb.check_jvp_fd(case)
+
+
+# ------------------------------------------------------------------------ jit = eager
+
+
+@_settings(3, slow=False)
+@hypothesis.given(case=comb.cases())
+def test_jit_is_eager(case):
+  comb.check_jit_eager(case)
+
+
+@pytest.mark.slow
+@_settings(3, slow=True)
+@hypothesis.given(case=comb.cases())
+def test_jit_is_eager_slow(case):
+  comb.check_jit_eager(case)
+
+
+# ----------------------------------------------------- empty groups' gradients are 0
+
+EMPTY_CASES = _with_float_operands(comb.cases(empty_local_group=True))
+
+
+@_settings(4, slow=False)
+@hypothesis.given(case=EMPTY_CASES)
+def test_empty_groups_have_zero_gradients(case):
+  comb.check_empty_group_grads(case)
+
+
+@pytest.mark.slow
+@_settings(4, slow=True)
+@hypothesis.given(case=EMPTY_CASES)
+def test_empty_groups_have_zero_gradients_slow(case):
+  comb.check_empty_group_grads(case)
+
+
+# ---------------------------------------------------------------- two runs bitwise equal
+
+
+@_settings(4, slow=False)
+@hypothesis.given(case=comb.cases())
+def test_two_runs_are_bitwise_equal(case):
+  comb.check_bitwise(case)
+
+
+@pytest.mark.slow
+@_settings(4, slow=True)
+@hypothesis.given(case=comb.cases())
+def test_two_runs_are_bitwise_equal_slow(case):
+  comb.check_bitwise(case)
