@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import dispatch
+from gmm_jax._src import cost_models, dispatch, tuning
+from gmm_jax._src.config import GmmConfig, Tiling
 from jax.experimental import topologies
 
 H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
@@ -89,3 +90,60 @@ def test_deviceless_compile_picks_the_targets_kernels(kind):
             for d in decisions} == served
     assert {d.platform for d in decisions} == {kind}
     lowered.compile()  # the target's compiler accepts the kernels
+
+
+# --------------------------------------------------- Triton: SM count, split-K determinism
+
+
+def test_triton_reads_the_sm_count_of_the_target():
+  # The H200 description with another SM count (a B200 has 148): the split-K choice reads
+  # the target's count, not a constant.
+  _require_compiler("gpu")
+  text = H200.read_text()
+  assert "core_count: 132" in text
+  topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                          target_config=text.replace("core_count: 132",
+                                                                     "core_count: 148"))
+  cfg, tiling = GmmConfig(group_type="k", num_local=2), Tiling(128, 64, 128)
+  dims = (256, 262144, 256)  # 2 groups x 4 output tiles: split K into 2 * SMs programs
+  with jax.default_device(topology.devices[0]):
+    assert cost_models.gpu_sm_count() == 148
+    chunk = cost_models.default_k_chunk(*dims, cfg, tiling)
+  assert chunk == cost_models.default_k_chunk(*dims, cfg, tiling, num_sms=148)
+  assert chunk != cost_models.default_k_chunk(*dims, cfg, tiling, num_sms=132)
+  with jax.default_device(_topology("gpu").devices[0]):
+    assert cost_models.gpu_sm_count() == 132
+
+
+def test_triton_split_k_memory_deterministic_vs_atomic():
+  # A k-grouped gmm whose grid is too small for the GPU (2 groups of 256 x 256 outputs,
+  # K = 16384) splits K. Deterministic: each chunk stores its partial sums to its own slot
+  # of [chunks, 2, 256, 256] f32, added in order; atomic: one [2, 256, 256] buffer. Same
+  # grid; the buffer's bytes show in the compiled program's temporaries.
+  topology = _topology("gpu")
+  placed = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)),
+                                      jax.sharding.PartitionSpec())
+  m, k, n, g = 256, 16384, 256, 2
+  x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=placed)
+  w = jax.ShapeDtypeStruct((k, n), jnp.bfloat16, sharding=placed)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32, sharding=placed)
+  measured = {}
+  for deterministic in (True, False):
+    fn = lambda x, w, s, d=deterministic: gmm_jax.gmm(  # noqa: E731
+        x, w, s, group_type="k", implementation="pallas_triton", deterministic=d)
+    with jax.default_device(topology.devices[0]), tuning.record_launches() as launches:
+      lowered = jax.jit(fn).lower(x, w, sizes)
+    compiled = lowered.compile()
+    (launch,) = launches
+    measured[deterministic] = (launch, compiled.memory_analysis().temp_size_in_bytes)
+  (ordered, ordered_temp), (atomic, atomic_temp) = measured[True], measured[False]
+  assert (ordered.name, atomic.name) == ("gmm_k_triton_chunks", "gmm_k_triton_split")
+  assert ordered.grid == atomic.grid
+  chunk = cost_models.default_k_chunk(m, k, n, GmmConfig(group_type="k", num_local=g),
+                                      Tiling(*ordered.tiles), num_sms=132)
+  chunks = cost_models.split_chunks(k, chunk)
+  partial = g * m * n * 4
+  print(f"split-K {chunks} chunks of {chunk}: temporaries ordered {ordered_temp} B, atomic "
+        f"{atomic_temp} B; grid {ordered.grid}, tiles {ordered.tiles}")
+  assert atomic_temp >= partial
+  assert chunks >= 2 and ordered_temp >= chunks * partial > atomic_temp
