@@ -4,6 +4,8 @@ lowerable primitives), which needs no GPU."""
 
 from __future__ import annotations
 
+import types
+
 import gmm_jax
 import jax
 import jax.numpy as jnp
@@ -271,6 +273,27 @@ def test_split_k_ordered_buffer_and_sum():
     total = total + part
   want = apply_epilogue(jnp.asarray(total), bias[:, None, :], "silu", np.float32)
   np.testing.assert_array_equal(first, np.asarray(want))
+
+
+def test_sm_count_from_the_target():
+  fake = types.SimpleNamespace
+  default = cost_models.DEFAULT_NUM_SMS
+  assert cost_models.gpu_sm_count(fake(platform="gpu", core_count=148)) == 148
+  assert cost_models.gpu_sm_count(fake(platform="gpu", num_cores=78)) == 78  # abstract
+  assert cost_models.gpu_sm_count(fake(platform="gpu", core_count=None)) == default
+  assert cost_models.gpu_sm_count(jax.devices("cpu")[0]) == default
+  assert cost_models.gpu_sm_count() == default  # a CPU host: no target says
+  if hasattr(jax.sharding, "AbstractDevice"):  # jax >= 0.11: the abstract mesh's device
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA B200", num_cores=148,
+                                         platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                     abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+      assert cost_models.gpu_sm_count() == 148
+  # The wave model and the split choice follow the count.
+  cfg, tiling = GmmConfig(group_type="k", num_local=2), Tiling(128, 64, 128)
+  assert (cost_models.default_k_chunk(256, 262144, 256, cfg, tiling, num_sms=148)
+          < cost_models.default_k_chunk(256, 262144, 256, cfg, tiling, num_sms=132))
 
 
 def test_split_k_is_chosen_for_a_small_grid_and_long_k():
