@@ -68,6 +68,21 @@ def f64(x) -> np.ndarray:
   return np.asarray(x).astype(np.float64)
 
 
+def dequantize(q) -> np.ndarray:
+  """A QArray's values in float64: ``(qvalue - zero_point) * scale``, each scale (and zero
+  point) entry repeated over its tile, read from the raw fields (``qvalue``, ``scale``,
+  ``zero_point``, ``tile``) independently of gmm_jax's own dequantize."""
+  value = f64(np.asarray(q.qvalue).astype(np.float32))
+  scale = f64(np.asarray(q.scale).astype(np.float32))
+  zero = None if q.zero_point is None else f64(np.asarray(q.zero_point).astype(np.float32))
+  for axis, (size, tile) in enumerate(zip(value.shape, q.tile)):
+    if scale.shape[axis] not in (1, size):
+      index = np.arange(size) // tile
+      scale = np.take(scale, index, axis=axis)
+      zero = None if zero is None else np.take(zero, index, axis=axis)
+  return (value - (0.0 if zero is None else zero)) * scale
+
+
 def gmm_oracle(lhs, rhs, sizes, group_type, bias=None, activation=None, transpose_lhs=False,
                transpose_rhs=False, group_offset=0, num_local=None) -> np.ndarray:
   """float64 gmm, one group at a time.

@@ -19,6 +19,7 @@ import pytest
 from gmm_jax import QArray, QuantSpec, dequantize, quantize
 from gmm_jax._src.qarray import check_fits
 from gmm_test_base import encode
+from oracle import dequantize as np_dequantize  # numpy, from the raw fields
 from oracle import gmm_oracle, tolerances
 
 M, K, N, G = 40, 96, 24, 4
@@ -43,20 +44,6 @@ BUDGETS = {
 
 
 # ------------------------------------------------------------------------- numpy oracle
-
-
-def np_dequantize(q: QArray) -> np.ndarray:
-  """(qvalue - zero_point) * scale, each scale entry repeated over its tile, in float64."""
-  value = np.asarray(q.qvalue.astype(jnp.float32), np.float64)
-  scale = np.asarray(q.scale.astype(jnp.float32), np.float64)
-  zero = None if q.zero_point is None else np.asarray(q.zero_point.astype(jnp.float32),
-                                                       np.float64)
-  for axis, (size, tile) in enumerate(zip(value.shape, q.tile)):
-    if scale.shape[axis] not in (1, size):
-      index = np.arange(size) // tile
-      scale = np.take(scale, index, axis=axis)
-      zero = None if zero is None else np.take(zero, index, axis=axis)
-  return (value - (0.0 if zero is None else zero)) * scale
 
 
 def np_gmm(x, w, sizes, group_type="m", bias=None):

@@ -1,6 +1,7 @@
-"""Sharded gmm on 8 host CPU devices: every strategy against the single-device result,
-forward and gradient, with the compiled HLO checked for the promised communication (no
-all-gather of the weights or of the tokens; one all-reduce where a reduction is needed)."""
+"""Sharded gmm on 8 host CPU devices: every strategy against the numpy float64 oracle and
+against the single-device result, forward and gradient, with the compiled HLO checked for
+the promised communication (no all-gather of the weights or of the tokens; one all-reduce
+where a reduction is needed)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gmm_jax._src import strategy
 from gmm_jax._src.config import GmmConfig
 from jax.sharding import NamedSharding, PartitionSpec as P
 from meshes import collectives, mesh
+from oracle import dequantize, f64, gmm_oracle, gmm_oracle_vjp, tolerances, vjp_tolerances
 
 M, K, N, G = 64, 32, 16, 8
 SIZES = [5, 0, 9, 3, 12, 0, 7, 20]  # sum 56 < M: rows past the total, empty groups
@@ -58,6 +60,13 @@ def run_case(the_mesh, lhs_spec, rhs_spec, *, group_type="m", sizes=SIZES, x=Non
   got = fwd(xs, ws, sizes)
   want = gmm_jax.gmm(x, w, sizes, **kwargs)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  # ... and both against numpy (a bug shared by the sharded and single-device paths).
+  w_values = dequantize(w) if isinstance(w, gmm_jax.QArray) else f64(w)
+  oracle_options = dict(group_type=group_type, bias=b, activation=activation,
+                        transpose_lhs=transpose_lhs)
+  contraction = x.shape[0] if transpose_lhs else x.shape[1]
+  np.testing.assert_allclose(f64(got), gmm_oracle(x, w_values, sizes, **oracle_options),
+                             **tolerances(jnp.float32, k=contraction))
   fwd_hlo = collectives(fwd.lower(xs, ws, sizes).compile().as_text())
 
   grad_hlo = None
@@ -71,6 +80,11 @@ def run_case(the_mesh, lhs_spec, rhs_spec, *, group_type="m", sizes=SIZES, x=Non
     want_grads = jax.grad(loss(None), argnums=(0, 1))(x, w)
     for g, wg in zip(got_grads, want_grads):
       np.testing.assert_allclose(g, wg, rtol=1e-4, atol=1e-4)
+    oracle_grads = gmm_oracle_vjp(x, w, sizes, cotangent=cot, **oracle_options)
+    tols = vjp_tolerances(jnp.float32, x, w, sizes, group_type, cot, activation=activation,
+                          transpose_lhs=transpose_lhs)
+    for name, g, wg in zip(("lhs", "rhs"), got_grads, oracle_grads):
+      np.testing.assert_allclose(f64(g), wg, err_msg=f"d{name}", **tols[name])
     grad_hlo = collectives(grad.lower(xs, ws).compile().as_text())
     # Gradients keep the operands' sharding.
     assert got_grads[1].sharding.is_equivalent_to(ws.sharding, w.ndim)
