@@ -30,6 +30,11 @@ FLOORS = {
     "gmm_jax._src.xla": 2,
     "gmm_jax._src.lax_ragged": 2,
     "gmm_jax._src.op": 2,
+    "gmm_jax._src.op.primitive": 2,
+    "gmm_jax._src.op.lowering": 2,
+    "gmm_jax._src.op.jvp": 2,
+    "gmm_jax._src.op.transpose": 2,
+    "gmm_jax._src.op.batching": 2,
     "gmm_jax.pallas": 2,
     "gmm_jax.pallas.common": 2,
     "gmm_jax.pallas.gpu": 2,
@@ -64,6 +69,11 @@ PUBLIC_PACKAGE = "gmm_jax"
 # Imports between modules of one floor that are part of one unit: a kernel package and its
 # shared preamble, a package and its modules, a facade and its helper modules.
 SAME_FLOOR = {
+    # The op package: its rules are built on its primitive module.
+    *((f"gmm_jax._src.op{suffix}", "gmm_jax._src.op.primitive")
+      for suffix in ("", ".lowering", ".jvp", ".transpose", ".batching")),
+    *(("gmm_jax._src.op", f"gmm_jax._src.op.{name}")
+      for name in ("lowering", "jvp", "transpose", "batching")),
     ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.gmm"), ("gmm_jax.pallas.gpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.tpu", "gmm_jax.pallas.tpu.gmm"), ("gmm_jax.pallas.tpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.common"),

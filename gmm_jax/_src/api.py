@@ -439,8 +439,10 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
   offset = _group_offset(group_offset, num_total)
   _check_row_values(rows, counts, offset, num_local, num_rows or m, num_tokens, out_rows)
   bias = _bias(bias, num_local, n)
-  output_scale = _per_group_vector(output_scale, "output_scale", num_local, n)
-  output_offset = _per_group_vector(output_offset, "output_offset", num_local, n)
+  # The output scale and offset meet the result's columns (half the product's when gated).
+  n_out = n // 2 if is_gated(activation) else n
+  output_scale = _per_group_vector(output_scale, "output_scale", num_local, n_out)
+  output_offset = _per_group_vector(output_offset, "output_offset", num_local, n_out)
   if not quantized_call and (output_scale is not None or output_offset is not None):
     raise NotImplementedError(
         "output_scale/output_offset (requantization) apply to quantized operands (QArray or "

@@ -24,7 +24,7 @@ import numpy as np
 
 from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gather_rows, scatter_rows
+from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gather_rows
 from gmm_jax._src.qarray import quant_mode as _quant_mode
 
 # What an implementation may do natively beyond the plain gmm (`Backend.features`):
@@ -244,10 +244,10 @@ def needed_features(cfg: GmmConfig) -> tuple[str, ...]:
 
 
 def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
-            rows: Rows, missing: tuple[str, ...]):
+            rows: Rows):
   """`backend` on a call whose row operations (or gated activation) it lacks: lhs gathered
-  before it; after it the activation (when gated or weighted), the row weights and the
-  scatter, on its f32 result."""
+  before it; after it, on its f32 result, the finishing step (`epilogue.finish`: the
+  activation when gated or weighted, the row weights, the row mask and the scatter)."""
   if cfg.gather_rows is not None:
     lhs = gather_rows(lhs, rows.lhs_indices)
   after = cfg.gated or cfg.row_weights
@@ -257,13 +257,13 @@ def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConf
   y = backend.fn(lhs, rhs, counts, group_offset, bias, inner)
   if not after and cfg.out_rows is None:
     return y
-  row_ids = metadata.row_group_ids(counts, y.shape[0], group_offset, cfg.num_local)
-  if after:
-    y = finish(y, cfg.activation, cfg.out_dtype, row_mask=row_ids >= 0,
-               row_weights=rows.row_weights if cfg.row_weights else None)
-  if cfg.out_rows is not None:
-    y = scatter_rows(y, rows.out_indices, cfg.out_rows, row_ids >= 0)
-  return y
+  row_ids = None
+  if cfg.group_type == "m":
+    row_ids = metadata.row_group_ids(counts, y.shape[0], group_offset, cfg.num_local)
+  return finish(y, cfg.activation if after else None, cfg.out_dtype, row_ids=row_ids,
+                row_weights=rows.row_weights if cfg.row_weights else None,
+                out_indices=rows.out_indices if cfg.out_rows is not None else None,
+                out_rows=cfg.out_rows)
 
 
 def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, platform: str,
@@ -285,7 +285,7 @@ def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, platform: str,
     try:
       _check_support(backend, cfg, mode, platform)
       if missing:
-        out = _around(backend, lhs, rhs, counts, group_offset, bias, cfg, rows, missing)
+        out = _around(backend, lhs, rhs, counts, group_offset, bias, cfg, rows)
       elif needed:
         out = backend.fn(lhs, rhs, counts, group_offset, bias, cfg, rows=rows)
       else:

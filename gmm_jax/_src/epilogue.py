@@ -119,37 +119,85 @@ def apply_epilogue(acc: jax.Array, bias, activation, out_dtype, row_weights=None
   return acc.astype(out_dtype)
 
 
-def finish(z: jax.Array, activation, out_dtype, *, row_mask=None, output_scale=None,
-           output_offset=None, row_weights=None) -> jax.Array:
-  """A float pre-activation (bias already added) -> the result.
+def per_group(values, row_ids, ndim: int):
+  """Per-group values (``[L, C]`` or ``[L, 1]``; scalars and ``[C]`` broadcast) as they meet
+  a result of `ndim` dims: m-grouping (``ndim == 2``, `row_ids` int32 ``[M]``) each row's
+  group's entry (rows of no local group, id -1, take group 0's: `finish` zeroes them);
+  k-grouping (``ndim == 3``, the result ``[L, M, C]``) broadcast over M."""
+  if values is None:
+    return None
+  values = jnp.asarray(values)
+  if values.ndim < 2:
+    return values
+  if ndim == 2:
+    if row_ids is None:
+      raise ValueError("per-group values of an m-grouped result need the rows' group ids")
+    return values[jnp.maximum(row_ids, 0)]
+  return values[:, None, :]
 
-  ``activation(z) * output_scale + output_offset``, then the cast; an integer `out_dtype`
-  means requantization (rounded to nearest even and saturated). Rows where `row_mask`
-  (bool ``[M]``, m-grouping) is False are exactly 0.
+
+def _needs_float(z, activation, bias, row_weights, output_scale, output_offset) -> bool:
+  if not jnp.issubdtype(z.dtype, jnp.integer):
+    return False
+  return (activation is not None or row_weights is not None or output_scale is not None
+          or output_offset is not None
+          or (bias is not None and not jnp.issubdtype(jnp.asarray(bias).dtype, jnp.integer)))
+
+
+def finish(z: jax.Array, activation, out_dtype, *, row_ids=None, bias=None,
+           row_weights=None, output_scale=None, output_offset=None, out_indices=None,
+           out_rows: int | None = None) -> jax.Array:
+  """The one finishing step of a whole pre-activation, for both group types: every path
+  that does not fuse it into a kernel (the op's jvp, the sharding strategies, the
+  dispatcher around an implementation, the quantized compositions) calls this, and every
+  kernel's in-kernel epilogue (`apply_epilogue` on a tile) is tested against it.
+
+  ``y = cast(activation(z + bias) * row_weights * output_scale + output_offset)``, in f32
+  (a 16-bit z is widened; an integer z stays integer only while nothing but an integer
+  bias meets it); an integer `out_dtype` from a float y means requantization (rounded to
+  nearest even, saturated). m-grouping: rows whose `row_ids` entry is -1 (no local group)
+  are exactly 0, then rows are scattered to ``out_indices`` when given.
 
   Args:
-    z: ``[M, N]`` or ``[L, M, N]`` float pre-activation.
-    activation: a name, callable or None.
+    z: ``[M, C]`` (m-grouping) or ``[L, M, C]`` (k-grouping) pre-activation, C = 2N for a
+      gated activation (the gate half then the up half), which gives N columns.
+    activation: a name, callable or None (see `resolve_activation`).
     out_dtype: the dtype of the result.
-    row_mask: None or bool ``[M]``.
-    output_scale, output_offset: None or arrays broadcasting against `z`.
-    row_weights: None or ``[M]`` floats multiplying each row after the activation.
+    row_ids: m-grouping: int32 ``[M]``, each row's local group, -1 where none (see
+      `metadata.row_group_ids`); None: no row is masked (and no per-group values).
+    bias, output_scale, output_offset: None, or per-group values (see `per_group`):
+      the bias ``[L, C]`` enters before the activation, scale and offset ``[L, N]`` after.
+    row_weights: m-grouping: None or ``[M]`` floats multiplying each row after the
+      activation.
+    out_indices, out_rows: m-grouping: None, or int32 ``[M]`` target rows of an
+      ``[out_rows, N]`` result (see `scatter_rows`; rows of no local group write nothing).
   """
+  ndim = z.ndim
+  if _needs_float(z, activation, bias, row_weights, output_scale, output_offset):
+    z = z.astype(jnp.float32)
+  elif jnp.issubdtype(z.dtype, jnp.floating) and jnp.dtype(z.dtype).itemsize < 4:
+    z = z.astype(jnp.float32)
+  if bias is not None:
+    z = z + per_group(bias, row_ids, ndim).astype(z.dtype)
   fn = resolve_activation(activation)
   y = z if fn is None else fn(z)
   if row_weights is not None:
     y = y * row_weights.astype(y.dtype)[:, None]
   if output_scale is not None:
-    y = y * output_scale
+    y = y * per_group(output_scale, row_ids, ndim)
   if output_offset is not None:
-    y = y + output_offset
+    y = y + per_group(output_offset, row_ids, ndim)
   out_dtype = np.dtype(out_dtype)
-  if jnp.issubdtype(out_dtype, jnp.integer):
+  if jnp.issubdtype(out_dtype, jnp.integer) and not jnp.issubdtype(y.dtype, jnp.integer):
     info = jnp.iinfo(out_dtype)
     y = jnp.clip(jnp.round(y), info.min, info.max)
   y = y.astype(out_dtype)
-  if row_mask is not None:
-    y = jnp.where(row_mask[:, None], y, jnp.zeros((), y.dtype))
+  written = None
+  if row_ids is not None and ndim == 2:
+    written = row_ids >= 0
+    y = jnp.where(written[:, None], y, jnp.zeros((), y.dtype))
+  if out_indices is not None:
+    y = scatter_rows(y, out_indices, y.shape[0] if out_rows is None else out_rows, written)
   return y
 
 

@@ -72,26 +72,16 @@ def _per_row(values, counts, group_offset, cfg: GmmConfig, m: int) -> jax.Array:
   return values[jnp.maximum(ids, 0)]
 
 
-def _per_output(values, counts, group_offset, cfg: GmmConfig, m: int):
-  """``[L, N]`` per-group values broadcast against the output (None stays None)."""
-  if values is None:
-    return None
-  if cfg.group_type == "m":
-    return _per_row(values, counts, group_offset, cfg, m)
-  return values[:, None, :]
-
-
 def finish_quantized(z, counts, group_offset, cfg: GmmConfig, output_scale=None,
                      output_offset=None, cast: bool = True):
-  """f32 pre-activation -> activation, output scale/offset, rounding, cast; rows outside
-  the local groups (m-grouping) exactly 0. ``cast=False`` stops before the rounding/cast."""
-  m = z.shape[0] if cfg.group_type == "m" else z.shape[1]
-  mask = None
+  """f32 pre-activation -> the finishing step (`epilogue.finish`): activation, output
+  scale/offset, rounding, cast; rows outside the local groups (m-grouping) exactly 0.
+  ``cast=False`` stops before the rounding/cast."""
+  row_ids = None
   if cfg.group_type == "m":
-    mask = metadata.row_group_ids(counts, m, group_offset, cfg.num_local) >= 0
-  return finish(z, cfg.activation, cfg.out_dtype if cast else z.dtype, row_mask=mask,
-                output_scale=_per_output(output_scale, counts, group_offset, cfg, m),
-                output_offset=_per_output(output_offset, counts, group_offset, cfg, m))
+    row_ids = metadata.row_group_ids(counts, z.shape[0], group_offset, cfg.num_local)
+  return finish(z, cfg.activation, cfg.out_dtype if cast else z.dtype, row_ids=row_ids,
+                output_scale=output_scale, output_offset=output_offset)
 
 
 def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_scale=None,

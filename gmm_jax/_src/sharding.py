@@ -106,6 +106,11 @@ def sharded_gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, sharding: 
     shards = p.shards("m" if name == "M" else "k")
     if size % shards:
       raise ValueError(f"{name}={size} is not divisible by its {shards} shards over {axes}")
+  n_global = rhs.shape[-2] if cfg.transpose_rhs else rhs.shape[-1]
+  if cfg.gated and n_global // 2 % p.shards("n"):
+    raise ValueError(f"the {n_global // 2} output columns of the gated activation are not "
+                     f"divisible by their {p.shards('n')} shards over {p.n} (each device "
+                     "needs whole gate and up blocks of its output columns)")
   if cfg.group_type == "m" and cfg.num_local % p.shards("g"):
     raise ValueError(f"rhs holds {cfg.num_local} groups, not divisible by its "
                      f"{p.shards('g')} expert shards over {p.g}")

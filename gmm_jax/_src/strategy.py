@@ -31,6 +31,7 @@ Axes combine (e.g. expert on one axis and rows on another).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Callable, Mapping, Sequence
 
@@ -255,6 +256,10 @@ def choose(mesh_shape: Mapping[str, int], cfg: GmmConfig, lhs_shapes, rhs_shapes
       notes.append(f"{name.upper()}={sizes[name]} does not split over {axes} ({shards} "
                    "shards): kept whole")
       axes = ()
+    elif axes and name == "n" and cfg.gated and (sizes["n"] // 2) % shards:
+      notes.append(f"the {sizes['n'] // 2} output columns of the gated activation do not "
+                   f"split over {axes} ({shards} shards): N kept whole")
+      axes = ()
     chosen[name] = axes
     used |= set(axes)
   # A quantization scale that cannot be split where its values are: that dim stays whole.
@@ -293,20 +298,40 @@ def _shape(x) -> tuple[int, ...]:
   return tuple(x.qvalue.shape if isinstance(x, QArray) else x.shape)
 
 
-def _finish_reduced(z, counts, group_offset, bias, cfg: GmmConfig):
-  """Bias, activation and cast of a K-reduced pre-activation (rows of no local group 0)."""
-  mask = None
-  integer = jnp.issubdtype(z.dtype, jnp.integer)
-  if not integer:
-    z = z.astype(jnp.float32)
-  if cfg.group_type == "m":
-    ids = metadata.row_group_ids(counts, z.shape[0], group_offset, cfg.num_local)
-    mask = ids >= 0
-    if bias is not None:
-      z = z + bias.astype(z.dtype)[jnp.maximum(ids, 0)]
-  elif bias is not None:
-    z = z + bias.astype(z.dtype)[:, None, :]
-  return finish(z, cfg.activation, cfg.out_dtype, row_mask=mask)
+def gated_column_pairs(x, axes: Axes):
+  """The columns of a gated pre-activation sharded over `axes` rearranged so that each
+  device holds the gate and up halves of its own output columns.
+
+  A gated product has 2N columns, [gate | up]; split over s devices, device d holds
+  columns ``[2d c, 2(d+1) c)`` (c = N/s): blocks 2d and 2d+1 of the 2s blocks of width c.
+  Its output columns ``[d c, (d+1) c)`` need block d (gate) and block s+d (up). Each block
+  b goes to device ``b mod s``: four partial permutations (gate or up, from the first or
+  second local block), so every device sends its 2c columns once and receives 2c.
+
+  Args:
+    x: ``[..., 2c]`` this device's columns.
+    axes: the mesh axes the columns are sharded over (manual in this context).
+  Returns:
+    ``[..., 2c]``: [gate block d | up block d].
+  """
+  shards = 1
+  for axis in axes:
+    shards *= jax.lax.axis_size(axis)
+  if shards == 1:
+    return x
+  width = x.shape[-1] // 2
+  axis_name = axes[0] if len(axes) == 1 else tuple(axes)
+  received = {"gate": [], "up": []}
+  for slot in (0, 1):
+    block = x[..., slot * width:(slot + 1) * width]
+    for role, first in (("gate", 0), ("up", shards)):
+      perm = [(d, 2 * d + slot - first) for d in range(shards)
+              if first <= 2 * d + slot < first + shards]
+      if perm:
+        received[role].append(jax.lax.ppermute(block, axis_name, perm))
+  gate = functools.reduce(jnp.add, received["gate"])
+  up = functools.reduce(jnp.add, received["up"])
+  return jnp.concatenate([gate, up], axis=-1)
 
 
 def local_gmm(run: Callable, plan: Plan, lhs, rhs, counts, group_offset, bias,
@@ -330,14 +355,24 @@ def local_gmm(run: Callable, plan: Plan, lhs, rhs, counts, group_offset, bias,
     local_counts = metadata.counts_in_range(counts, linear_index(plan.m) * m_local, m_local)
   if cfg.group_type == "k" and plan.k:
     local_counts = metadata.counts_in_range(counts, linear_index(plan.k) * k_local, k_local)
-  if plan.k:
-    # Partial sums: the bias and activation must see the whole sum.
+  # Partial sums over K must be whole before the bias and activation; a gated
+  # activation with N sharded needs each output column's gate and up halves on one device.
+  gated_columns = cfg.gated and plan.n
+  if plan.k or gated_columns:
     values = [x.qvalue.dtype if isinstance(x, QArray) else x.dtype for x in (lhs, rhs)]
     quantized = isinstance(lhs, QArray) or isinstance(rhs, QArray)
     z_dtype = np.dtype(jnp.float32) if quantized else accumulator_dtype(*values)
     z = run(lhs, rhs, local_counts, offset, None,
             local_cfg.replace(activation=None, out_dtype=z_dtype))
-    out = _finish_reduced(jax.lax.psum(z, plan.k), local_counts, offset, bias, local_cfg)
+    if plan.k:
+      z = jax.lax.psum(z, plan.k)
+    if gated_columns:
+      z = gated_column_pairs(z, plan.n)
+      bias = None if bias is None else gated_column_pairs(bias, plan.n)
+    row_ids = None
+    if cfg.group_type == "m":
+      row_ids = metadata.row_group_ids(local_counts, z.shape[0], offset, local_cfg.num_local)
+    out = finish(z, cfg.activation, cfg.out_dtype, row_ids=row_ids, bias=bias)
   else:
     out = run(lhs, rhs, local_counts, offset, bias, local_cfg)
   if cfg.group_type == "m" and plan.g:
