@@ -41,6 +41,8 @@ ENCODINGS = ("counts", "cumsum", "sparse")
 GROUP_TYPES = ("m", "k")
 SIZES_WITH_EMPTY = [4, 0, 9, 6]  # sum 19: an empty middle group and rows past the total
 LONG_DIM = 1200  # test_groups_spanning_several_tiles only
+# Examples of test_random_problems_thorough (slow): 20x the default profile's 25.
+THOROUGH_EXAMPLES = 500
 
 
 def _np_sigmoid(x):
@@ -484,6 +486,18 @@ class GmmTestBase:
   @pytest.mark.parametrize("group_type", GROUP_TYPES)
   @hypothesis.given(data=st.data())
   def test_random_problems(self, group_type, data):
+    self._check_random_problem(group_type, data)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("group_type", GROUP_TYPES)
+  @hypothesis.settings(max_examples=THOROUGH_EXAMPLES)
+  @hypothesis.given(data=st.data())
+  def test_random_problems_thorough(self, group_type, data):
+    # The same property with 20x the default profile's examples (`pytest -m slow`): minutes
+    # per implementation, hours for all of them in interpret mode, so not in the default run.
+    self._check_random_problem(group_type, data)
+
+  def _check_random_problem(self, group_type, data):
     problem = data.draw(random_problems(group_type), label="problem")
     sizes = problem["sizes"]
     num_groups = len(sizes)
