@@ -109,7 +109,7 @@ _FUSION_KIND = re.compile(r'"fusion_backend_config":\{"kind":"([^"]+)"')
 # Buffer bookkeeping, not kernels.
 _NOT_KERNELS = ("AllocateBuffer", "ConcatBitcast", "AssumeGatherIndicesInBound")
 _SHAPE = re.compile(r"%?([\w.\-]+)(?: = |: )\w+\[([\d,]*)\]")
-_DOT = re.compile(r"= \w+\[([\d,]*)\][^=]* dot\(%?([\w.\-]+), [^)]*\), "
+_DOT = re.compile(r"= \w+\[([\d,]*)\]\S* dot\(%?([\w.\-]+), [^)]*\),[^\n]*?"
                   r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
