@@ -25,6 +25,8 @@ plgpu = mosaic.plgpu
 
 H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
 HAS_INTERPRETER = hasattr(plgpu, "InterpretGPUParams")
+NO_INTERPRETER = (f"jax {jax.__version__} has no Mosaic GPU interpreter that runs this kernel "
+                  "(jax 0.10.2's lacks a memory space for Ref operands; jax 0.12 runs it)")
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
 
@@ -57,10 +59,24 @@ NUMERIC_CASES = [
                  Tiling(128, 64, 256), id="specialized-tile128-silu"),
     pytest.param(48, 64, 64, [0, 0, 0], 3, 0, False, jax.nn.sigmoid, jnp.bfloat16,
                  jnp.float32, Tiling(64, 64, 64), id="all-empty-sigmoid"),
+    # The cases gmm_test_base checks on every implementation that the ones above missed:
+    # sizes that fill M (no row past the total), groups spanning several windows, offsets
+    # whose local groups run past the list (3: one of two local groups exists; 4: none),
+    # many decode-size groups with a 16-bit output (the default tiling).
+    pytest.param(96, 64, 64, [40, 0, 56], 3, 0, False, "relu", jnp.bfloat16, jnp.bfloat16,
+                 Tiling(64, 64, 64), id="sizes-fill-m-relu-bf16-out"),
+    pytest.param(400, 64, 128, [300, 0, 5, 90], 4, 0, False, None, jnp.bfloat16,
+                 jnp.float32, Tiling(64, 64, 128), id="groups-spanning-several-windows"),
+    pytest.param(32, 64, 64, [5, 0, 7, 6], 2, 3, False, "silu", jnp.bfloat16, jnp.float32,
+                 Tiling(64, 64, 64), id="offset3-second-local-group-past-the-list"),
+    pytest.param(32, 64, 64, [5, 0, 7, 6], 2, 4, False, "silu", jnp.bfloat16, jnp.float32,
+                 Tiling(64, 64, 64), id="offset4-no-local-group"),
+    pytest.param(96, 64, 64, [0, 40, 3, 16, 17, 1, 0, 10], 8, 0, False, "gelu_tanh",
+                 jnp.bfloat16, jnp.bfloat16, None, id="small-and-large-groups-default-tiling"),
 ]
 
 
-@pytest.mark.skipif(not HAS_INTERPRETER, reason="no Mosaic GPU interpreter in this jax")
+@pytest.mark.skipif(not HAS_INTERPRETER, reason=NO_INTERPRETER)
 @pytest.mark.parametrize("m, k, n, sizes, num_local, offset, transpose_rhs, activation, "
                          "dtype, out_dtype, tiling", NUMERIC_CASES)
 def test_matches_oracle_in_interpreter(m, k, n, sizes, num_local, offset, transpose_rhs,
@@ -82,6 +98,51 @@ def test_matches_oracle_in_interpreter(m, k, n, sizes, num_local, offset, transp
   for g in range(offset, min(offset + num_local, len(sizes))):
     owned[bounds[g]:bounds[g + 1]] = True
   assert not np.any(f64(got)[~owned])
+
+
+@pytest.mark.skipif(not HAS_INTERPRETER, reason=NO_INTERPRETER)
+@pytest.mark.parametrize("m, sizes", [pytest.param(0, [0, 0], id="M0"),
+                                      pytest.param(16, [], id="no-groups")])
+def test_empty_problems_are_zero(m, sizes):
+  num_local = max(1, len(sizes)) if sizes else 0
+  lhs, rhs, _ = make_operands("m", m=m, k=64, n=64, num_local=num_local,
+                              lhs_dtype=jnp.bfloat16)
+  cfg = GmmConfig(group_type="m", num_local=num_local, out_dtype=np.dtype(jnp.float32),
+                  interpret=True)
+  got = _run(lhs, rhs, np.asarray(sizes, np.int32), 0, None, cfg, None)
+  assert got.shape == (m, 64) and not np.any(f64(got))
+
+
+@pytest.mark.skipif(not HAS_INTERPRETER, reason=NO_INTERPRETER)
+def test_non_finite_rows_past_the_total_are_inert():
+  # The window of the last group reads rows past the total: NaN/inf there must reach
+  # neither the group's rows nor the zero rows.
+  sizes, m = [5, 0, 9, 6], 64
+  lhs, rhs, bias = make_operands("m", m=m, k=64, n=64, num_local=4, lhs_dtype=jnp.bfloat16,
+                                 with_bias=True, seed=25)
+  lhs = np.array(lhs)
+  lhs[sum(sizes):] = np.nan
+  lhs[sum(sizes)::2, 0] = np.inf
+  lhs = jnp.asarray(lhs)
+  cfg = GmmConfig(group_type="m", num_local=4, activation="relu",
+                  out_dtype=np.dtype(jnp.float32), interpret=True)
+  got = f64(_run(lhs, rhs, sizes, 0, bias, cfg, Tiling(64, 64, 64)))
+  want = gmm_oracle(lhs[:sum(sizes)], rhs, sizes, "m", bias=bias, activation="relu")
+  np.testing.assert_allclose(got[:sum(sizes)], want, **tolerances(jnp.bfloat16, k=64))
+  assert np.all(got[sum(sizes):] == 0)
+
+
+@pytest.mark.skipif(not HAS_INTERPRETER, reason=NO_INTERPRETER)
+def test_bf16_accumulates_in_f32():
+  # 256 + 63 * 1 is exact in f32; a bf16 accumulator (spacing 2 at 256) would lose the ones.
+  m, k, n = 32, 64, 64
+  lhs = np.ones((m, k), np.float32)
+  lhs[:, 0] = 256.0
+  cfg = GmmConfig(group_type="m", num_local=1, out_dtype=np.dtype(jnp.float32),
+                  interpret=True)
+  got = _run(jnp.asarray(lhs, jnp.bfloat16), jnp.ones((1, k, n), jnp.bfloat16), [m], 0, None,
+             cfg, None)
+  np.testing.assert_array_equal(f64(got), np.full((m, n), 256.0 + k - 1))
 
 
 def test_the_dispatcher_hands_interpret_mode_to_triton():
