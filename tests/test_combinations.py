@@ -9,8 +9,9 @@ grad of vmap = loop of grads, jvp = finite difference, jit = eager, empty groups
 exactly 0, two runs bitwise equal.
 
 The default run is deterministic (the "gmm" profile derandomizes) with a few examples per
-property and tiny shapes; each ``*_slow`` twin (``-m slow``) draws SLOW times as many. The
-explicit examples are the wrong results issue 24 reported, kept as regressions.
+property and tiny shapes; each ``*_slow`` twin (``-m slow``) draws SLOW times as many.
+`test_reported_combinations` keeps the wrong results issue 24 reported, and those the draws
+found, as fixed cases.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def _with_float_operands(strategy):
       drawn[0] if isinstance(drawn, tuple) else drawn))
 
 
-# The wrong results issue 24 reported, kept as fixed examples (the drawn ones below may or
-# may not meet them in a given run).
+# The wrong results issue 24 reported and those the draws found, kept as fixed cases (a
+# given run of the drawn tests below may not meet them).
 _M_CASE = comb.Case(m=16, k=8, n=8, sizes=(4, 0, 5, 3))
 _K_CASE = comb.Case(group_type="k", m=8, k=16, n=8, sizes=(3, 0, 6, 2))
 REGRESSIONS = [
@@ -58,6 +59,11 @@ REGRESSIONS = [
     pytest.param(comb.check_sharded, (_K_CASE.replace(activation="swiglu", bias=True), "8",
                                       (("rhs", 1, "x"), ("bias", 1, "x"))),
                  id="k-swiglu-columns-sharded"),
+    # Found by the draws: the transpose of a batched out_indices call read an lhs leaf that
+    # is not there (IndexError).
+    pytest.param(comb.check_grad_of_vmap, (_M_CASE.replace(rows=("out_indices",)),
+                                           "out_indices"),
+                 id="grad-of-vmap-out_indices"),
 ]
 
 
