@@ -94,7 +94,7 @@ def test_platform_chains():
   cfg = gmm_jax.GmmConfig(group_type="m", num_local=1)
   assert dispatch.candidates(cfg, "cpu") == ("xla", "reference")
   assert dispatch.candidates(cfg, "gpu") == ("pallas_mosaic_gpu", "pallas_triton", "xla")
-  assert dispatch.candidates(cfg, "tpu") == ("pallas_tpu", "xla")
+  assert dispatch.candidates(cfg, "tpu") == ("pallas_tpu", "lax_ragged_dot", "xla")
   assert dispatch.candidates(cfg.replace(implementation="reference"), "tpu") == ("reference",)
 
 
