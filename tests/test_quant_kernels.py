@@ -13,6 +13,7 @@ import pytest
 from gmm_jax import QArray, quantize
 from gmm_jax._src import dispatch
 from lowering import implementations_used, lower_for, triton_calls
+from oracle import dequantize, f64, gmm_oracle, tolerances
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -91,6 +92,38 @@ def test_weight_only_gradients_through_the_kernel(implementation):
   want = jax.grad(loss("reference"), argnums=(0, 1))(x, bias)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["weight_only", "scaled"])
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_vmap_and_group_offset_in_kernel_match_oracle(implementation, mode):
+  # In-kernel dequantization under vmap (over lhs) with a group offset (rhs holds groups 1
+  # and 2 of 3), each example against numpy on the dequantized operands.
+  k, batch, offset = 96, 2, 1
+  rng = np.random.default_rng(5)
+  w = rng.standard_normal((2, k, N)).astype(np.float32) / np.sqrt(k)
+  wq = quantize(w, jnp.int8, channelwise_axes=(0, 2))
+  xs = rng.standard_normal((batch, M, k)).astype(np.float32)
+  bias = rng.standard_normal((2, N)).astype(np.float32)
+  if mode == "scaled":
+    examples = [quantize(x, jnp.int8, channelwise_axes=(0,)) for x in xs]
+    lhs = jax.tree.map(lambda *leaves: jnp.stack(leaves), *examples)
+    values = [dequantize(q) for q in examples]
+  else:
+    lhs, values = jnp.asarray(xs), [f64(x) for x in xs]
+
+  def run(lhs):
+    return jax.vmap(lambda x: gmm_jax.gmm(
+        x, wq, SIZES, bias=bias, activation="silu", group_offset=offset,
+        implementation=implementation, interpret=True))(lhs)
+
+  assert _pallas_calls(run, lhs) >= 1
+  got = run(lhs)
+  for b in range(batch):
+    want = gmm_oracle(values[b], dequantize(wq), SIZES, "m", bias=bias, activation="silu",
+                      group_offset=offset, num_local=2)
+    np.testing.assert_allclose(f64(got[b]), want, **tolerances(
+        np.float32, k=k, scale=float(np.std(values[b]) * np.std(dequantize(wq)))))
 
 
 @pytest.mark.parametrize("out", ["float32", "bfloat16", "int8"])
