@@ -7,7 +7,7 @@ one small dot per work item. Which of the two a GPU falls back to is measured in
 BENCHMARKS.md ("Fallbacks on accelerators"), by `python -m gmm_jax.bench_fallback`.
 
 One ``ragged_dot_general`` computes the f32 products of the local groups; bias, activation
-(plain or gated), row mask and cast follow in `_finish`. Local groups (``group_offset``,
+(plain or gated), row mask and cast follow in the one finishing step (`epilogue.finish`). Local groups (``group_offset``,
 expert parallelism) are expressed through the group sizes, since no jax version lowers
 ``ragged_dot_general``'s own ``group_offset`` (jax 0.10.2 and 0.12 raise
 NotImplementedError on every platform):
@@ -34,26 +34,10 @@ import jax.numpy as jnp
 
 from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig, accumulator_dtype, out_columns, problem_dims
-from gmm_jax._src.epilogue import NO_ROWS, Rows, apply_epilogue
+from gmm_jax._src.epilogue import NO_ROWS, Rows, finish
 
 # Gated activations are finished here (after the whole product); row operations are not.
 FEATURES = ("gated",)
-
-
-def _finish(acc: jax.Array, bias, cfg: GmmConfig, row_mask=None) -> jax.Array:
-  """The f32 product -> the result: bias, activation (gated halves), cast, and rows of no
-  local group exactly 0.
-
-  Args:
-    acc: ``[M, N]`` (m-grouping) or ``[L, M, N]`` (k-grouping) accumulator.
-    bias: None or broadcasting against `acc` (each row's group's bias).
-    cfg: the call's options.
-    row_mask: None or bool ``[M]`` (m-grouping): False rows are exactly 0.
-  """
-  y = apply_epilogue(acc, bias, cfg.activation, cfg.out_dtype)
-  if row_mask is not None:
-    y = jnp.where(row_mask[:, None], y, jnp.zeros((), y.dtype))
-  return y
 
 
 def _refuse(lhs, rhs, cfg: GmmConfig) -> None:
@@ -121,8 +105,7 @@ def gmm_lax_ragged(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     acc = jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=cfg.precision,
                                      preferred_element_type=acc_dtype)  # [M, N]
     group_of_row = metadata.row_group_ids(counts, m, group_offset, num_local)
-    row_bias = None if bias is None else jnp.take(bias, jnp.maximum(group_of_row, 0), axis=0)
-    return _finish(acc, row_bias, cfg, row_mask=group_of_row >= 0)
+    return finish(acc, cfg.activation, cfg.out_dtype, row_ids=group_of_row, bias=bias)
   if num_local == 0:
     return jnp.zeros((0, m, out_columns(n, cfg)), cfg.out_dtype)
   if counts.shape[0] == 0:
@@ -139,4 +122,4 @@ def gmm_lax_ragged(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   acc = jax.lax.ragged_dot_general(lhs, rhs, sizes, numbers, precision=cfg.precision,
                                    preferred_element_type=acc_dtype)  # [L + 2, M, N]
   acc = acc[1:num_local + 1]
-  return _finish(acc, None if bias is None else bias[:, None, :], cfg)
+  return finish(acc, cfg.activation, cfg.out_dtype, bias=bias)

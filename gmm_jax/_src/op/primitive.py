@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend.core import Primitive
+from jax.interpreters import ad
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src import metadata, strategy
@@ -192,7 +193,8 @@ def grouped_rows(cfg: GmmConfig, lhs) -> int:
   """R: the rows of an m-grouped problem (gathered rows, else lhs's)."""
   if cfg.gather_rows is not None:
     return cfg.gather_rows
-  value = jax.tree.leaves(lhs)[0]
+  # An undefined primal (a transpose with respect to lhs) is an empty pytree: its aval.
+  value = lhs.aval if ad.is_undefined_primal(lhs) else jax.tree.leaves(lhs)[0]
   return value.shape[1] if cfg.transpose_lhs else value.shape[0]
 
 
