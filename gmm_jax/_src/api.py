@@ -21,7 +21,7 @@ from gmm_jax._src import metadata
 from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling, Tilings, is_gated
 from gmm_jax._src.epilogue import NO_ROWS, Rows, resolve_activation
 from gmm_jax._src.grouped_array import GroupedArray
-from gmm_jax._src.qarray import QArray, QuantSpec, as_qarray, quant_mode
+from gmm_jax._src.qarray import QArray, QuantSpec, as_qarray, check_fits, quant_mode
 
 Array = jax.Array
 
@@ -51,7 +51,7 @@ def _as_operand(x, name: str):
   """A QArray (gmm_jax or qwix) or a numeric array; ValueError for anything else."""
   quantized_x = as_qarray(x)
   if quantized_x is not None:
-    return quantized_x
+    return check_fits(quantized_x, name)
   if x is None or isinstance(x, (str, bytes, dict, set)):
     raise ValueError(f"{name} must be an array or a gmm_jax.QArray, got {x!r}")
   try:
