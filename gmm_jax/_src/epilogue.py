@@ -42,36 +42,39 @@ def _halves(z):
   return z[..., :n], z[..., n:]
 
 
-def _swiglu(z):
-  gate, up = _halves(z)
-  return jax.nn.silu(gate) * up
-
-
-def _geglu(z):
-  gate, up = _halves(z)
-  return jax.nn.gelu(gate, approximate=False) * up
-
-
-def _geglu_tanh(z):
-  gate, up = _halves(z)
-  return jax.nn.gelu(gate, approximate=True) * up
-
-
-def _swiglu_clamped(z):
-  gate, up = _halves(z)
+def _swiglu_clamped(gate, up):
   gate = jnp.minimum(gate, SWIGLU_LIMIT)
   up = jnp.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
   return gate * jax.nn.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
 
 
+# The gated activations ``act(gate) * up`` by the name of the gate's activation.
+_GATE_ACTIVATION = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_tanh"}
+
+
+def gated_pair(name: str, elementwise=None) -> Callable[[jax.Array, jax.Array], jax.Array]:
+  """A gated activation on its two halves, ``(gate, up) -> out``: how a kernel that keeps
+  them in two accumulators applies it (Triton cannot slice a tile in half).
+
+  Args:
+    name: a name of `GATED_ACTIVATIONS`.
+    elementwise: maps the gate's activation name to its function (default
+      `resolve_activation`; a kernel passes its own lowering, e.g. of erf).
+  """
+  if name == "swiglu_clamped":
+    return _swiglu_clamped
+  gate_fn = (elementwise or resolve_activation)(_GATE_ACTIVATION[name])
+  return lambda gate, up: gate_fn(gate) * up
+
+
+def _gated(name: str) -> Callable[[jax.Array], jax.Array]:
+  return lambda z: gated_pair(name)(*_halves(z))
+
+
 # ``[..., 2N] -> [..., N]``: the gate half first, then the up half (`config.GATED_ACTIVATIONS`
 # holds the same names).
 GATED_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "swiglu": _swiglu,
-    "geglu": _geglu,
-    "geglu_tanh": _geglu_tanh,
-    "swiglu_clamped": _swiglu_clamped,
-}
+    name: _gated(name) for name in ("swiglu", "geglu", "geglu_tanh", "swiglu_clamped")}
 
 
 def resolve_activation(activation) -> Callable[[jax.Array], jax.Array] | None:

@@ -218,20 +218,11 @@ def kernel_activation(activation):
   return gelu_erf if activation == "gelu" else activation
 
 
-def _clamped_swiglu(gate, up):
-  gate = jnp.minimum(gate, epilogue.SWIGLU_LIMIT)
-  up = jnp.clip(up, -epilogue.SWIGLU_LIMIT, epilogue.SWIGLU_LIMIT)
-  return gate * jax.nn.sigmoid(epilogue.SWIGLU_ALPHA * gate) * (up + 1)
-
-
-# `epilogue.GATED_ACTIVATIONS` on the two halves of the pre-activation, ``(gate, up) ->
-# out``: the kernel keeps them in two accumulators (Triton cannot slice a tile in half).
+# The gated activations on the two halves of the pre-activation (the kernel keeps them in
+# two accumulators), "geglu"'s gate through `gelu_erf`.
 GATED_PAIRS = {
-    "swiglu": lambda gate, up: jax.nn.silu(gate) * up,
-    "geglu": lambda gate, up: gelu_erf(gate) * up,
-    "geglu_tanh": lambda gate, up: jax.nn.gelu(gate, approximate=True) * up,
-    "swiglu_clamped": _clamped_swiglu,
-}
+    name: epilogue.gated_pair(name, lambda gate: resolve_activation(kernel_activation(gate)))
+    for name in epilogue.GATED_ACTIVATIONS}
 
 
 def unsupported_primitives(activation) -> set[str]:
