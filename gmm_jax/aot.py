@@ -271,7 +271,8 @@ class Row:
   error: str = ""
 
 
-def _topology(target: str):
+def topology_of(target: str):
+  """The deviceless topology of a name of `TARGETS` (one chip)."""
   platform, topology, config = TARGETS[target]
   if platform == "tpu":
     return topologies.get_topology_desc(topology, platform="tpu")
@@ -337,7 +338,7 @@ def compile_case(target: str, case: Case) -> list[Row]:
   """Lowers and compiles one case for one target; one `Row` per kernel launch."""
 
   platform = TARGETS[target][0]
-  topology = _topology(target)
+  topology = topology_of(target)
   mesh = topologies.make_mesh(topology, (1,), ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   start = time.perf_counter()
@@ -399,7 +400,7 @@ def _child(targets, cases, json_path):
   results = []
   for target in targets:
     try:
-      _topology(target)
+      topology_of(target)
     except Exception as err:  # noqa: BLE001  (no libtpu / CUDA plugin: many kinds)
       results.append(dataclasses.asdict(Row(target, "*", "-", "-", status="skipped",
                                             error=f"no {target} compiler: {err}"[:500])))

@@ -36,14 +36,11 @@ import numpy as np
 from jax.experimental import topologies
 
 import gmm_jax
+from gmm_jax import aot
 from gmm_jax._src import dispatch
 
-TARGET_DIR = pathlib.Path(__file__).with_name("targets")
-# name -> (platform, topology, target config file (GPU))
-TARGETS = {
-    "h200": ("gpu", "1x1x1", "nvidia_h200.txtpb"),
-    "v5e": ("tpu", "v5e:1x1", None),
-}
+# The targets of `gmm_jax.aot` this compares on.
+TARGETS = {name: aot.TARGETS[name] for name in ("h200", "v5e")}
 # (M, K, N, G): rows grouped, contraction, columns, groups (balanced sizes).
 CASES = {
     "issue": (4096, 1024, 2048, 8),     # the measurement of issue 24
@@ -74,14 +71,6 @@ class Row:
   gflop: float = -1.0       # XLA's estimate (-1: none; GPU deviceless compiles give none)
   seconds: float = 0.0      # lowering + compile
   error: str = ""
-
-
-def _topology(target: str):
-  platform, topology, config = TARGETS[target]
-  if platform == "tpu":
-    return topologies.get_topology_desc(topology, platform="tpu")
-  return topologies.get_topology_desc(platform="cuda", topology=topology,
-                                      target_config=(TARGET_DIR / config).read_text())
 
 
 def _program(implementation: str, mode: str):
@@ -136,7 +125,7 @@ def measure(target: str, case: str, dtype: str, mode: str, implementation: str) 
   """Lowers and compiles one program for `target` and reads its figures."""
   row = Row(target, case, dtype, mode, implementation)
   m, k, n, g = CASES[case]
-  topology = _topology(target)
+  topology = aot.topology_of(target)
   mesh = topologies.make_mesh(topology, (1,), ("x",))
   placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   args = [jax.ShapeDtypeStruct(shape, dt, sharding=placed) for shape, dt in (

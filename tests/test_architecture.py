@@ -86,6 +86,7 @@ SAME_FLOOR = {
     ("gmm_jax.demo", "gmm_jax.bench"),  # the demo prints a benchmark table
     ("gmm_jax.bench", "gmm_jax._src.autotune"),  # the benchmark times as the autotuner does
     ("gmm_jax.bench_moe", "gmm_jax._src.autotune"),
+    ("gmm_jax.bench_fallback", "gmm_jax.aot"),  # the same deviceless targets
 }
 # Function-level (or try-guarded) imports are for optional dependencies only: Pallas, flax,
 # the comparison libraries, and jax's private table of primitives that need devices while
