@@ -176,3 +176,17 @@ def test_gated_with_explicitly_sharded_columns_equals_the_oracle(group_type):
   if group_type == "m":  # rows past the total and of no group: exactly 0
     want[sizes.sum():] = 0
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4)
+
+
+def test_output_scale_of_a_gated_gmm_meets_the_result_columns():
+  # The output scale multiplies the N columns of the result, not the 2N of the product (it
+  # was sized and checked against 2N).
+  x = jnp.asarray(RNG.normal(size=(12, 8)), jnp.float32)
+  w = gmm_jax.quantize(jnp.asarray(RNG.normal(size=(3, 8, 2 * 4)), jnp.float32), jnp.int8,
+                       channelwise_axes=(0, 2))
+  sizes = jnp.asarray([5, 0, 6], jnp.int32)
+  scale = jnp.asarray(RNG.uniform(0.5, 2.0, size=(4,)), jnp.float32)
+  plain = gmm_jax.gmm(x, w, sizes, activation="swiglu")
+  scaled = gmm_jax.gmm(x, w, sizes, activation="swiglu", output_scale=scale)
+  np.testing.assert_allclose(np.asarray(scaled), np.asarray(plain) * np.asarray(scale),
+                             rtol=1e-6, atol=1e-6)
