@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src import dispatch, strategy
 from gmm_jax._src.epilogue import NO_ROWS
+from gmm_jax._src.op import primitive
 from gmm_jax._src.op.primitive import (PRIMITIVES, concrete_mesh, as_float, gmm_deviceless_p,
                                        gmm_p, row_operands, unpack)
 from gmm_jax._src.qarray import quant_mode
@@ -48,6 +49,19 @@ def _run_on(platform):
                             rows)
       except NotImplementedError as float_err:
         raise NotImplementedError(f"{err}; dequantized: {float_err}") from None
+
+  return run
+
+
+def _bound_on(platform):
+  """The unsharded gmm on `platform` as one primitive (lowered, in a manual context, by
+  `_implementation`). The partitioner lowers each device's program on its own and refuses
+  one with effects: the Mosaic GPU kernel writes its output through a mutable Ref
+  (`InternalMutableArrayEffect`), which stays hidden inside the primitive's lowering."""
+
+  def run(lhs, rhs, counts, group_offset, bias, cfg, rows=NO_ROWS):
+    return primitive.gmm(lhs, rhs, counts, group_offset, bias, cfg.replace(platform=platform),
+                         rows=rows, primitive=gmm_deviceless_p)
 
   return run
 
@@ -114,7 +128,7 @@ def _partition(static, mesh, arg_shapes, result_shape):
     # Traced per device with every mesh axis manual: a context mesh of the user's
     # (`jax.set_mesh`) must not make its arrays sharding-typed.
     with jax.sharding.use_abstract_mesh(_NO_MESH):
-      return strategy.local_gmm(_run_on(platform), plan, lhs, rhs, counts, group_offset,
+      return strategy.local_gmm(_bound_on(platform), plan, lhs, rhs, counts, group_offset,
                                 bias, cfg)
 
   shardings = tuple(NamedSharding(mesh, spec) for spec in specs)

@@ -76,7 +76,7 @@ def _same_vma(operands):
 
 
 def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
-        rows: Rows = NO_ROWS) -> jax.Array:
+        rows: Rows = NO_ROWS, primitive: Primitive | None = None) -> jax.Array:
   """The differentiable gmm on canonical operands (see `GmmConfig`).
 
   Args:
@@ -90,6 +90,7 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
       groups of a k-grouped output: the weight gradient takes the weights' sharding).
     rows: the row operands that `cfg` announces (``cfg.gather_rows``, ``cfg.row_weights``,
       ``cfg.out_rows``; see `GmmConfig`).
+    primitive: the primitive to bind (default: `current_primitive()`).
   """
   lhs_leaves, lhs_tree = jax.tree.flatten(lhs)
   rhs_leaves, rhs_tree = jax.tree.flatten(rhs)
@@ -102,8 +103,9 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
     if present:
       operands.append(value)
   operands = _same_vma([jnp.asarray(x) for x in operands])
-  return current_primitive().bind(*operands, cfg=cfg, trees=(lhs_tree, rhs_tree),
-                           has_bias=bias is not None, out_hint=out_hint)
+  return (primitive or current_primitive()).bind(
+      *operands, cfg=cfg, trees=(lhs_tree, rhs_tree), has_bias=bias is not None,
+      out_hint=out_hint)
 
 
 def unpack(operands, trees, has_bias):

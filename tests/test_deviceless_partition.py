@@ -1,0 +1,77 @@
+"""Partitioned gmms compiled deviceless for a multi-chip GPU topology (8 x H200 on one host):
+under plain jit with sharded operands every device runs the target's kernel inside the
+partitioning rule, and the compiled program gathers no weights.
+
+Runs where the CUDA plugin is importable (the aot environment of `.ci/run`); skipped with the
+reason elsewhere. (../shared/notes/deviceless-compile.md, "Many chips".)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+
+import gmm_jax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gmm_jax._src import dispatch
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
+
+
+def _gpu_pod(devices: int = 8):
+  try:
+    found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:
+    found = False
+  if not found:
+    pytest.skip("jax_plugins.xla_cuda12 is not importable: this jax has no GPU compiler")
+  return topologies.get_topology_desc(platform="cuda", topology=f"1x1x{devices}",
+                                      target_config=H200.read_text())
+
+
+def _all_gathers(text: str) -> list[str]:
+  """The result types of the compiled program's all-gathers."""
+  return re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+
+
+@pytest.mark.parametrize("activation", [None, "swiglu"])
+def test_expert_sharded_gmm_runs_a_kernel_on_every_device(activation):
+  # The Mosaic GPU kernel writes its output through a mutable Ref; a partitioning rule's
+  # per-device program must not carry that effect (the partitioner refused it: "Cannot lower
+  # jaxpr with effects: ... InternalMutableArrayEffect").
+  topology = _gpu_pod()
+  mesh = Mesh(np.array(topology.devices).reshape(8), ("x",))
+  m, k, n, g = 1024, 256, 512, 8
+
+  def arg(shape, dtype, spec):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+  x = arg((m, k), jnp.bfloat16, P())
+  w = arg((g, k, n), jnp.bfloat16, P("x"))
+  sizes = arg((g,), jnp.int32, P())
+
+  def loss(x, w, sizes):
+    y = gmm_jax.gmm(x, w, sizes, activation=activation)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  # The weight gradient sharded like the weights (as a training step's update makes it):
+  # each device computes only its expert's gradient.
+  for fn, out in ((lambda x, w, s: gmm_jax.gmm(x, w, s, activation=activation), None),
+                  (jax.grad(loss, argnums=(0, 1)), (x.sharding, w.sharding))):
+    with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+      compiled = jax.jit(fn, out_shardings=out).lower(x, w, sizes).compile()
+    # The forward's gated epilogue is Triton's (the Mosaic GPU kernel has none); the
+    # gradient's pre-activation gmm and dlhs are Mosaic GPU's, its drhs Triton's.
+    expected = ({"pallas_triton" if activation else "pallas_mosaic_gpu"} if out is None
+                else {"pallas_mosaic_gpu", "pallas_triton"})
+    assert {d.implementation for d in decisions} == expected
+    assert all(d.cfg.num_local == 1 for d in decisions)  # each device: its one expert
+    text = compiled.as_text()
+    assert ("mosaic_gpu" in text) == ("pallas_mosaic_gpu" in expected)
+    assert _all_gathers(text) == []  # the weights stay where they are
