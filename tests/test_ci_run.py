@@ -48,7 +48,8 @@ STEPS = [
     ("docs.sh", "docs.sh"),
     ("aot_env.sh", "aot_env.sh"),
     ("python -m pytest", "python -m pytest -q -ra -p no:cacheprovider -o addopts= "
-                  "tests/test_deviceless.py tests/test_pallas_mosaic_gpu.py"),
+                  "tests/test_deviceless.py tests/test_deviceless_partition.py "
+                  "tests/test_pallas_mosaic_gpu.py"),
     ("python -m gmm_jax.aot", "python -m gmm_jax.aot --require"),
 ]
 
