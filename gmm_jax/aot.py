@@ -495,7 +495,12 @@ def main(argv=None) -> int:
   """Compiles the cases for the targets of command-line flags `argv` (without the program
   name; None: sys.argv[1:]); prints one row per kernel launch and the Markdown table.
   Returns the exit status."""
-  args = cli.parse_flags(_define_flags(), "gmm-jax-aot", sys.argv[1:] if argv is None else argv,
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if "--pod" in argv:  # whole MoE training steps on multi-chip topologies: gmm_jax.aot_pod
+    # (a command of its own: it needs flax and builds on gmm_jax.nn, a floor above this one)
+    return subprocess.call([sys.executable, "-m", "gmm_jax.aot_pod",
+                            *(arg for arg in argv if arg != "--pod")])
+  args = cli.parse_flags(_define_flags(), "gmm-jax-aot", argv,
                          __doc__)
   cases = [c for c in CASES if c.name in args.cases]
   if args.list:

@@ -1,0 +1,179 @@
+"""What `gmm_jax.aot_pod` reads from a compiled training step (collective bytes per kind,
+all-gathers of whole expert weights, kernel calls, errors), its mesh and parameter layouts,
+and that its ragged_dot baseline is the same MoE as `nn.MoE`. None of it needs libtpu or
+the CUDA plugin: the deviceless compiles are `test_aot_pod_deviceless.py`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+from gmm_jax import aot_pod, nn  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+# A compiled step's HLO as XLA prints it after optimization: synchronous and async
+# collectives (a -start tuple holds operands and results; its -done has the result), a
+# tuple-shaped all-gather, a weight all-gather in the layout of a [E, D, 2F] kernel and one
+# transposed, layouts with tiling and memory-space annotations, and kernel custom calls.
+HLO = """\
+HloModule jit_step, is_scheduled=true, entry_computation_layout={(bf16[2,256,1792]{2,1,0})->f32[]}
+
+%region_0.1 (a: f32[], b: f32[]) -> f32[] {
+  ROOT %add.1 = f32[] add(f32[] %a, f32[] %b)
+}
+
+ENTRY %main.9 (p0: bf16[2,256,1792], p1: bf16[2,896,256], p2: bf16[1024,256]) -> f32[] {
+  %p0 = bf16[2,256,1792]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = bf16[2,896,256]{2,1,0} parameter(1)
+  %p2 = bf16[1024,256]{1,0:S(7)} parameter(2)
+  %all-gather.1 = bf16[8,256,1792]{2,1,0:T(8,128)(2,1)} all-gather(%p0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %all-gather.2 = (s32[8,8]{1,0}, s32[8,8]{1,0}) all-gather(%x, %y), channel_id=2, dimensions={0}
+  %all-gather-start = (bf16[2,896,256]{2,1,0}, bf16[8,256,896]{2,1,0}) all-gather-start(%p1), channel_id=3, dimensions={0}
+  %all-gather-done = bf16[8,256,896]{2,1,0} all-gather-done(%all-gather-start)
+  %all-reduce-start = ((f32[8]{0}), f32[8]{0}) all-reduce-start(%r), channel_id=4, to_apply=%region_0.1
+  %all-reduce-done = f32[8]{0} all-reduce-done(%all-reduce-start)
+  %all-reduce.7 = f32[] all-reduce(%s), channel_id=5, to_apply=%region_0.1
+  %reduce-scatter.1 = f32[256,1792]{1,0} reduce-scatter(%g), channel_id=6, dimensions={0}, to_apply=%region_0.1
+  %all-to-all.3 = s32[4]{0} all-to-all(%c), channel_id=7, dimensions={0}
+  %ragged-all-to-all.6 = bf16[4096,256]{1,0:S(7)} ragged-all-to-all(%a0, %a1, %a2, %a3, %a4, /*index=5*/%a5), channel_id=8
+  %collective-permute-start = (bf16[16,256]{1,0}, bf16[16,256]{1,0}, u32[], u32[]) collective-permute-start(%q), channel_id=9, source_target_pairs={{0,1}}
+  %collective-permute-done = bf16[16,256]{1,0} collective-permute-done(%collective-permute-start)
+  %custom-call.1 = bf16[1024,1792]{1,0} custom-call(%p2, %p0), custom_call_target="tpu_custom_call", backend_config={"custom_call_config": {"body": "all-gather(x)"}}
+  %custom-call.2 = bf16[1024,256]{1,0} custom-call(%h, %p1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="all-reduce"}
+  %custom-call.3 = bf16[1024,256]{1,0} custom-call(%h, %p1), custom_call_target="mosaic_gpu_v2"
+  %custom-call.4 = bf16[1024,256]{1,0} custom-call(%h, %p1), custom_call_target="mosaic_gpu_v2"
+  %fusion.2 = bf16[64,64]{1,0} fusion(%p2), kind=kCustom, calls=%gemm, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  ROOT %tuple = (f32[]) tuple(%all-reduce.7)
+}
+"""
+# The expert weights of the layer that HLO belongs to: gate_up [8, 256, 1792] (its halves
+# [8, 256, 896]) and down [8, 896, 256].
+WEIGHTS = [(8, 256, 1792), (8, 256, 896), (8, 896, 256)]
+
+
+def test_collective_bytes_per_kind():
+  totals = aot_pod.collective_bytes(HLO)
+  assert totals == {
+      # [8, 256, 1792] bf16 + two [8, 8] s32 + the -done's [8, 256, 896] bf16
+      "all-gather": 8 * 256 * 1792 * 2 + 2 * 8 * 8 * 4 + 8 * 256 * 896 * 2,
+      "all-reduce": 8 * 4 + 4,  # the -done's f32[8] (not the -start tuple) + f32[]
+      "reduce-scatter": 256 * 1792 * 4,
+      "all-to-all": 4 * 4,
+      "ragged-all-to-all": 4096 * 256 * 2,
+      "collective-permute": 16 * 256 * 2,  # the -done's result, not the u32 contexts
+  }
+
+
+def test_collectives_are_found_by_opcode_not_by_name_or_text():
+  # An op named like a collective, a custom call whose config mentions one and a fusion
+  # are not collectives; the -start instructions are not counted twice.
+  kinds = [kind for kind, _ in aot_pod.collectives(HLO)]
+  assert kinds == ["all-gather", "all-gather", "all-gather", "all-reduce", "all-reduce",
+                   "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute"]
+
+
+def test_weight_gather_bytes_counts_whole_expert_weights_in_any_order():
+  # all-gather.1 is the whole gate_up kernel; the async one is a gate half transposed
+  # ([8, 256, 896] read as [8, 256, 896] -> matches); the s32 ones are routing metadata.
+  assert aot_pod.weight_gather_bytes(HLO, WEIGHTS) == 8 * 256 * 1792 * 2 + 8 * 256 * 896 * 2
+  assert aot_pod.weight_gather_bytes(HLO, [(8, 896, 256)]) == 8 * 256 * 896 * 2
+  # A gathered shard of the experts (not the whole weight) is not a weight gather.
+  assert aot_pod.weight_gather_bytes(HLO, [(16, 256, 1792)]) == 0
+  no_gather = "\n".join(line for line in HLO.splitlines() if "all-gather" not in line)
+  assert aot_pod.weight_gather_bytes(no_gather, WEIGHTS) == 0
+
+
+def test_shapes_of_results():
+  assert aot_pod.shapes("(bf16[2,3]{1,0:T(8,128)(2,1)}, f32[]{:S(1)}, s32[<=8]{0})") == [
+      ("bf16", (2, 3)), ("f32", ()), ("s32", (8,))]
+  assert aot_pod.shape_bytes("s4", (3,)) == 2
+  assert aot_pod.shapes("f8e4m3fn[4,4]{1,0}") == [("f8e4m3fn", (4, 4))]
+
+
+def test_kernel_calls():
+  assert aot_pod.kernel_calls(HLO) == {"tpu_custom_call": 1, "triton": 1, "mosaic_gpu": 2}
+
+
+def test_first_line_skips_blank_lines():
+  err = NotImplementedError("\n\nMosaic kernels cannot be automatically partitioned.\nmore")
+  assert aot_pod.first_line(err) == (
+      "NotImplementedError: Mosaic kernels cannot be automatically partitioned.")
+
+
+def test_mesh_shape():
+  assert aot_pod.mesh_shape(4, 8) == (1, 4)
+  assert aot_pod.mesh_shape(16, 8) == (2, 8)
+  assert aot_pod.mesh_shape(256, 8) == (32, 8)
+  assert aot_pod.mesh_shape(16, 256) == (1, 16)
+  assert aot_pod.mesh_shape(16, 8, expert=4) == (4, 4)
+  with pytest.raises(ValueError, match="must divide"):
+    aot_pod.mesh_shape(16, 8, expert=16)
+
+
+def test_only_expert_weights_are_sharded():
+  layer = aot_pod.abstract_layer(aot_pod.MODELS["deepseek-v3-small"])
+  _, params, specs, rest = aot_pod.nnx_loss(layer)
+  by_shape = {tuple(p.shape): s for p, s in zip(params, specs)}
+  num_experts, embed, mlp = layer.num_experts, layer.embed, layer.mlp
+  assert by_shape[(num_experts, embed, 2 * mlp)] == P("expert")  # gate_up
+  assert by_shape[(num_experts, mlp, embed)] == P("expert")  # down
+  assert by_shape[(embed, num_experts)] == P()  # the router: replicated
+  assert sum(s == P("expert") for s in specs) == 2  # the shared expert is replicated
+  assert [r.shape for r in rest] == [(num_experts,)]  # the routing bias
+  assert all(p.dtype == jnp.bfloat16 for p in params)
+  assert aot_pod.expert_weight_shapes(layer) == [
+      (num_experts, embed, 2 * mlp), (num_experts, embed, mlp), (num_experts, mlp, embed)]
+
+
+def test_ragged_dot_baseline_is_the_same_moe():
+  """The baseline's loss and gradients equal nn.MoE's (Mixtral routing: softmax top-2,
+  renormalized) for the same parameters (f32): it compiles the same math."""
+  layer = nn.MoE.from_preset("mixtral-8x7b", rngs=nnx.Rngs(0), scale=1 / 128,
+                             dtype=jnp.float32)
+  loss, _, _, _ = aot_pod.nnx_loss(layer)
+  base_loss, base_params, _, _ = aot_pod.ragged_dot_loss(layer)
+  _, state, _ = nnx.split(layer, nnx.Param, ...)
+  params = jax.tree.leaves(state)  # down, gate_up, router (nnx_loss's order)
+  values = nnx.to_pure_dict(state)
+  baseline = [values["router"]["kernel"], values["gate_up"]["kernel"],
+              values["down"]["kernel"]]
+  assert [(b.shape, b.dtype) for b in baseline] == [(p.shape, p.dtype) for p in base_params]
+  x = jax.random.normal(jax.random.key(1), (64, layer.embed), jnp.float32)
+  value, grads = jax.value_and_grad(loss)(params, [], x)
+  base_value, base_grads = jax.value_and_grad(base_loss)(baseline, [], x)
+  for ours, theirs in zip([value, *grads], [base_value, *base_grads[::-1]]):
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    # Both accumulate in f32 (the two differ by at most a few ulps in practice).
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5 * np.max(np.abs(theirs)))
+
+
+def test_failures_for_require():
+  ok = dict(model="m", topology="t", strategy="ep", status="ok", error="",
+            weight_gather_bytes=0)
+  rows = [ok, dict(ok, strategy="default", status="FAIL", error="E: no"),
+          dict(ok, strategy="unfused", weight_gather_bytes=2 ** 30),
+          dict(ok, strategy="ragged_dot", weight_gather_bytes=2 ** 30)]
+  assert aot_pod.failures(rows, ("ep",)) == []
+  assert aot_pod.failures(rows, ("ep", "default")) == ["m t default: FAIL: E: no"]
+  assert aot_pod.failures(rows, ("unfused", "ragged_dot")) == [
+      "m t unfused: all-gathers 1.00 GiB of expert weights"]
+
+
+def test_markdown_marks_what_does_not_fit():
+  row = dict(model="mixtral", topology="v5e:4x4", mesh="2x8", strategy="ep", status="ok",
+             error="", seconds=12.3, argument_bytes=2 ** 30, output_bytes=2 ** 30,
+             temp_bytes=20 * 2 ** 30, alias_bytes=2 ** 30, peak_bytes=21 * 2 ** 30,
+             hbm_bytes=16 * 2 ** 30, collective_bytes={"ragged-all-to-all": 3 * 2 ** 20},
+             weight_gather_bytes=0, implementations={"pallas_tpu": 6},
+             kernels={"tpu_custom_call": 6})
+  failed = dict(row, strategy="default", status="FAIL", error="NotImplementedError: a | b")
+  table = aot_pod.markdown([row, failed]).splitlines()
+  assert len(table) == 4
+  assert "21.00 GiB / 16.00 GiB (does not fit)" in table[2]
+  assert "| 3.0 MiB |" in table[2] and "pallas_tpu x6" in table[2]
+  assert "FAIL: NotImplementedError: a / b" in table[3]
+  assert all(line.count("|") == table[0].count("|") for line in table)
