@@ -86,7 +86,9 @@ class TileMetadata(NamedTuple):
   holds several groups yields one item per group. Only groups held locally (group_offset)
   produce items, so the work never grows with empty or remote groups. At most
   ``num_tiles + num_local - 1`` items exist; the arrays are padded to that static length
-  and items past ``num_items`` are empty (``item_start == item_end``).
+  and items past ``num_items`` are empty (``item_start == item_end``). The other
+  alignments (see `make_tile_metadata`) cut windows from each group's first row instead;
+  `window_starts` gives every item's window.
 
   Fields:
     bounds: int32 ``[G + 1]`` global group start offsets (last = total).
@@ -109,19 +111,23 @@ ALIGNMENTS = ("tile", "group")
 
 
 def max_work_items(dim_size: int, tile: int, num_local: int, align: str = "tile",
-                   cover: bool = False) -> int:
+                   cover: bool = False, granule: int = 1) -> int:
   """Static bound on the number of work items (the length of the metadata arrays)."""
   num_tiles = max(1, math.ceil(dim_size / tile))
   # With `cover`, every local group has an item, even an empty one.
   groups = max(1, num_local if cover else min(num_local, dim_size))
   # Tile-aligned: consecutive groups share at most one tile. Group-aligned: each group adds
-  # at most one partial window.
-  return num_tiles + groups - 1 if align == "tile" else num_tiles + groups
+  # at most one partial window. Group-aligned from granule-row blocks (granule > 1, tile a
+  # multiple of it): a group covers whole blocks, consecutive groups share at most one, and
+  # whole tiles of blocks cut them: the tile-aligned bound (see `make_tile_metadata`).
+  if align == "tile" or granule > 1:
+    return num_tiles + groups - 1
+  return num_tiles + groups
 
 
 def make_tile_metadata(
     counts: jax.Array, dim_size: int, tile: int, group_offset=0, num_local: int | None = None,
-    align: str = "tile", skip: int = 0, cover: bool = False,
+    align: str = "tile", skip: int = 0, cover: bool = False, granule: int = 1,
 ) -> TileMetadata:
   """Builds the work items for tiles of `tile` rows over a grouped dimension of `dim_size`.
 
@@ -136,6 +142,7 @@ def make_tile_metadata(
       group is cut into windows of `tile` rows starting at its first row, so only its last
       window is partial; at most ``num_tiles + num_local`` items; for kernels and loops that
       can start a block at any row). ``tile_ids`` is the tile holding an item's first row.
+      With align="group" and a `granule` > 1, see `granule`.
     skip: with align="group", the first `skip` rows of every group get no item (another
       pass computed them); groups of at most `skip` rows get none.
     cover: every local group gets at least one item: an empty one (or one not in the list,
@@ -143,6 +150,15 @@ def make_tile_metadata(
       clamped into range). For kernels that must write every group's output once (the
       k-grouped ``activation(bias)`` of an empty group). Items stay in group order and
       within the same bound.
+    granule: with align="group", each group's windows of `tile` rows start at its first
+      row rounded down to a multiple of `granule` (default 1: at its first row), so every
+      window starts at a multiple of `granule`; an item owns the rows of its group in its
+      window (the first item of a group may start after its window, only the last may end
+      before it). For kernels whose blocks start at multiples of `granule` rows (Mosaic GPU:
+      8, the TMA's swizzled shared-memory tiles); `tile` must be a multiple of `granule`.
+      A group never has more items than with align="tile" (its first window starts at or
+      after its first tile), and with `granule` > 1 the bound is the tile-aligned one:
+      at most ``num_tiles + num_local - 1`` items. `window_starts` gives the windows.
 
   Returns:
     A `TileMetadata`.
@@ -153,10 +169,13 @@ def make_tile_metadata(
     raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
   if skip < 0 or (skip and align != "group"):
     raise ValueError(f"skip must be >= 0 and needs align='group', got {skip} with {align!r}")
+  if granule <= 0 or (granule > 1 and (align != "group" or tile % granule)):
+    raise ValueError(f"granule must be >= 1, and > 1 only with align='group' and a tile "
+                     f"that is a multiple of it, got {granule} with {align!r}, tile {tile}")
   num_total = counts.shape[0]
   num_local = num_total if num_local is None else num_local
   bounds = bounds_from_counts(counts, dim_size)
-  max_items = max_work_items(dim_size, tile, num_local, align, cover)
+  max_items = max_work_items(dim_size, tile, num_local, align, cover, granule)
   if num_local == 0 or (num_total == 0 and not cover):  # no group, no work
     empty = jnp.zeros((max_items,), jnp.int32)
     return TileMetadata(bounds, empty, empty, empty, empty, jnp.int32(0))
@@ -177,7 +196,8 @@ def make_tile_metadata(
     first_tile = jnp.minimum(starts // tile, num_tiles - 1)
     spans = (ends - 1) // tile - first_tile + 1
   else:
-    spans = (ends - starts + tile - 1) // tile
+    first_window = starts - starts % granule
+    spans = (ends - first_window + tile - 1) // tile
   tiles_per_group = jnp.where(active, spans, 1 if cover else 0)
   items_end = jnp.cumsum(tiles_per_group)
   num_items = items_end[-1]
@@ -193,14 +213,27 @@ def make_tile_metadata(
     item_end = jnp.minimum((tile_ids + 1) * tile, ends[group])
     item_end = jnp.maximum(item_end, item_start)  # a covering item of an empty group
   else:
-    item_start = starts[group] + index_in_group * tile
-    item_end = jnp.minimum(item_start + tile, ends[group])
+    window = first_window[group] + index_in_group * tile
+    item_start = jnp.maximum(window, starts[group])
+    item_end = jnp.minimum(window + tile, ends[group])
+    item_end = jnp.maximum(item_end, item_start)  # a covering item of an empty group
     tile_ids = jnp.minimum(item_start // tile, num_tiles - 1)
   item_start = jnp.where(valid, item_start, 0)
   item_end = jnp.where(valid, item_end, 0)
   tile_ids = jnp.where(valid, tile_ids, 0)
   group_ids = group
   return TileMetadata(bounds, group_ids, tile_ids, item_start, item_end, num_items)
+
+
+def window_starts(meta: TileMetadata, tile: int, align: str = "tile",
+                  granule: int = 1) -> jax.Array:
+  """int32 ``[max_items]`` the first row of each item's window of `tile` rows (the block a
+  kernel loads; the item owns ``[item_start, item_end)`` inside it), for metadata built with
+  the same `tile`, `align` and `granule`: the item's tile for align="tile", else its first
+  row rounded down to a multiple of `granule`. Padding items get 0."""
+  if align == "tile":
+    return meta.tile_ids * tile
+  return meta.item_start - meta.item_start % granule
 
 
 def size_classes(tile: int, dim_size: int, smallest: int = 8) -> tuple[int, ...]:
