@@ -494,7 +494,7 @@ def compile_step(model_name: str, topology_name: str, strategy: str,
 
 
 def size(num_bytes: int | None) -> str:
-  """Bytes for a table cell: 0, KiB, MiB or GiB."""
+  """Bytes for a table cell: 0, B, KiB, MiB or GiB."""
   if num_bytes is None:
     return ""
   if num_bytes == 0:
@@ -502,7 +502,7 @@ def size(num_bytes: int | None) -> str:
   for unit, scale in (("GiB", GIB), ("MiB", 2 ** 20)):
     if num_bytes >= scale:
       return f"{num_bytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
-  return f"{num_bytes / 1024:.1f} KiB"
+  return f"{num_bytes / 1024:.1f} KiB" if num_bytes >= 1024 else f"{num_bytes} B"
 
 
 def _counts(counts: dict) -> str:
