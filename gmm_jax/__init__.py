@@ -27,6 +27,8 @@ from gmm_jax._src.qarray import quantize as quantize
 from gmm_jax._src.ragged_dot import ragged_dot as ragged_dot
 from gmm_jax._src.ragged_dot import ragged_dot_general as ragged_dot_general
 from gmm_jax._src.routing import Routing as Routing
+from gmm_jax._src.experts import ExpertFFN as ExpertFFN
+from gmm_jax._src.experts import routed_experts as routed_experts
 from gmm_jax._src.routing import route as route
 from gmm_jax._src.routing import routed_apply as routed_apply
 from gmm_jax._src.routing import routed_gmm as routed_gmm
@@ -56,7 +58,9 @@ __all__ = [
     "QuantSpec",
     "ragged_dot",
     "ragged_dot_general",
+    "ExpertFFN",
     "route",
+    "routed_experts",
     "routed_apply",
     "routed_gmm",
     "Routing",

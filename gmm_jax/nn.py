@@ -22,16 +22,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gmm_jax
 from gmm_jax import QuantSpec, gmm, routed_apply
+from gmm_jax._src import experts
 from gmm_jax._src.epilogue import GATED_ACTIVATIONS, resolve_activation
+from gmm_jax._src.experts import GATED_NAMES, ExpertFFN
 from gmm_jax._src.sharding import explicit_axes, token_layout
 
 Array = jax.Array
-# What the fused expert FFN keeps for its backward: the gmms' pre-activations.
-_FFN_POLICY = jax.checkpoint_policies.save_only_these_names(gmm_jax.PREACTIVATION)
-
-# The gated activation of each plain one: ``act(gate) * up`` on a [.., 2F] product.
-GATED_NAMES = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh",
-               **{name: name for name in GATED_ACTIVATIONS}}
 
 
 def _resolve_names(names):
@@ -183,31 +179,6 @@ class GroupedLinear(nnx.Module):
                group_offset=group_offset, **self.gmm_options(dtype))
 
 
-def _expert_ffn(rows, sizes, weights, *, activation, gated: bool, options, fused: bool = True):
-  """The expert FFN on expert-contiguous rows: ``down(act(rows @ w_in + b_in))``, gated
-  (``w_in`` = [gate | up] halves) or plain. `weights`: dict of w_in, w_down, b_in, b_down
-  (biases optional; local slices under expert parallelism). fused: one gmm with the gated
-  activation, else gate and up as two gmms (the unfused baseline, slicing the one kernel)."""
-  w_in, w_down = weights["w_in"], weights["w_down"]
-  b_in, b_down = weights.get("b_in"), weights.get("b_down")
-  if not gated:
-    h = gmm(rows, w_in, sizes, bias=b_in, activation=activation, **options)
-  elif callable(activation):  # a user's gate activation: the halves in jnp
-    z = gmm(rows, w_in, sizes, bias=b_in, **options)
-    half = z.shape[-1] // 2
-    h = activation(z[:, :half]) * z[:, half:]
-  elif fused:
-    h = gmm(rows, w_in, sizes, bias=b_in, activation=GATED_NAMES[activation], **options)
-  else:
-    half = w_in.shape[-1] // 2
-    gate = gmm(rows, w_in[..., :half], sizes, bias=None if b_in is None else b_in[..., :half],
-               **options)
-    up = gmm(rows, w_in[..., half:], sizes, bias=None if b_in is None else b_in[..., half:],
-             **options)
-    h = GATED_ACTIVATIONS[GATED_NAMES[activation]](jnp.concatenate([gate, up], axis=-1))
-  return gmm(h.astype(rows.dtype), w_down, sizes, bias=b_down, **options)
-
-
 class MoE(nnx.Module):
   """A top-k routed mixture of experts (dropless by default), with optional shared experts.
 
@@ -248,6 +219,12 @@ class MoE(nnx.Module):
     capacity_factor: None (dropless) or c: each expert takes at most
       ``ceil(c * T * top_k / E)`` assignments (earlier tokens first; the rest give 0), and
       the grouped buffers hold ``min(T * top_k, E * capacity)`` rows.
+    buffer_factor: None (dropless: receive buffers sized for the worst case, every
+      assignment of a token shard sent to one device) or b: under expert parallelism with
+      the tokens sharded over the expert axis, each device receives at most
+      ``ceil(b * T_shard * top_k / D)`` rows from each of the D devices of that axis (b = 1:
+      the balanced load), so per-device memory stays flat as the mesh grows; rows past it
+      give 0 and count in ``aux["dropped_fraction"]`` (MaxText's ragged buffer factor).
     expert_parallel: None, or ``(mesh, axis)``: the expert kernels sharded over the mesh
       axis. Tokens sharded over the same axis travel to their experts' devices
       (`gmm_jax.routed_apply`) once per call; tokens replicated over it are each run by
@@ -258,6 +235,11 @@ class MoE(nnx.Module):
       from its own tokens. On a mesh with Explicit axes both follow from the types. On a
       mesh the experts run inside `routed_apply` on sorted rows (the gate and up still one
       gmm with the gated activation when fused).
+      Without either (plain `jax.jit` with sharded arguments, or one device), the routed
+      experts are one partitionable op (`gmm_jax.routed_experts`): the partitioner picks
+      local routing (replicated experts), per-device experts with a psum (tokens not
+      sharded over the experts' axis) or expert parallelism with all-to-all (tokens
+      sharded over it too) from the shardings of the tokens and the expert kernels.
     weight_quant, input_quant: QuantSpecs for the expert projections (see GroupedLinear).
     dtype, param_dtype, implementation: as in GroupedLinear.
     kernel_metadata: metadata of every expert kernel Param (as nnx.Linear's).
@@ -279,7 +261,8 @@ class MoE(nnx.Module):
                top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
                router_bias: bool = False, num_shared_experts: int = 0,
                shared_mlp: int | None = None, use_bias: bool = False,
-               capacity_factor: float | None = None, expert_parallel=None,
+               capacity_factor: float | None = None, buffer_factor: float | None = None,
+               expert_parallel=None,
                data_parallel=None, dtype: Any = None, param_dtype: Any = jnp.float32,
                weight_quant: QuantSpec | None = None, input_quant: QuantSpec | None = None,
                implementation: str | None = None,
@@ -309,7 +292,9 @@ class MoE(nnx.Module):
     self.normalize_top_k = top_k > 1 if normalize_top_k is None else normalize_top_k
     self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
     self.routed_scaling_factor = routed_scaling_factor
-    self.capacity_factor = capacity_factor
+    if buffer_factor is not None and buffer_factor <= 0:
+      raise ValueError(f"buffer_factor must be positive, got {buffer_factor}")
+    self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
     self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
     self.dtype, self.out_sharding = dtype, out_sharding
 
@@ -421,18 +406,21 @@ class MoE(nnx.Module):
     dtype = self.dtype or jnp.result_type(x, self._in_layer().kernel[...])
     rows = tokens.astype(dtype)
     weights = self._expert_weights(dtype)
-    ffn = dict(activation=self.activation, gated=self.gated,
-               options=self._in_layer().gmm_options(dtype))
-    shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in token_axes)
-    capacity = None
-    if self.capacity_factor is not None:
-      capacity = math.ceil(self.capacity_factor * num_tokens * k / (num_experts * shards))
-
-    if mesh is None and self.fused:
-      y, kept = self._fused(rows, top_e, top_p, weights, capacity, **ffn)
+    spec = self._ffn_spec(dtype)
+    if mesh is None:
+      # Mesh-blind (plain jit, one device): the partitioner splits the routed experts by
+      # the operands' shardings (`experts.routed_experts`).
+      y, kept = experts.routed_experts(spec, rows, top_e, top_p, weights,
+                                       capacity_factor=self.capacity_factor,
+                                       buffer_factor=self.buffer_factor)
+      kept = None if self.capacity_factor is None and self.buffer_factor is None else kept
     else:
-      y, kept = self._sorted(rows, top_e, top_p, weights, capacity, shards, mesh, axis,
-                             token_axes, **ffn)
+      shards = math.prod(mesh.shape[a] for a in token_axes)
+      capacity = None
+      if self.capacity_factor is not None:
+        capacity = math.ceil(self.capacity_factor * num_tokens * k / (num_experts * shards))
+      y, kept = self._sorted(spec, rows, top_e, top_p, weights, capacity, shards, mesh, axis,
+                             token_axes)
     if self.shared is not None:
       y = y + self.shared(tokens).astype(jnp.float32)
 
@@ -452,41 +440,15 @@ class MoE(nnx.Module):
     out_sharding = self.out_sharding if out_sharding is None else out_sharding
     return _reshard(y, out_sharding), aux
 
-  def _fused(self, rows, top_e, top_p, weights, capacity, *, activation, gated, options):
-    """route -> one gathered gmm for gate|up (gated epilogue) -> one weighted, scattered
-    gmm for down -> combine. Returns ([T, D] f32, kept [T, k] or None).
+  def _ffn_spec(self, dtype) -> ExpertFFN:
+    options = self._in_layer().gmm_options(dtype)
+    return ExpertFFN(self.num_experts, self.activation, self.gated, self.fused,
+                     tuple(sorted(options.items())))
 
-    For its backward it keeps the two gmms' pre-activations only (f32; bf16 in a bf16
-    layer) (`gmm_jax.PREACTIVATION`, a `jax.checkpoint` policy): the routing, the
-    activation and the rows between the gmms are recomputed (integer sorts and elementwise
-    work), not stored."""
-    body = functools.partial(self._fused_body, capacity=capacity, activation=activation,
-                             gated=gated, options=options)
-    return jax.checkpoint(body, policy=_FFN_POLICY)(rows, top_e, top_p, weights)
-
-  def _fused_body(self, rows, top_e, top_p, weights, *, capacity, activation, gated,
-                  options):
-    r = gmm_jax.route(top_e, self.num_experts, weights=top_p, capacity=capacity)
-    w_in, w_down = weights["w_in"], weights["w_down"]
-    b_in, b_down = weights.get("b_in"), weights.get("b_down")
-    sizes = r.group_sizes
-    if not gated or not callable(activation):
-      act = GATED_NAMES[activation] if gated else activation
-      h = gmm(rows, w_in, sizes, bias=b_in, activation=act, lhs_indices=r.lhs_indices,
-              **options)
-    else:  # a user's gate activation: the halves in jnp
-      z = gmm(rows, w_in, sizes, bias=b_in, lhs_indices=r.lhs_indices, **options)
-      half = z.shape[-1] // 2
-      h = activation(z[:, :half]) * z[:, half:]
-    y = gmm(h.astype(rows.dtype), w_down, sizes, bias=b_down, row_weights=r.row_weights,
-            out_indices=r.out_indices, out_rows=r.num_slots, **options)
-    kept = None if capacity is None else r.kept
-    return r.combine(y).astype(jnp.float32), kept
-
-  def _sorted(self, rows, top_e, top_p, weights, capacity, shards, mesh, axis, token_axes,
-              *, activation, gated, options):
-    """The unfused baseline (and the mesh path): each assignment's row copied, sorted by
-    expert (within each shard, `routed_apply` on a mesh), the expert FFN, unsorted, weighted
+  def _sorted(self, spec, rows, top_e, top_p, weights, capacity, shards, mesh, axis,
+              token_axes):
+    """The mesh path (mesh arguments or Explicit axes): each assignment's row copied,
+    sorted by expert within each shard (`routed_apply`), the expert FFN, unsorted, weighted
     and summed over k."""
     num_tokens, k = top_e.shape
     flat_e, flat_p = top_e.reshape(-1), top_p.reshape(-1)
@@ -500,18 +462,14 @@ class MoE(nnx.Module):
       rank = jnp.sum((jnp.cumsum(hot, axis=1) - 1) * hot, axis=-1).reshape(-1)
       kept = rank < capacity
       flat_p = jnp.where(kept, flat_p, 0.0)
-    ffn = dict(activation=activation, gated=gated, options=options, fused=self.fused)
-    if mesh is not None:
-      ids = flat_e if kept is None else jnp.where(kept, flat_e, 0)  # dropped: weight 0
-      out = routed_apply(lambda r, s, w: _expert_ffn(r, s, w, **ffn), copies, ids, weights,
-                         mesh=mesh, axis=axis, token_axes=token_axes)
-    else:
-      # Dropped assignments sort after every expert (past the group total: gmm gives 0).
-      key = flat_e if kept is None else jnp.where(kept, flat_e, self.num_experts)
-      order = jnp.argsort(key, stable=True)
-      sizes = jnp.bincount(key, length=self.num_experts + 1)[:self.num_experts]
-      y_sorted = _expert_ffn(copies[order], sizes.astype(jnp.int32), weights, **ffn)
-      out = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    ids = flat_e if kept is None else jnp.where(kept, flat_e, 0)  # dropped: weight 0
+    per_pair = None  # routed_apply's default: the worst case
+    if self.buffer_factor is not None and axis is not None and axis in token_axes:
+      local_rows = num_tokens * k // shards
+      per_pair = max(1, min(local_rows, math.ceil(self.buffer_factor * local_rows
+                                                  / mesh.shape[axis])))
+    out = routed_apply(lambda r, s, w: experts.ffn_rows(spec, r, s, w), copies, ids, weights,
+                       mesh=mesh, axis=axis, token_axes=token_axes, capacity=per_pair)
     # Each token's k results, weighted: a reshape and a sum (no scatter across shards).
     weighted = (out.astype(jnp.float32).reshape(num_tokens, k, -1)
                 * flat_p.reshape(num_tokens, k, 1))

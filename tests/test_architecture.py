@@ -47,6 +47,7 @@ FLOORS = {
     "gmm_jax._src.sharding": 4,
     "gmm_jax._src.api": 5,
     "gmm_jax._src.routing": 6,
+    "gmm_jax._src.experts": 6,
     "gmm_jax._src.ragged_dot": 6,
     "gmm_jax.nn": 6,
     "gmm_jax.bench": 6,
@@ -55,6 +56,7 @@ FLOORS = {
     "gmm_jax.examples": 7,  # built on gmm_jax.nn (floor 6)
     "gmm_jax.examples.train_moe": 7,
     "gmm_jax.aot": 6,
+    "gmm_jax.aot_pod": 7,  # compiles gmm_jax.nn (floor 6) training steps
     "gmm_jax._src.autotune": 6,
     "gmm_jax.demo": 6,
     "gmm_jax.compat": 6,
@@ -87,6 +89,9 @@ SAME_FLOOR = {
     ("gmm_jax.bench", "gmm_jax._src.autotune"),  # the benchmark times as the autotuner does
     ("gmm_jax.bench_moe", "gmm_jax._src.autotune"),
     ("gmm_jax.bench_fallback", "gmm_jax.aot"),  # the same deviceless targets
+    # The routed-experts op moves rows with the routing transports; the layer composes it.
+    ("gmm_jax._src.experts", "gmm_jax._src.routing"),
+    ("gmm_jax.nn", "gmm_jax._src.experts"),
 }
 # Function-level (or try-guarded) imports are for optional dependencies only: Pallas, flax,
 # the comparison libraries, and jax's private table of primitives that need devices while

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig, accumulator_dtype, problem_dims
-from gmm_jax._src.epilogue import finish
+from gmm_jax._src.epilogue import NO_ROWS, Rows, finish
 from gmm_jax._src.qarray import QArray
 
 Axes = tuple[str, ...]
@@ -275,6 +275,23 @@ def choose(mesh_shape: Mapping[str, int], cfg: GmmConfig, lhs_shapes, rhs_shapes
   return Plan.make(cfg, chosen, mesh_shape, notes)
 
 
+def for_rows(plan_: Plan, cfg: GmmConfig) -> Plan:
+  """The plan of a gmm with row operands (gathered, weighted or scattered rows): the row
+  indices name rows of the whole lhs and output, so lhs's rows and K stay whole (gathered);
+  its experts (and, without a gated activation, its columns) still split, so the weights
+  are never gathered."""
+  if not cfg.has_rows:
+    return plan_
+  notes = list(plan_.notes)
+  axes = dict(g=plan_.g, n=plan_.n)
+  if plan_.m or plan_.k:
+    notes.append("row operands index the whole lhs: its rows and K are gathered")
+  if cfg.gated and plan_.n:
+    notes.append("a gated activation with row operands: N kept whole")
+    axes["n"] = ()
+  return Plan.make(cfg, axes, dict(plan_.mesh_shape), notes)
+
+
 # ------------------------------------------------------------------- on every device
 
 
@@ -335,15 +352,21 @@ def gated_column_pairs(x, axes: Axes):
 
 
 def local_gmm(run: Callable, plan: Plan, lhs, rhs, counts, group_offset, bias,
-              cfg: GmmConfig):
+              cfg: GmmConfig, rows: Rows = NO_ROWS):
   """One device's part of a gmm split by `plan`, inside a context where the plan's mesh
   axes are manual (shard_map, or a partitioning rule's lowering).
 
   Args:
-    run: ``run(lhs, rhs, counts, group_offset, bias, cfg)``, the unsharded gmm.
+    run: ``run(lhs, rhs, counts, group_offset, bias, cfg, rows)``, the unsharded gmm.
     lhs, rhs, bias: this device's blocks; counts, group_offset: the global ones.
     cfg: the global call's config.
+    rows: the row operands (whole) of a call with them; its plan splits only the experts
+      and columns (`for_rows`): each device gathers, weights and scatters every row of its
+      own experts (the others' rows are exact zeros, combined by the psum).
   """
+  if cfg.has_rows and (plan.m or plan.k or (cfg.gated and plan.n)):
+    raise NotImplementedError(f"a gmm with row operands splits only its experts and "
+                              f"columns, not {plan.strategies}")
   lhs, rhs = local_qarray(lhs), local_qarray(rhs)
   m_local, k_local, _ = problem_dims(_shape(lhs), _shape(rhs), cfg)
   local_cfg = cfg.replace(num_local=cfg.num_local // plan.shards("g"))
@@ -373,6 +396,8 @@ def local_gmm(run: Callable, plan: Plan, lhs, rhs, counts, group_offset, bias,
     if cfg.group_type == "m":
       row_ids = metadata.row_group_ids(local_counts, z.shape[0], offset, local_cfg.num_local)
     out = finish(z, cfg.activation, cfg.out_dtype, row_ids=row_ids, bias=bias)
+  elif cfg.has_rows:
+    out = run(lhs, rhs, local_counts, offset, bias, local_cfg, rows)
   else:
     out = run(lhs, rhs, local_counts, offset, bias, local_cfg)
   if cfg.group_type == "m" and plan.g:

@@ -105,13 +105,15 @@ def _choose(static, mesh, arg_shapes, result_spec):
   (arg_shapes,) = arg_shapes  # the one dynamic argument of `_partitioned`: the operands
   lhs_leaves, rhs_leaves, bias = _leaf_groups(list(arg_shapes), trees, has_bias)
   mesh_shape = dict(mesh.shape)
-  plan = strategy.choose(mesh_shape, cfg, [s.shape for s in lhs_leaves],
-                         [s.shape for s in rhs_leaves], _arg_spec(lhs_leaves[0]),
-                         _arg_spec(rhs_leaves[0]), result_spec,
-                         None if bias is None else _arg_spec(bias))
+  plan = strategy.for_rows(strategy.choose(
+      mesh_shape, cfg, [s.shape for s in lhs_leaves], [s.shape for s in rhs_leaves],
+      _arg_spec(lhs_leaves[0]), _arg_spec(rhs_leaves[0]), result_spec,
+      None if bias is None else _arg_spec(bias)), cfg)
+  num_rows = len(arg_shapes) - len(lhs_leaves) - len(rhs_leaves) - 2 - int(has_bias)
   specs = (strategy.leaf_specs([s.shape for s in lhs_leaves], plan.spec("lhs"), mesh_shape)
            + strategy.leaf_specs([s.shape for s in rhs_leaves], plan.spec("rhs"), mesh_shape)
-           + [P(None), P()] + ([plan.spec("bias")] if has_bias else []))
+           + [P(None), P()] + ([plan.spec("bias")] if has_bias else [])
+           + [P(None)] * num_rows)  # row operands: whole on every device
   return plan, specs
 
 
@@ -125,11 +127,12 @@ def _partition(static, mesh, arg_shapes, result_shape):
 
   def lower_fn(operands):
     lhs, rhs, counts, group_offset, bias = unpack(operands, trees, has_bias)
+    rows = row_operands(operands, trees, has_bias, cfg)
     # Traced per device with every mesh axis manual: a context mesh of the user's
     # (`jax.set_mesh`) must not make its arrays sharding-typed.
     with jax.sharding.use_abstract_mesh(_NO_MESH):
       return strategy.local_gmm(_bound_on(platform), plan, lhs, rhs, counts, group_offset,
-                                bias, cfg)
+                                bias, cfg, rows)
 
   shardings = tuple(NamedSharding(mesh, spec) for spec in specs)
   return mesh, lower_fn, NamedSharding(mesh, plan.spec("out")), (shardings,)
@@ -147,7 +150,14 @@ def _sharding_rule(static, mesh, operand_types, result_types):
   cfg, trees, has_bias, _ = static
   dims = strategy.operand_dims(cfg)
   shapes = [tuple(mlir.ir.ShapedType(t).shape) for t in operand_types]
-  lhs_shapes, rhs_shapes, _ = _leaf_groups(shapes, trees, has_bias)
+  num_rows = len(shapes) - trees[0].num_leaves - trees[1].num_leaves - 2 - int(has_bias)
+  lhs_shapes, rhs_shapes, _ = _leaf_groups(shapes[:len(shapes) - num_rows], trees, has_bias)
+  if cfg.has_rows:
+    # The row operands ([R]) are the grouped rows m; lhs's own rows (gathered from) and a
+    # scattered output's rows are other sizes: their own factors.
+    dims = dict(dims, lhs=tuple("l" + d if d == "m" else d for d in dims["lhs"]),
+                out=tuple("o" + d if d == "m" and cfg.out_rows is not None else d
+                          for d in dims["out"]))
   extra = iter(f"s{i}" for i in range(64))
   mappings = []
   for operand, leaves in (("lhs", lhs_shapes), ("rhs", rhs_shapes)):
@@ -155,7 +165,7 @@ def _sharding_rule(static, mesh, operand_types, result_types):
       mappings.append(" ".join(
           name if size == full else next(extra)
           for name, size, full in zip(dims[operand], shape, leaves[0])))
-  mappings += ["h", ""] + (["g n"] if has_bias else [])
+  mappings += ["h", ""] + (["g n"] if has_bias else []) + ["m"] * num_rows
   rule = ", ".join(mappings) + " -> " + " ".join(dims["out"])
   reductions = ("g", "k") if cfg.group_type == "m" else ("k",)
   order = []
@@ -203,9 +213,7 @@ def _lowering(ctx, *operands, platform, **params):
     platform = params["cfg"].platform
   elif platform is None:
     platform = dispatch.normalize_platform(ctx.module_context.platforms[0])
-  # Gathered or scattered rows are not split by the partitioning rule: XLA's propagation
-  # shards them (the MoE layers run them per shard, inside `routed_apply`).
-  if _needs_partitioning(ctx) and not params["cfg"].has_rows:
+  if _needs_partitioning(ctx):
     static = (params["cfg"], params["trees"], params["has_bias"], platform)
     return mlir.lower_fun(lambda *xs: _partitioned(static, xs),
                           multiple_results=False)(ctx, *operands)
