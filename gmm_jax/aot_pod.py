@@ -23,6 +23,11 @@ Strategies:
   ragged_dot: a baseline without gmm_jax: the same MoE math (router, top-k, tokens sorted by
             expert, ``jax.lax.ragged_dot`` for both projections, shared expert) written here.
 
+Buffer factor (``--buffer-factor``, the gmm_jax strategies): ``nn.MoE(buffer_factor=b)``,
+the expert-parallel receive buffers bounded to ``ceil(b * T_shard * k / D)`` rows per source
+device (rows past it dropped); ``none`` (the default) is the dropless worst case. Several
+values give a row each; the table names a step with a factor ``ep@b=1``.
+
 Mesh: ("data", "expert") with expert = min(#experts, #chips) (``--expert`` overrides it) and
 data = #chips / expert: every chip holds E / expert whole experts; tokens are split over all
 chips.
@@ -41,6 +46,7 @@ Usage::
   python -m gmm_jax.aot_pod --small                          # the CI configuration
   python -m gmm_jax.aot_pod --models mixtral --topologies v5e:2x2 h200:1x1x8
   python -m gmm_jax.aot_pod --small --require ep unfused ragged_dot --json rows.json
+  python -m gmm_jax.aot_pod --topologies v5e:4x4 --strategies ep --buffer-factor none 1
 """
 
 from __future__ import annotations
@@ -123,6 +129,8 @@ DEFAULT_MODELS = ("mixtral", "deepseek-v3")
 # --small (CI): one small model, 2-3 minutes for every strategy on the small topologies.
 SMALL_MODELS = ("mixtral-small",)
 STRATEGIES = ("default", "default+set_mesh", "ep", "unfused", "ragged_dot")
+# The strategies without nn.MoE: a buffer factor does not apply to them.
+BASELINES = ("ragged_dot",)
 DEFAULT_STRATEGIES = STRATEGIES
 LEARNING_RATE = 1e-3
 # The collectives counted, as XLA's HLO names them (their async forms end at "-done").
@@ -274,18 +282,49 @@ def mesh_shape(num_chips: int, num_experts: int, expert: int | None = None) -> t
 # ------------------------------------------------------------------------ the steps
 
 
-def _layer_kwargs(strategy: str, mesh: Mesh) -> dict:
+def parse_buffer_factor(text: str) -> float | None:
+  """A ``--buffer-factor`` value: ``none`` (dropless) or a positive number."""
+  if text.strip().lower() == "none":
+    return None
+  value = float(text)
+  if not value > 0 or math.isinf(value):
+    raise ValueError(f"a buffer factor must be a positive number or none, got {text!r}")
+  return value
+
+
+def label(strategy: str, buffer_factor: float | None) -> str:
+  """A step's name in the table: the strategy, and ``@b=<factor>`` when it has one."""
+  return strategy if buffer_factor is None else f"{strategy}@b={buffer_factor:g}"
+
+
+def steps(models, topologies_, strategies, buffer_factors) -> list[tuple]:
+  """The (model, topology, strategy, buffer factor) steps to compile, in table order: each
+  gmm_jax strategy once per factor, a baseline once (without a factor: it has no nn.MoE)."""
+  todo = []
+  for m in models:
+    for t in topologies_:
+      for s in strategies:
+        for b in ((None,) if s in BASELINES else buffer_factors):
+          if (m, t, s, b) not in todo:
+            todo.append((m, t, s, b))
+  return todo
+
+
+def _layer_kwargs(strategy: str, mesh: Mesh, buffer_factor: float | None = None) -> dict:
+  kwargs = {} if buffer_factor is None else dict(buffer_factor=buffer_factor)
   if strategy == "ep":
-    return dict(expert_parallel=(mesh, "expert"), data_parallel=(mesh, ("data", "expert")))
+    kwargs.update(expert_parallel=(mesh, "expert"), data_parallel=(mesh, ("data", "expert")))
   if strategy == "unfused":
-    return dict(fused=False)
-  return {}
+    kwargs.update(fused=False)
+  return kwargs
 
 
-def abstract_layer(model: Model, strategy: str = "default", mesh: Mesh | None = None):
-  """The `nn.MoE` of `model` for `strategy`, bf16 parameters and compute, with abstract
-  parameters (nothing is allocated: a Mixtral layer's experts are 2.8 GB)."""
-  kwargs = _layer_kwargs(strategy, mesh) if mesh is not None else {}
+def abstract_layer(model: Model, strategy: str = "default", mesh: Mesh | None = None,
+                   buffer_factor: float | None = None):
+  """The `nn.MoE` of `model` for `strategy` (with `buffer_factor`), bf16 parameters and
+  compute, with abstract parameters (nothing is allocated: a Mixtral layer's experts are
+  2.8 GB)."""
+  kwargs = _layer_kwargs(strategy, mesh, buffer_factor) if mesh is not None else {}
   return nnx.eval_shape(lambda: nn.MoE.from_preset(
       model.preset, rngs=nnx.Rngs(0), scale=model.scale, dtype=jnp.bfloat16,
       param_dtype=jnp.bfloat16, **dict(model.overrides), **kwargs))
@@ -419,6 +458,7 @@ class Row:
   model: str
   topology: str
   strategy: str
+  buffer_factor: float | None = None  # nn.MoE(buffer_factor=...); None: dropless
   mesh: str = ""  # "data x expert"
   status: str = "ok"  # "ok", "FAIL", "timeout", "skipped"
   error: str = ""  # the first line of the error
@@ -437,10 +477,12 @@ class Row:
 
 
 def compile_step(model_name: str, topology_name: str, strategy: str,
-                 expert: int | None = None) -> Row:
+                 expert: int | None = None, buffer_factor: float | None = None) -> Row:
   """Builds, lowers and compiles one training step deviceless; a failure is a row too."""
   model, topology = MODELS[model_name], TOPOLOGIES[topology_name]
-  row = Row(model_name, topology_name, strategy, hbm_bytes=topology.hbm)
+  if strategy in BASELINES:
+    buffer_factor = None
+  row = Row(model_name, topology_name, strategy, buffer_factor, hbm_bytes=topology.hbm)
   start = time.perf_counter()
   try:
     devices = describe(topology).devices
@@ -451,7 +493,8 @@ def compile_step(model_name: str, topology_name: str, strategy: str,
     if strategy == "ragged_dot":
       loss, params, specs, rest = ragged_dot_loss(probe)
     else:
-      loss, params, specs, rest = nnx_loss(abstract_layer(model, strategy, mesh))
+      loss, params, specs, rest = nnx_loss(abstract_layer(model, strategy, mesh,
+                                                          buffer_factor))
     shard = lambda spec: NamedSharding(mesh, spec)
     tokens = P(("data", "expert"))
     in_shardings = ([shard(s) for s in specs], [shard(P()) for _ in rest], shard(tokens))
@@ -520,7 +563,7 @@ def markdown(rows: list[dict]) -> str:
   for r in rows:
     ok = r["status"] == "ok"
     status = "yes" if ok else f"{r['status']}: {r['error']}".replace("|", "/")[:200]
-    cells = [r["model"], r["topology"], r["mesh"], r["strategy"], status,
+    cells = [r["model"], r["topology"], r["mesh"], _label(r), status,
              f"{r['seconds']:.0f}"]
     if ok:
       peak = f"{size(r['peak_bytes'])} / {size(r['hbm_bytes'])}"
@@ -536,27 +579,32 @@ def markdown(rows: list[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _label(r: dict) -> str:
+  return label(r["strategy"], r.get("buffer_factor"))
+
+
 def failures(rows: list[dict], required: tuple[str, ...]) -> list[str]:
-  """Why the rows of the `required` strategies fail `--require`: a step that did not
-  compile, or (a gmm_jax strategy) one that all-gathers a whole expert weight."""
+  """Why the rows of the `required` strategies (with any buffer factor) fail `--require`: a
+  step that did not compile, or (a gmm_jax strategy) one that all-gathers a whole expert
+  weight."""
   found = []
   for r in rows:
     if r["strategy"] not in required:
       continue
-    name = f"{r['model']} {r['topology']} {r['strategy']}"
+    name = f"{r['model']} {r['topology']} {_label(r)}"
     if r["status"] != "ok":
       found.append(f"{name}: {r['status']}: {r['error']}")
-    elif r["strategy"] != "ragged_dot" and r["weight_gather_bytes"]:
+    elif r["strategy"] not in BASELINES and r["weight_gather_bytes"]:
       found.append(f"{name}: all-gathers {size(r['weight_gather_bytes'])} of expert weights")
   return found
 
 
 def _line(r: dict) -> str:
   if r["status"] != "ok":
-    return (f"[{r['status']}] {r['model']} {r['topology']} {r['strategy']} "
+    return (f"[{r['status']}] {r['model']} {r['topology']} {_label(r)} "
             f"({r['seconds']:.0f} s): {r['error']}")
   collectives_ = ", ".join(f"{k} {size(v)}" for k, v in r["collective_bytes"].items() if v)
-  return (f"[ok] {r['model']} {r['topology']} {r['mesh']} {r['strategy']} "
+  return (f"[ok] {r['model']} {r['topology']} {r['mesh']} {_label(r)} "
           f"({r['seconds']:.0f} s): peak {size(r['peak_bytes'])} of {size(r['hbm_bytes'])} "
           f"(temp {size(r['temp_bytes'])}); {collectives_ or 'no collectives'}; weight "
           f"all-gather {size(r['weight_gather_bytes'])}; {_counts(r['implementations'])}; "
@@ -578,6 +626,12 @@ def _define_flags() -> flags.FlagValues:
   flags.DEFINE_bool("small", False, "the CI configuration: the small models on "
                     f"{', '.join(SMALL_TOPOLOGIES)} (unless --models / --topologies say)",
                     flag_values=fv)
+  flags.DEFINE_multi_string(
+      "buffer-factor", ["none"], "nn.MoE(buffer_factor=...) of the gmm_jax strategies: the "
+      "expert-parallel receive buffers in units of the expected rows per source device; none: "
+      "dropless (the worst case); several values: a step each", flag_values=fv)
+  flags.register_validator("buffer-factor", _valid_buffer_factors,
+                           "a buffer factor is a positive number or none", flag_values=fv)
   flags.DEFINE_integer("expert", None, "the expert axis size (default: min(#experts, #chips))",
                        lower_bound=1, flag_values=fv)
   flags.DEFINE_integer("timeout", 1800, "seconds one step may take to compile", lower_bound=1,
@@ -595,6 +649,15 @@ def _define_flags() -> flags.FlagValues:
   return fv
 
 
+def _valid_buffer_factors(values) -> bool:
+  try:
+    for value in values:
+      parse_buffer_factor(value)
+  except ValueError:
+    return False
+  return True
+
+
 def _child_env() -> dict[str, str]:
   env = dict(os.environ)
   env[_CHILD_ENV] = "1"
@@ -603,15 +666,22 @@ def _child_env() -> dict[str, str]:
   return env
 
 
-def _run_one(model: str, topology: str, strategy: str, expert: int | None,
-             timeout: int) -> dict:
+def child_flags(out, model: str, topology: str, strategy: str, buffer_factor: float | None,
+                expert: int | None) -> list[str]:
+  """The flags of the compile process of one step, which writes its row to `out`."""
+  factor = "none" if buffer_factor is None else repr(buffer_factor)  # repr: exact
+  flags_ = ["--child_json", str(out), "--models", model, "--topologies", topology,
+            "--strategies", strategy, f"--buffer-factor={factor}"]
+  return flags_ if expert is None else flags_ + ["--expert", str(expert)]
+
+
+def _run_one(model: str, topology: str, strategy: str, buffer_factor: float | None,
+             expert: int | None, timeout: int) -> dict:
   """Compiles one step in a process of its own; a hang or crash becomes a row."""
   with tempfile.TemporaryDirectory() as tmp:
     out, log = pathlib.Path(tmp) / "row.json", pathlib.Path(tmp) / "log.txt"
-    command = [sys.executable, "-m", "gmm_jax.aot_pod", "--child_json", str(out),
-               "--models", model, "--topologies", topology, "--strategies", strategy]
-    if expert is not None:
-      command += ["--expert", str(expert)]
+    command = [sys.executable, "-m", "gmm_jax.aot_pod",
+               *child_flags(out, model, topology, strategy, buffer_factor, expert)]
     start = time.perf_counter()
     with open(log, "wb") as stderr:
       proc = subprocess.Popen(command, env=_child_env(), stdout=stderr, stderr=stderr,
@@ -624,7 +694,7 @@ def _run_one(model: str, topology: str, strategy: str, expert: int | None,
         code = None
     if out.exists():
       return json.loads(out.read_text())
-    row = Row(model, topology, strategy, seconds=time.perf_counter() - start,
+    row = Row(model, topology, strategy, buffer_factor, seconds=time.perf_counter() - start,
               hbm_bytes=TOPOLOGIES[topology].hbm)
     if code is None:
       row.status, row.error = "timeout", f"no result in {timeout} s"
@@ -645,25 +715,27 @@ def main(argv=None) -> int:
   if args.small:
     models = models if args["models"].present else list(SMALL_MODELS)
     topologies_ = topologies_ if args["topologies"].present else list(SMALL_TOPOLOGIES)
+  factors = [parse_buffer_factor(value) for value in args["buffer-factor"].value]
   if args.child_json:
-    row = compile_step(models[0], topologies_[0], args.strategies[0], args.expert)
+    row = compile_step(models[0], topologies_[0], args.strategies[0], args.expert, factors[0])
     pathlib.Path(args.child_json).write_text(json.dumps(dataclasses.asdict(row)))
     return 0
-  todo = [(m, t, s) for m in models for t in topologies_ for s in args.strategies]
+  todo = steps(models, topologies_, args.strategies, factors)
   bar = cli.Progress(len(todo), cli.show_progress(args))
   bar.begin(f"compiling {len(todo)} training steps")
   start = time.perf_counter()
   rows = []
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
-    futures = [pool.submit(_run_one, m, t, s, args.expert, args.timeout) for m, t, s in todo]
+    futures = [pool.submit(_run_one, *step, args.expert, args.timeout) for step in todo]
     for future in concurrent.futures.as_completed(futures):
       row = future.result()
       rows.append(row)
       bar.print(_line(row))
-      bar.advance(f"{row['model']} {row['topology']} {row['strategy']}")
+      bar.advance(f"{row['model']} {row['topology']} {_label(row)}")
   bar.close()
   order = {key: i for i, key in enumerate(todo)}
-  rows.sort(key=lambda r: order[(r["model"], r["topology"], r["strategy"])])
+  rows.sort(key=lambda r: order[(r["model"], r["topology"], r["strategy"],
+                                 r["buffer_factor"])])
   table = markdown(rows)
   print()
   print(table)

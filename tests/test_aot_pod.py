@@ -5,6 +5,8 @@ the CUDA plugin: the deviceless compiles are `test_aot_pod_deviceless.py`."""
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -177,3 +179,107 @@ def test_markdown_marks_what_does_not_fit():
   assert "| 3.0 MiB |" in table[2] and "pallas_tpu x6" in table[2]
   assert "FAIL: NotImplementedError: a / b" in table[3]
   assert all(line.count("|") == table[0].count("|") for line in table)
+
+
+def test_parse_buffer_factor():
+  assert aot_pod.parse_buffer_factor("none") is None
+  assert aot_pod.parse_buffer_factor("None") is None
+  assert aot_pod.parse_buffer_factor("1") == 1.0
+  assert aot_pod.parse_buffer_factor("0.5") == 0.5
+  for bad in ("0", "-1", "nan", "inf", "two", ""):
+    with pytest.raises(ValueError):
+      aot_pod.parse_buffer_factor(bad)
+
+
+def test_label_names_the_buffer_factor():
+  assert aot_pod.label("ep", None) == "ep"
+  assert aot_pod.label("ep", 1.0) == "ep@b=1"
+  assert aot_pod.label("default", 1.25) == "default@b=1.25"
+
+
+def test_steps_cross_the_buffer_factors_except_for_the_baseline():
+  todo = aot_pod.steps(["m"], ["t1", "t2"], ["ep", "ragged_dot", "default"], [None, 1.0, 2.0])
+  assert todo == [
+      ("m", "t1", "ep", None), ("m", "t1", "ep", 1.0), ("m", "t1", "ep", 2.0),
+      ("m", "t1", "ragged_dot", None),
+      ("m", "t1", "default", None), ("m", "t1", "default", 1.0), ("m", "t1", "default", 2.0),
+      ("m", "t2", "ep", None), ("m", "t2", "ep", 1.0), ("m", "t2", "ep", 2.0),
+      ("m", "t2", "ragged_dot", None),
+      ("m", "t2", "default", None), ("m", "t2", "default", 1.0), ("m", "t2", "default", 2.0)]
+  # A baseline without nn.MoE gets one row whatever the factors; repeats are dropped.
+  assert aot_pod.steps(["m"], ["t"], ["ragged_dot"], [1.0, 2.0]) == [
+      ("m", "t", "ragged_dot", None)]
+  assert aot_pod.steps(["m"], ["t"], ["ep"], [1.0, 1.0]) == [("m", "t", "ep", 1.0)]
+
+
+@pytest.mark.parametrize("strategy", ["default", "default+set_mesh", "ep", "unfused"])
+def test_the_layer_of_every_gmm_jax_strategy_takes_the_buffer_factor(strategy):
+  mesh = jax.make_mesh((1, 1), ("data", "expert"))
+  model = aot_pod.MODELS["mixtral-small"]
+  layer = aot_pod.abstract_layer(model, strategy, mesh, buffer_factor=1.5)
+  assert layer.buffer_factor == 1.5
+  assert aot_pod.abstract_layer(model, strategy, mesh).buffer_factor is None
+  assert (layer.expert_parallel is not None) == (strategy == "ep")
+  assert layer.fused == (strategy != "unfused")
+
+
+def _row(**changes):
+  row = dict(model="mixtral", topology="v5e:4x4", mesh="2x8", strategy="ep",
+             buffer_factor=None, status="ok", error="", seconds=12.3, argument_bytes=2 ** 30,
+             output_bytes=2 ** 30, temp_bytes=20 * 2 ** 30, alias_bytes=2 ** 30,
+             peak_bytes=21 * 2 ** 30, hbm_bytes=16 * 2 ** 30,
+             collective_bytes={"ragged-all-to-all": 3 * 2 ** 20}, weight_gather_bytes=0,
+             implementations={"pallas_tpu": 6}, kernels={"tpu_custom_call": 6})
+  row.update(changes)
+  return row
+
+
+def test_table_and_require_name_the_buffer_factor():
+  rows = [_row(), _row(buffer_factor=1.0, temp_bytes=2 ** 30),
+          _row(strategy="default", buffer_factor=2.0, status="FAIL", error="E: no")]
+  table = aot_pod.markdown(rows).splitlines()
+  assert [line.split(" | ")[3] for line in table[2:]] == ["ep", "ep@b=1", "default@b=2"]
+  assert "| 1.00 GiB |" in table[3]
+  # --require names the strategy; it holds for its rows with any factor.
+  assert aot_pod.failures(rows, ("default",)) == ["mixtral v5e:4x4 default@b=2: FAIL: E: no"]
+  assert aot_pod.failures(rows, ("ep",)) == []
+  # Rows of a JSON file written before the buffer factor existed still print.
+  old = _row()
+  del old["buffer_factor"]
+  assert aot_pod.markdown([old]).splitlines()[2].split(" | ")[3] == "ep"
+
+
+def test_a_compile_process_gets_the_step_and_its_buffer_factor(monkeypatch, tmp_path):
+  calls = []
+
+  def compile_step(model, topology, strategy, expert=None, buffer_factor=None):
+    calls.append((model, topology, strategy, expert, buffer_factor))
+    return aot_pod.Row(model, topology, strategy, buffer_factor)
+
+  monkeypatch.setattr(aot_pod, "compile_step", compile_step)
+  out = tmp_path / "row.json"
+  for factor, expert in ((0.1, None), (None, 4), (2.0, None)):
+    flags = aot_pod.child_flags(out, "mixtral-small", "v5e:2x2", "ep", factor, expert)
+    assert aot_pod.main(flags) == 0
+    assert calls.pop() == ("mixtral-small", "v5e:2x2", "ep", expert, factor)
+    assert json.loads(out.read_text())["buffer_factor"] == factor
+
+
+def test_main_compiles_a_step_per_strategy_and_factor(monkeypatch, tmp_path, capsys):
+  def run_one(model, topology, strategy, buffer_factor, expert, timeout):
+    return _row(model=model, topology=topology, strategy=strategy,
+                buffer_factor=buffer_factor)
+
+  monkeypatch.setattr(aot_pod, "_run_one", run_one)
+  out = tmp_path / "rows.json"
+  status = aot_pod.main(["--models", "mixtral", "--topologies", "v5e:4x4", "--strategies", "ep",
+                         "ragged_dot", "--buffer-factor", "none", "1", "--require", "ep",
+                         "--json", str(out)])
+  assert status == 0
+  rows = json.loads(out.read_text())
+  assert [(r["strategy"], r["buffer_factor"]) for r in rows] == [
+      ("ep", None), ("ep", 1.0), ("ragged_dot", None)]
+  assert "| ep@b=1 |" in capsys.readouterr().out
+  with pytest.raises(SystemExit) as exit_:
+    aot_pod.main(["--buffer-factor", "0"])
+  assert exit_.value.code == 2
