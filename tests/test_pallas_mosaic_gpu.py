@@ -9,12 +9,14 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
+import hypothesis
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_test_base import make_operands
-from oracle import f64, gmm_oracle, tolerances
+from oracle import f64, gmm_oracle, local_rows, tolerances
 
 import gmm_jax
 from gmm_jax._src import dispatch
@@ -99,6 +101,114 @@ def test_matches_oracle_in_interpreter(m, k, n, sizes, num_local, offset, transp
   for g in range(offset, min(offset + num_local, len(sizes))):
     owned[bounds[g]:bounds[g + 1]] = True
   assert not np.any(f64(got)[~owned])
+
+
+# ------------------------------------------------------- 8-row windows (decode-size groups)
+
+# Decode-size groups (0-20 rows) that mostly start off multiples of 8: [57, 66) straddles
+# the 64-row tile boundary, the last window reads rows past M=128 (zero-filled).
+DECODE_SIZES = [5, 13, 0, 20, 19, 9, 17, 3, 11, 7]
+# 12 groups, 128-row tiles: [118, 129) straddles row 128, rows 129..135 belong to none.
+DECODE_SIZES_128 = [0, 7, 20, 15, 18, 1, 19, 14, 12, 10, 2, 11]
+
+
+def _expected_windows(sizes, offset, num_local, tile_m, granule):
+  """{local group: its windows' first rows}, from each group's first row rounded down."""
+  bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+  windows = {}
+  for local in range(num_local):
+    group = offset + local
+    if group >= len(sizes) or sizes[group] == 0:
+      continue
+    first = bounds[group] // granule * granule
+    windows[local] = list(range(first, bounds[group + 1], tile_m))
+  return windows
+
+
+@pytest.mark.parametrize("m, num_groups, tile_m, granule", [
+    (512, 64, 64, 8),       # decode: 64 tokens x top-8 over 64 experts
+    (1024, 64, 64, 8),
+    (8192, 8, 128, 8),      # prefill: never more windows than tiles, so 8 rows too
+    (130, 3, 128, 8),
+    (4096, 1, 128, 128),    # one group starts at row 0: the same windows
+    (64, 8, 64, 64),        # M within one tile (gmm_jax.aot's decode case): the same items
+    (48, 3, 64, 64),
+])
+def test_window_granule_is_a_function_of_static_shapes(m, num_groups, tile_m, granule):
+  assert mosaic.window_granule(m, num_groups, tile_m) == granule
+
+
+@pytest.mark.parametrize("sizes, m, tile_m, offset, num_local", [
+    pytest.param(DECODE_SIZES, 128, 64, 0, len(DECODE_SIZES), id="decode-tile64"),
+    pytest.param(DECODE_SIZES_128, 136, 128, 0, len(DECODE_SIZES_128), id="decode-tile128"),
+    pytest.param(DECODE_SIZES, 128, 64, 3, 5, id="decode-offset3"),
+    pytest.param([60, 70, 1, 62], 200, 64, 0, 4, id="tile-size-groups"),
+])
+def test_work_items_start_at_8_row_boundaries(sizes, m, tile_m, offset, num_local):
+  # The kernel's items: windows at multiples of 8 from each group's first row, each item
+  # inside its window, every local row owned once, fewer windows than tile alignment.
+  granule, (windows, starts, ends, groups) = mosaic.work_items(
+      jnp.asarray(sizes, jnp.int32), jnp.int32(offset), m, tile_m, num_local)
+  assert granule == 8
+  windows, starts, ends, groups = map(np.asarray, (windows, starts, ends, groups))
+  assert len(windows) % mosaic.BAND == 0
+  active = ends > starts
+  assert np.all(windows % 8 == 0)
+  assert np.all((windows <= starts) & (ends <= windows + tile_m) | ~active)
+  got = {}
+  for window, group in zip(windows[active], groups[active]):
+    got.setdefault(int(group), []).append(int(window))
+  assert got == _expected_windows(sizes, offset, num_local, tile_m, 8)
+  coverage = np.zeros(m, int)
+  for start, end in zip(starts[active], ends[active]):
+    coverage[start:end] += 1
+  np.testing.assert_array_equal(coverage, local_rows(sizes, m, offset, num_local))
+  tiles = sum(len(w) for w in _expected_windows(sizes, offset, num_local, tile_m, tile_m)
+              .values())
+  assert active.sum() < tiles, (active.sum(), tiles)
+
+
+def _check_against_oracle(m, k, n, sizes, num_local, offset, transpose_rhs, activation, dtype,
+                          out_dtype, tiling, seed=7):
+  lhs, rhs, bias = make_operands("m", m=m, k=k, n=n, num_local=num_local, lhs_dtype=dtype,
+                                 transpose_rhs=transpose_rhs,
+                                 with_bias=activation is not None, seed=seed)
+  cfg = GmmConfig(group_type="m", num_local=num_local, transpose_rhs=transpose_rhs,
+                  activation=activation, out_dtype=np.dtype(out_dtype), interpret=True)
+  got = _run(lhs, rhs, sizes, offset, bias, cfg, tiling)
+  want = gmm_oracle(lhs, rhs, sizes, "m", bias=bias, activation=activation,
+                    transpose_rhs=transpose_rhs, group_offset=offset, num_local=num_local)
+  assert got.shape == (m, n) and got.dtype == np.dtype(out_dtype)
+  np.testing.assert_allclose(f64(got), want, **tolerances(dtype, out_dtype, k=k))
+  assert not np.any(f64(got)[~local_rows(sizes, m, offset, num_local)])
+
+
+@pytest.mark.skipif(not HAS_INTERPRETER, reason=NO_INTERPRETER)
+@pytest.mark.parametrize("m, k, n, sizes, num_local, offset, transpose_rhs, activation, "
+                         "dtype, out_dtype, tiling", [
+    pytest.param(128, 64, 64, DECODE_SIZES, 10, 0, False, "silu", jnp.bfloat16, jnp.float32,
+                 Tiling(64, 64, 64), id="one-warpgroup-silu"),
+    pytest.param(128, 72, 128, DECODE_SIZES, 10, 0, True, None, jnp.float16, jnp.float16,
+                 Tiling(64, 64, 128), id="specialized-transpose-rhs-f16"),
+    pytest.param(136, 64, 128, DECODE_SIZES_128, 12, 0, False, "gelu_tanh", jnp.bfloat16,
+                 jnp.bfloat16, Tiling(128, 64, 128), id="tile128-straddling-row-128"),
+    pytest.param(128, 64, 64, DECODE_SIZES, 5, 3, False, "relu", jnp.bfloat16, jnp.float32,
+                 Tiling(64, 64, 64), id="group-offset3"),
+])
+def test_decode_size_groups_match_oracle(m, k, n, sizes, num_local, offset, transpose_rhs,
+                                         activation, dtype, out_dtype, tiling):
+  assert mosaic.window_granule(m, len(sizes), tiling.tile_m) == 8
+  _check_against_oracle(m, k, n, sizes, num_local, offset, transpose_rhs, activation, dtype,
+                        out_dtype, tiling)
+
+
+@pytest.mark.skipif(not HAS_INTERPRETER, reason=NO_INTERPRETER)
+@hypothesis.settings(max_examples=6)
+@hypothesis.given(sizes=st.lists(st.integers(0, 20), min_size=12, max_size=12))
+def test_random_decode_size_groups_match_oracle(sizes):
+  # One shape (one compile): 12 groups of 0-20 rows in M=240 (rows past the total exist).
+  _check_against_oracle(240, 64, 64, sizes, 12, 0, False, None, jnp.bfloat16, jnp.float32,
+                        Tiling(64, 64, 64), seed=sum(sizes))
 
 
 @pytest.mark.skipif(not HAS_INTERPRETER, reason=NO_INTERPRETER)

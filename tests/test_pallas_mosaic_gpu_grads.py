@@ -58,6 +58,9 @@ def _mosaic(lhs, rhs, sizes, bias, cfg):
 @pytest.mark.parametrize("dtype, transpose_rhs, sizes", [
     pytest.param(jnp.bfloat16, False, [20, 0, 25, 3], id="bf16-empty-group"),
     pytest.param(jnp.float16, True, [0, 64, 9, 1], id="f16-transpose-rhs-first-empty"),
+    # Decode-size groups off 8-row boundaries, [55, 67) across the 64-row tile boundary:
+    # the kernel's 8-row windows (`mosaic.window_granule`) in the forward and in dlhs.
+    pytest.param(jnp.bfloat16, False, [3, 13, 0, 20, 19, 12, 8], id="bf16-decode-size-groups"),
 ])
 def test_backward_gmms_on_the_mosaic_kernel(dtype, transpose_rhs, sizes):
   m, k, n, groups = 80, 64, 72, len(sizes)
@@ -69,6 +72,8 @@ def test_backward_gmms_on_the_mosaic_kernel(dtype, transpose_rhs, sizes):
   (drhs_cfg,) = [cfg for (group_type, _), cfg in configs.items() if group_type == "k"]
   # What the op asks of each gmm; the kernel serves both m-grouped ones, not the k-grouped.
   mosaic.check_operands(lhs, rhs, forward_cfg)
+  tile_m = mosaic.default_tiling(m, k, n, forward_cfg).tile_m
+  assert mosaic.window_granule(m, groups, tile_m) == 8  # windows at 8-row boundaries
   cotangent = jnp.asarray(np.random.default_rng(32).standard_normal((m, n)), dtype)
   mosaic.check_operands(cotangent, rhs, dlhs_cfg)
   with pytest.raises(NotImplementedError, match="group_type='k'"):

@@ -3,12 +3,21 @@
 One persistent kernel: a grid of as many programs as the GPU has SMs, each looping over
 (work item, N tile) pairs in an L2-friendly order (`_snake`: a band of BAND consecutive
 work items, mostly of one group, walks the N tiles together, every other band backwards, so
-the band's lhs rows and each rhs tile are read from HBM about once). A work item is
-`metadata.make_tile_metadata(..., align="tile")`: the rows ``[item_start, item_end)`` of one
-local group inside the ``tile_m``-row window ``tile_ids * tile_m``. Windows start at
-multiples of 8 because the TMA writes the tiled + swizzled shared-memory layout that wgmma
-reads, whose rows come in tiles of 8: a window starting at any row (align="group") cannot
-be loaded into it (the descriptor addresses row r as tile r // 8, row r % 8).
+the band's lhs rows and each rhs tile are read from HBM about once). A work item is one of
+`metadata.make_tile_metadata`: the rows ``[item_start, item_end)`` of one local group
+inside a ``tile_m``-row window (`metadata.window_starts`). Windows start at multiples of 8
+because the TMA writes the tiled + swizzled shared-memory layout that wgmma reads, whose
+rows come in tiles of 8: a window starting at any row cannot be loaded into it (the
+descriptor addresses row r as tile r // 8, row r % 8; Mosaic GPU's layout inference asks
+for the proof, ``pl.multiple_of(window, 8)``, and fails to lower without it; jax 0.12's
+interpreter does not model this addressing, so the metadata tests and a deviceless compile
+check it). So each group's windows start at its first row rounded down to 8
+(``align="group", granule=8``, `window_granule`): a group never needs more windows than the
+``tile_m``-aligned tiles it touches, and a decode-size group (a few rows) needs one where a
+tile boundary inside it would cost two; where the two cannot differ (one group, or M within
+one tile) the windows are the tiles (``align="tile"``). A wgmma still multiplies 64 rows
+whatever the window's start, so a group of 8 rows costs a 64-row window. Loads past M are
+zero-filled by the TMA.
 
 Per (item, N tile): a multi-stage TMA -> shared-memory ring feeds wgmma with f32
 accumulators in registers. Tiles of 128 or more columns are warp-specialized
@@ -76,7 +85,7 @@ try:
 except (ImportError, AttributeError):
   _WARPGROUP_THREADS = None
 
-ALIGN = "tile"  # windows start at multiples of tile_m (a multiple of 8): see the docstring
+GRANULE = 8  # rows per tile of the TMA's swizzled shared-memory layout: windows start here
 SUPPORTED = ("the Mosaic GPU kernel serves m-grouping with bf16 x bf16 or f16 x f16 "
              "operands (lhs [M, K], rhs [G, K, N] or [G, N, K]), K and N multiples of 8, "
              "on sm_90a (Hopper) GPUs")
@@ -159,6 +168,26 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
   tile_m = 128 if m // max(1, cfg.num_local) >= 128 else 64
   widest = 256 if np.dtype(cfg.out_dtype).itemsize <= 2 else 128
   return Tiling(tile_m=tile_m, tile_k=64, tile_n=min(widest, max(64, common.next_power_of_2(n))))
+
+
+def window_granule(m: int, num_groups: int, tile_m: int) -> int:
+  """Where the work items' windows start (a pure function of static shapes): `GRANULE` (8:
+  each group's windows from its first row rounded down to 8, ``align="group"``) or `tile_m`
+  (the tiles, ``align="tile"``).
+
+  Per group, 8-row windows are never more than the tiles it touches (its first window
+  starts at or after its first tile and both step by ``tile_m``), and fewer wherever its
+  rows fit in fewer windows from its own start: static MMA rows drop by up to 18% at decode
+  shapes and 3-5% at prefill (BENCHMARKS.md). Tiles are kept only where the two give the
+  same items: one group (it starts at row 0) or M within one tile (every group then fits
+  one window of either kind, and tile windows all read the same rows).
+  """
+  return tile_m if num_groups <= 1 or m <= tile_m else GRANULE
+
+
+def _alignment(granule: int, tile_m: int) -> tuple[str, int]:
+  """`metadata.make_tile_metadata`'s (align, granule) for windows at multiples of `granule`."""
+  return ("tile", 1) if granule == tile_m else ("group", granule)
 
 
 def warp_specialized(tiling: Tiling) -> bool:
@@ -288,18 +317,20 @@ def _out_smem(shape, dtype):
 class _Work:
   """The scalars of one (work item, N tile)."""
 
-  def __init__(self, refs, linear, n_tiles: int, tile_m: int, tile_n: int):
+  def __init__(self, refs, linear, n_tiles: int, granule: int, tile_n: int):
     window_ref, start_ref, end_ref, group_ref = refs
     item, n_tile = _snake(linear, n_tiles)
     self.start = start_ref[item]
     self.size = end_ref[item] - self.start  # 0 for padding items
-    self.window = pl.multiple_of(window_ref[item], tile_m)
+    # The TMA addresses the window's first row as (row // 8, row % 8): a multiple of 8.
+    self.window = pl.multiple_of(window_ref[item], granule)
     self.group = group_ref[item]
     self.n_first = pl.multiple_of(n_tile * tile_n, tile_n)
 
 
 def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
-            *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int):
+            *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int,
+            granule: int):
   """One warpgroup per program: the TMA ring (`emit_pipeline`) and wgmma in one thread."""
   bias_gmem = refs[0] if has_bias else None
   out_gmem = refs[-1]  # the aliased zero buffer (a Ref operand), written in place
@@ -322,7 +353,7 @@ def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
     @plgpu.nd_loop((num_items * n_tiles,), collective_axes="sm")
     def _loop(loop_info):
       work = _Work((window_ref, start_ref, end_ref, group_ref), loop_info.index[0], n_tiles,
-                   tile_m, tile_n)
+                   granule, tile_n)
 
       @pl.when(work.size > 0)  # padding items are empty
       def _item():
@@ -344,7 +375,8 @@ def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
 
 
 def _kernel_ws(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
-               *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int):
+               *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int,
+               granule: int):
   """Warp-specialized: a producer warpgroup issues the TMA loads of the ring, two consumer
   warpgroups run wgmma on the two column halves of the tile and store their halves."""
   bias_gmem = refs[0] if has_bias else None
@@ -378,7 +410,7 @@ def _kernel_ws(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
     @plgpu.nd_loop((num_items * n_tiles,), collective_axes="sm")
     def _loop(loop_info):
       work = _Work((window_ref, start_ref, end_ref, group_ref), loop_info.index[0], n_tiles,
-                   tile_m, tile_n)
+                   granule, tile_n)
       halves = pl.ds(wg * half, half)
 
       def mma(_, lhs_smem, rhs_smem, acc_ref):
@@ -420,6 +452,23 @@ def _interpret_params():
     raise NotImplementedError(
         f"{SUPPORTED}; interpret mode needs jax's Mosaic GPU interpreter (jax >= 0.12)")
   return plgpu.InterpretGPUParams()
+
+
+def work_items(counts, group_offset, m: int, tile_m: int, num_local: int):
+  """The kernel's work items: (granule, [windows, item_start, item_end, group_ids]).
+
+  The windows start at multiples of `granule` (`window_granule`); the int32 arrays are
+  padded to whole bands of BAND items (static loop bounds, see `_snake`) with empty items,
+  which the kernel skips.
+  """
+  granule = window_granule(m, counts.shape[0], tile_m)
+  align, metadata_granule = _alignment(granule, tile_m)
+  meta = metadata.make_tile_metadata(counts, m, tile_m, group_offset, num_local, align,
+                                     granule=metadata_granule)
+  windows = metadata.window_starts(meta, tile_m, align, metadata_granule)
+  pad = (0, -meta.item_start.shape[0] % BAND)
+  return granule, [jnp.pad(a, pad) for a in (windows, meta.item_start, meta.item_end,
+                                             meta.group_ids)]
 
 
 def check_operands(lhs, rhs, cfg: GmmConfig) -> None:
@@ -479,13 +528,7 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   lhs, rhs, tiling = prepared.lhs, prepared.rhs, prepared.tiling
   m, k, n = prepared.dims
   n_tiles = pl.cdiv(n, tiling.tile_n)
-  meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
-                                     ALIGN)
-  # Static loop bounds (see `_snake`): the item arrays padded to whole bands with empty
-  # items, which the kernel skips.
-  pad = (0, -meta.item_start.shape[0] % BAND)
-  items = [jnp.pad(a, pad) for a in (meta.tile_ids * tiling.tile_m, meta.item_start,
-                                     meta.item_end, meta.group_ids)]
+  granule, items = work_items(counts, group_offset, m, tiling.tile_m, cfg.num_local)
   operands = [*items, lhs, rhs]
   if bias is not None:  # whole N tiles: the epilogue loads tile_n bias columns
     operands.append(jnp.pad(bias, ((0, 0), (0, n_tiles * tiling.tile_n - n))))
@@ -497,7 +540,8 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
                      (tiling.tile_m, tiling.tile_k, tiling.tile_n))
   plgpu.kernel(
       functools.partial(_kernel_ws if specialized else _kernel, dims=(m, k, n),
-                        tiling=tiling, cfg=cfg, has_bias=bias is not None, stages=stages),
+                        tiling=tiling, cfg=cfg, has_bias=bias is not None, stages=stages,
+                        granule=granule),
       out_type=(),
       grid=(num_sms,),
       grid_names=("sm",),
