@@ -63,6 +63,9 @@ SHAPES = {
     "mixtral": (16384, 4096, 14336, 8),   # Mixtral-8x7B-like expert FFN, 16k tokens
     "deepseek": (8192, 2048, 1408, 64),   # DeepSeek-MoE-like fine-grained experts
     "decode": (64, 4096, 14336, 8),       # decode: a few tokens per expert
+    # Decode with many experts: 64 tokens x top-8 over 64 experts, ~8 rows per group (the
+    # Mosaic GPU kernel's 8-row windows; M spans several tiles).
+    "decode-moe": (512, 1024, 2048, 64),
     "small": (512, 256, 384, 4),          # quick coverage of the other variants
     # Fused MoE down projections (the [R, F] hidden rows back to D columns).
     "mixtral-down": (16384, 14336, 4096, 8),
@@ -131,6 +134,7 @@ CASES = (
     Case("mixtral-train", "mixtral", "train", activation="silu"),
     Case("deepseek-train", "deepseek", "train", activation="silu"),
     Case("decode-fwd", "decode", "fwd", activation="silu"),
+    Case("decode64-fwd", "decode-moe", "fwd"),
     Case("mixtral-gelu-bias", "mixtral", "fwd", activation="gelu", bias=True),
     Case("deepseek-rhsT-train", "deepseek", "train", transpose_rhs=True, bias=True),
     Case("small-f16-train", "small", "train", dtype="float16", activation="relu"),
