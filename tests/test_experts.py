@@ -226,3 +226,29 @@ def test_bad_options_raise_value_error():
   with pytest.raises(ValueError, match="leading dim"):
     gmm_jax.routed_experts(gmm_jax.ExpertFFN(E + 1, "silu", gated=True), x, top_e, top_p,
                            params)
+
+
+def test_nn_moe_inline_path_equals_the_partitionable_op():
+  # partitionable=False keeps the fused gmms inline (pre-activations saved, no recompute):
+  # the same values and gradients as the op, whose backward recomputes the forward.
+  nnx = pytest.importorskip("flax.nnx")
+  from gmm_jax import nn  # noqa: PLC0415 (the optional flax extra)
+  x = jnp.asarray(np.random.default_rng(2).normal(size=(T, D)), jnp.float32)
+  results = []
+  for partitionable in (True, False):
+    layer = nn.MoE(E, D, F, top_k=K, capacity_factor=1.0, partitionable=partitionable,
+                   rngs=nnx.Rngs(0))
+    graph, state = nnx.split(layer)
+
+    def loss(state, x):
+      y, aux = nnx.merge(graph, state)(x)
+      return jnp.sum(y ** 2), aux["dropped_fraction"]
+
+    results.append(jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(state, x))
+  (value_op, dropped_op), grads_op = results[0]
+  (value_inline, dropped_inline), grads_inline = results[1]
+  assert float(dropped_op) == float(dropped_inline) > 0  # capacity 1.0 drops some
+  np.testing.assert_allclose(float(value_op), float(value_inline), rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                       rtol=1e-5, atol=1e-6),
+               grads_op, grads_inline)
