@@ -49,6 +49,15 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "gmm"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+  # A GmmTestBase subclass may name shared tests (SLOW_TESTS) that, for its implementation,
+  # repeat what its default-run tests already check: those run with `-m slow` only.
+  for item in items:
+    if getattr(item, "originalname", None) in getattr(item.cls, "SLOW_TESTS", ()):
+      item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _no_x64():
   # A test that flips x64 on would silently change the dtypes every later test sees.

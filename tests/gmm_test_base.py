@@ -21,6 +21,7 @@ import jax.test_util
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from grids import covering
 from oracle import (f64, gmm_oracle, gmm_oracle_vjp, local_rows, tolerances,
                     vjp_tolerances)
 
@@ -41,8 +42,12 @@ ENCODINGS = ("counts", "cumsum", "sparse")
 GROUP_TYPES = ("m", "k")
 SIZES_WITH_EMPTY = [4, 0, 9, 6]  # sum 19: an empty middle group and rows past the total
 LONG_DIM = 1200  # test_groups_spanning_several_tiles only
-# Examples of test_random_problems_thorough (slow): 20x the default profile's 25.
+# Examples of test_random_problems per implementation in the default run (each draws a new
+# shape, so a new compilation: ~1-2 s each in interpret mode on CPU), and of its slow twin
+# test_random_problems_thorough.
+RANDOM_EXAMPLES = 8
 THOROUGH_EXAMPLES = 500
+SLOW = pytest.mark.slow
 
 
 def _np_sigmoid(x):
@@ -365,8 +370,9 @@ class GmmTestBase:
 
   # ------------------------------------------------------------------------------ dtypes
 
-  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-  @pytest.mark.parametrize("transpose_lhs,transpose_rhs", [(False, False), (True, True)])
+  # Default run: bf16 untransposed and f16 transposed; the other two pairs with -m slow.
+  @covering(("dtype", [jnp.bfloat16, jnp.float16]),
+            ("transpose_lhs, transpose_rhs", [(False, False), (True, True)]))
   def test_16bit_small_and_large_groups(self, dtype, transpose_lhs, transpose_rhs):
     # Mean group of 12 rows, groups from 0 to 40 rows: in 16-bit the XLA path computes the
     # first rows of every group in one batched dot and the rest in its work-item loops.
@@ -390,15 +396,15 @@ class GmmTestBase:
     self.check_vjp(grads, lhs, rhs, bias, sizes, "m", cotangent, activation="silu", **flags)
 
 
-  @pytest.mark.parametrize("lhs_dtype, rhs_dtype, preferred, out_dtype", [
+  # Default run: each dtype combination once, the group types alternating (-m slow: both).
+  @covering(("group_type", GROUP_TYPES), ("lhs_dtype, rhs_dtype, preferred, out_dtype", [
       pytest.param(jnp.float32, jnp.float32, None, jnp.float32, id="f32"),
       pytest.param(jnp.bfloat16, jnp.bfloat16, None, jnp.bfloat16, id="bf16"),
       pytest.param(jnp.float16, jnp.float16, None, jnp.float16, id="f16"),
       pytest.param(jnp.bfloat16, jnp.float32, None, jnp.float32, id="bf16_x_f32"),
       pytest.param(jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32, id="bf16_to_f32"),
       pytest.param(jnp.float32, jnp.float32, jnp.bfloat16, jnp.bfloat16, id="f32_to_bf16"),
-  ])
-  @pytest.mark.parametrize("group_type", GROUP_TYPES)
+  ]))
   def test_dtypes(self, group_type, lhs_dtype, rhs_dtype, preferred, out_dtype):
     lhs, rhs, bias = make_operands(group_type, lhs_dtype=lhs_dtype, rhs_dtype=rhs_dtype,
                                    with_bias=True, seed=7)
@@ -419,8 +425,8 @@ class GmmTestBase:
     computed = f64(out if group_type == "m" else out[0])
     np.testing.assert_array_equal(computed, np.full((M, N), 256.0 + K - 1))
 
-  @pytest.mark.parametrize("variant", ["plain", "int32_bias", "int32_bias_relu"])
-  @pytest.mark.parametrize("group_type", GROUP_TYPES)
+  # Default run: each variant once, the group types alternating (-m slow: both).
+  @covering(("group_type", GROUP_TYPES), ("variant", ["plain", "int32_bias", "int32_bias_relu"]))
   def test_int8_to_int32_is_exact(self, group_type, variant):
     lhs, rhs, _ = make_operands(group_type, lhs_dtype=np.int8, seed=8)
     bias = None
@@ -484,6 +490,7 @@ class GmmTestBase:
   # -------------------------------------------------------------------------- hypothesis
 
   @pytest.mark.parametrize("group_type", GROUP_TYPES)
+  @hypothesis.settings(max_examples=RANDOM_EXAMPLES)
   @hypothesis.given(data=st.data())
   def test_random_problems(self, group_type, data):
     self._check_random_problem(group_type, data)
@@ -493,8 +500,8 @@ class GmmTestBase:
   @hypothesis.settings(max_examples=THOROUGH_EXAMPLES)
   @hypothesis.given(data=st.data())
   def test_random_problems_thorough(self, group_type, data):
-    # The same property with 20x the default profile's examples (`pytest -m slow`): minutes
-    # per implementation, hours for all of them in interpret mode, so not in the default run.
+    # The same property with 60x the default run's examples (`pytest -m slow`): minutes per
+    # implementation, hours for all of them in interpret mode, so not in the default run.
     self._check_random_problem(group_type, data)
 
   def _check_random_problem(self, group_type, data):
@@ -559,13 +566,14 @@ class GmmTestBase:
 
     return run(tuple(primals), cotangent)
 
-  @pytest.mark.parametrize("activation, transpose_lhs, transpose_rhs, with_bias", [
+  # Default run: each layout once, the group types alternating (-m slow: both); the other
+  # gradient tests below run both group types untransposed.
+  @covering(("group_type", GROUP_TYPES), ("activation, transpose_lhs, transpose_rhs, with_bias", [
       # (No-transpose, bias + activation: test_vjp_group_offset_under_jit.)
       pytest.param(None, True, True, False, id="plain_tboth"),
       pytest.param("silu", True, False, True, id="bias_silu_tlhs"),
       pytest.param("fast_gelu", False, True, False, id="fast_gelu_trhs"),
-  ])
-  @pytest.mark.parametrize("group_type", GROUP_TYPES)
+  ]))
   def test_vjp_matches_oracle(self, group_type, activation, transpose_lhs, transpose_rhs,
                               with_bias):
     sizes = SIZES_WITH_EMPTY
@@ -612,7 +620,10 @@ class GmmTestBase:
     else:
       assert np.all(dlhs[:, not_local] == 0) and np.all(drhs[not_local] == 0)
 
-  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+  # Default run: bf16 (f32 gradients: test_vjp_matches_oracle and the tests around it; f16:
+  # test_16bit_small_and_large_groups); f32 and f16 here with -m slow.
+  @pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=SLOW), jnp.bfloat16,
+                                     pytest.param(jnp.float16, marks=SLOW)])
   @pytest.mark.parametrize("group_type", GROUP_TYPES)
   def test_vjp_in_each_dtype_matches_oracle(self, group_type, dtype):
     # Every implementation, the reference included, against numpy (not against another
@@ -633,7 +644,8 @@ class GmmTestBase:
     for name, grad in zip(("lhs", "rhs", "bias"), grads):
       assert np.any(f64(grad) != 0), name
 
-  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+  # Default run: f32; the bf16 twin with -m slow.
+  @pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=SLOW)])
   @pytest.mark.parametrize("group_type", GROUP_TYPES)
   def test_empty_groups_get_exactly_zero_weight_gradient(self, group_type, dtype):
     # tokamax#887: an empty group's weight (and bias) gradient must be exactly 0, not the
@@ -680,7 +692,10 @@ class GmmTestBase:
           (lhs, rhs, b), cotangent)
       assert np.all(f64(dlhs)[past_total] == 0) and np.all(f64(drhs)[past_total] == 0)
 
-  @pytest.mark.parametrize("group_type, activation", [("m", "silu"), ("k", "gelu_tanh")])
+  # Default run: m-grouping (k-grouping's gradients against numpy: the vjp tests above; its
+  # finite differences with -m slow).
+  @pytest.mark.parametrize("group_type, activation", [
+      ("m", "silu"), pytest.param("k", "gelu_tanh", marks=SLOW)])
   def test_check_grads(self, group_type, activation):
     m, k, n, sizes = 8, 6, 3, [3, 0, 2]
     lhs, rhs, bias = make_operands(group_type, m=m, k=k, n=n, num_local=len(sizes),
