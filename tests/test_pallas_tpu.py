@@ -12,6 +12,7 @@ import pytest
 from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.reference import gmm_reference
 from gmm_jax.pallas.tpu import gmm as tpu_gmm
+from grids import covering
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
 from lowering import lower_for, mosaic_calls
 from oracle import f64, gmm_oracle, local_rows, tolerances
@@ -98,12 +99,12 @@ def _m_problem(m, k, n, num_local, seed=3):
   return lhs, rhs, bias
 
 
-@pytest.mark.parametrize("sizes, offset, num_local", [
+# Default run: each routing once, tile_k alternating (-m slow: both for each).
+@covering(("sizes, offset, num_local", [
     ([70, 0, 41, 100], 1, 2),  # local rows [70, 111): tiles before and after have no item
     ([10, 20, 5, 0], 0, 4),  # rows past the total (35 of 230)
     ([100, 50, 60, 20], 4, 2),  # no local group at all: every tile is a zero item
-])
-@pytest.mark.parametrize("tile_k", [128, 512])  # several K steps (edge masked) / one
+]), ("tile_k", [128, 512]))  # several K steps (edge masked) / one
 def test_rows_no_item_owns_are_zero_from_the_kernel(sizes, offset, num_local, tile_k):
   # NaN in every lhs row that no local group owns: it must not reach the output, and those
   # rows must be exactly 0 (interpret mode fills never-written output with NaN).
@@ -315,10 +316,23 @@ LOWERING_TILINGS = [None, Tiling(tile_m=128, tile_k=128, tile_n=128),
                     Tiling(tile_m=512, tile_k=256, tile_n=512)]
 
 
-@pytest.mark.parametrize("tiling", range(len(LOWERING_TILINGS)))
-@pytest.mark.parametrize("case", range(len(LOWERING_CASES)))
-@pytest.mark.parametrize("shape", LOWERING_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("group_type", ["m", "k"])
+def _lowering_params():
+  # Default run: each (shape, case) pair with one of the tilings, in turn, for both group
+  # types (70 of the 210 lowerings: every shape, case and tiling, and each pair of them,
+  # at least once); the rest with -m slow.
+  params = []
+  for group_type in ("m", "k"):
+    for s, shape in enumerate(LOWERING_SHAPES):
+      for case in range(len(LOWERING_CASES)):
+        for tiling in range(len(LOWERING_TILINGS)):
+          marks = () if tiling == (s + case) % len(LOWERING_TILINGS) else (pytest.mark.slow,)
+          params.append(pytest.param(
+              group_type, shape, case, tiling, marks=marks,
+              id=f"{group_type}-{'x'.join(map(str, shape))}-{case}-{tiling}"))
+  return params
+
+
+@pytest.mark.parametrize("group_type, shape, case, tiling", _lowering_params())
 def test_lowers_for_tpu(group_type, shape, case, tiling):
   num_local = 4
   lhs, rhs, bias, options = lowering_problem(group_type, shape, LOWERING_CASES[case],

@@ -17,6 +17,7 @@ from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.epilogue import apply_epilogue
 from gmm_jax._src.reference import gmm_reference
 from gmm_jax.pallas.gpu import gmm as triton_gmm
+from grids import covering
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
 from lowering import lower_for, triton_calls
 from oracle import f64, gmm_oracle, tolerances
@@ -43,13 +44,13 @@ class TestPallasTritonCompiled(GmmTestBase):
 SMALL_TILES = Tiling(tile_m=16, tile_k=16, tile_n=16)
 
 
-@pytest.mark.parametrize("transpose_lhs, transpose_rhs", [(False, False), (True, True)])
-@pytest.mark.parametrize("group_type, sizes, offset", [
+# Default run: each problem once, the layouts alternating (-m slow: both for each).
+@covering(("group_type, sizes, offset", [
     pytest.param("m", [17, 0, 3, 20], 0, id="m"),
     pytest.param("m", [17, 0, 3, 20], 1, id="m-offset1"),
     pytest.param("k", [17, 0, 3, 29], 0, id="k"),
     pytest.param("k", [17, 0, 3, 29], 2, id="k-offset2"),
-])
+]), ("transpose_lhs, transpose_rhs", [(False, False), (True, True)]))
 def test_several_tiles_per_group(group_type, sizes, offset, transpose_lhs, transpose_rhs):
   m, k, n, num_local = 45, 50, 40, 3
   lhs, rhs, bias = make_operands(group_type, m=m, k=k, n=n, num_local=num_local,
@@ -201,13 +202,14 @@ def test_partial_windows_in_row_classes(tile_m):
 # ------------------------------------------------------------------------------ split-K
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["ordered", "atomic"])
-@pytest.mark.parametrize("m, n, transpose_lhs, transpose_rhs", [
+# Default run: each shape once with an activation and the summation alternating, and the
+# atomic sum on ragged edges too; the other 8 cases with -m slow.
+@covering(("activation", ["gelu", None]), ("m, n, transpose_lhs, transpose_rhs", [
     (32, 64, False, False),  # tiles divide M and N: the unmasked atomic add itself
     (32, 64, True, True),
     (24, 40, False, False),  # ragged M and N edges (masked; read-modify-write here)
-])
-@pytest.mark.parametrize("activation", ["gelu", None])
+]), ("deterministic", [pytest.param(True, id="ordered"), pytest.param(False, id="atomic")]),
+          keep=[(0, 2, 1)])
 def test_split_k_matches_the_oracle(activation, m, n, transpose_lhs, transpose_rhs,
                                     deterministic):
   # Chunks of 32 K rows: the 70-row group is three chunks (the last masked), the 5-row one

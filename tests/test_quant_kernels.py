@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gmm_jax import QArray, quantize
 from gmm_jax._src import dispatch
+from grids import covering
 from lowering import implementations_used, lower_for, triton_calls
 from oracle import dequantize, f64, gmm_oracle, tolerances
 
@@ -52,9 +53,10 @@ WEIGHT_CASES = ["int8 per-channel", "int4 per-channel zero-point", "int4 per-gro
                 "fp8 e4m3 per-channel", "fp8 e5m2 per-tensor"]
 
 
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("case", WEIGHT_CASES)
-@pytest.mark.parametrize("implementation", KERNELS)
+# Default run: each kernel with each weight format, the layouts in turn; the other layout
+# of each with -m slow.
+@covering(("implementation", KERNELS), ("case", WEIGHT_CASES), ("transpose_rhs", [False, True]),
+          default=lambda index: index[2] == (index[0] + index[1]) % 2)
 def test_weight_only_in_kernel(implementation, case, transpose_rhs):
   k = 256  # two groups of 128 along K for the per-group case
   q = _weights(case, k)
@@ -189,11 +191,11 @@ def test_dispatcher_declares_the_quantized_modes():
 LOWER_CASES = WEIGHT_CASES + ["int8 x int8"]
 
 
-@pytest.mark.parametrize("shape", [(45, 256, 40), (300, 512, 384)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("transpose_rhs", [False, True])
-@pytest.mark.parametrize("case", LOWER_CASES)
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+# Default run: each platform with each format, layouts and shapes in turn (12 of 48); the
+# rest with -m slow.
+@covering(("platform", ["tpu", "cuda"]), ("case", LOWER_CASES),
+          ("transpose_rhs", [False, True]), ("shape", [(45, 256, 40), (300, 512, 384)]),
+          default=lambda i: i[2] == (i[0] + i[1]) % 2 and i[3] == (i[0] + i[1] // 2) % 2)
 def test_quantized_kernels_lower(platform, case, transpose_rhs, shape):
   m, k, n = shape
   rng = np.random.default_rng(5)

@@ -19,6 +19,7 @@ from gmm_jax import quantize
 from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax._src.epilogue import Rows, apply_epilogue
 from gmm_jax.pallas.gpu import gmm as triton_gmm
+from grids import covering
 from oracle import ACTIVATIONS, f64, tolerances
 from oracle import GATED as ORACLE_GATED
 
@@ -236,13 +237,14 @@ def test_k_grouped_gated_bias():
   np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=K))
 
 
-@pytest.mark.parametrize("k_chunk, deterministic", [
-    pytest.param(0, True, id="one-pass"),
-    pytest.param(32, True, id="split-ordered"),
-    pytest.param(32, False, id="split-atomic"),
-])
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("activation", ["swiglu", "geglu", "swiglu_clamped"])
+# Default run: each activation, layout and summation at least once (4 of 18); the rest
+# with -m slow.
+@covering(("activation", ["swiglu", "geglu", "swiglu_clamped"]),
+          ("transposed", [False, True]), ("k_chunk, deterministic", [
+              pytest.param(0, True, id="one-pass"),
+              pytest.param(32, True, id="split-ordered"),
+              pytest.param(32, False, id="split-atomic"),
+          ]), keep=[(0, 1, 2)])
 def test_k_grouped_gated_against_the_oracle(activation, transposed, k_chunk, deterministic):
   """k-grouping's gated activation in-kernel (gate and up accumulators, a one-pass
   program's epilogue) or after split-K's sum: act(z[..., :N]) * z[..., N:] of z = x_g @ w_g
