@@ -326,9 +326,27 @@ _jit_tile_metadata = jax.jit(gmm_jax.make_tile_metadata,
                              static_argnames=("dim_size", "tile", "num_local", "align", "cover"))
 
 
+# Each drawn shape compiles make_tile_metadata anew (~1 s): 8 examples per alignment in the
+# default run, 100 in the slow twin below.
+TILE_EXAMPLES, TILE_EXAMPLES_SLOW = 8, 100
+
+
 @pytest.mark.parametrize("align, cover", [("tile", False), ("group", False), ("tile", True)])
+@hypothesis.settings(max_examples=TILE_EXAMPLES)
 @hypothesis.given(problem=tile_problems())
 def test_tile_metadata_properties(align, cover, problem):
+  _check_tile_problem(align, cover, problem)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("align, cover", [("tile", False), ("group", False), ("tile", True)])
+@hypothesis.settings(max_examples=TILE_EXAMPLES_SLOW)
+@hypothesis.given(problem=tile_problems())
+def test_tile_metadata_properties_slow(align, cover, problem):
+  _check_tile_problem(align, cover, problem)
+
+
+def _check_tile_problem(align, cover, problem):
   meta = _jit_tile_metadata(
       jnp.asarray(problem["sizes"], jnp.int32), dim_size=problem["dim"], tile=problem["tile"],
       group_offset=jnp.int32(problem["offset"]), num_local=problem["num_local"], align=align,

@@ -511,9 +511,20 @@ _NON_QUANT_ROWS = [  # 6.7 (950) and 6.1 (A2/A3): x = weight = out dtype, bias p
     (jnp.float32, jnp.float32), (jnp.float32, None)]
 
 
-@pytest.mark.parametrize("dtype, bias_dtype, group_type", [
-    (dtype, bias, group_type) for dtype, bias in _NON_QUANT_ROWS for group_type in (-1, 0, 2)
-    if not (group_type == 2 and bias is not None)])  # k-grouping takes no bias
+def _non_quant_params():
+  # Default run: each dtype row once, the group types in turn (8 of the 19 cases); the
+  # others with -m slow.
+  params = []
+  for row, (dtype, bias) in enumerate(_NON_QUANT_ROWS):
+    types = [group_type for group_type in (-1, 0, 2)
+             if not (group_type == 2 and bias is not None)]  # k-grouping takes no bias
+    for i, group_type in enumerate(types):
+      marks = [] if i == row % len(types) else [pytest.mark.slow]
+      params.append(pytest.param(dtype, bias, group_type, marks=marks))
+  return params
+
+
+@pytest.mark.parametrize("dtype, bias_dtype, group_type", _non_quant_params())
 def test_non_quant_rows(dtype, bias_dtype, group_type):
   e, m, k, n = 3, 12, 32, 8
   tol = {jnp.bfloat16: 2e-2, jnp.float16: 5e-3, jnp.float32: 1e-5}[dtype]

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_test_base import jnp_gmm
+from grids import covering
 from jax.sharding import Mesh, PartitionSpec as P
 from jax.test_util import check_grads
 from oracle import f64, gmm_oracle, tolerances
@@ -50,6 +51,10 @@ CHECK_GRADS_CASES = [
     ("k", "gelu_tanh", True, 1, True, True),
     ("k", "gelu", False, 1, False, True),
 ]
+# Run with -m slow only (the default run keeps both group types, every layout, with and
+# without bias and offset, and a callable activation; test_order_2_matches_jnp_autodiff
+# checks the built-in activations' second derivatives exactly).
+CHECK_GRADS_SLOW = {0, 3, 5, 6}
 
 
 def _case_id(case):
@@ -58,7 +63,10 @@ def _case_id(case):
   return f"{group_type}-{name}-bias{int(bias)}-off{offset}-t{int(tl)}{int(tr)}"
 
 
-@pytest.mark.parametrize("case", CHECK_GRADS_CASES, ids=[_case_id(c) for c in CHECK_GRADS_CASES])
+@pytest.mark.parametrize("case", [
+    pytest.param(case, id=_case_id(case),
+                 marks=[pytest.mark.slow] if i in CHECK_GRADS_SLOW else [])
+    for i, case in enumerate(CHECK_GRADS_CASES)])
 def test_check_grads_order_2(case):
   group_type, activation, with_bias, offset, tl, tr = case
   num_local = G - 1 if offset else G
@@ -79,8 +87,8 @@ def test_check_grads_order_2(case):
   check_grads(fn, args, order=2, modes=("fwd", "rev"), eps=3e-3)
 
 
-@pytest.mark.parametrize("activation", [None, "relu", "gelu", "silu"])
-@pytest.mark.parametrize("group_type", ["m", "k"])
+# Default run: each activation once, the group types in turn; all 8 with -m slow.
+@covering(("group_type", ["m", "k"]), ("activation", [None, "relu", "gelu", "silu"]))
 def test_order_2_matches_jnp_autodiff(group_type, activation):
   # Exact second derivatives (forward over reverse and reverse over reverse) against jax's
   # own autodiff of a per-group jnp gmm; relu included (finite differences break at kinks).
@@ -344,9 +352,9 @@ def _traced_list_gmm(group_type, encoding, implementation, interpret):
       num_groups=G, implementation=implementation, interpret=interpret))
 
 
-@pytest.mark.parametrize("implementation, interpret", IMPLEMENTATIONS,
-                         ids=[name for name, _ in IMPLEMENTATIONS])
-@pytest.mark.parametrize("group_type", ["m", "k"])
+# Default run: each implementation once, the group types in turn; all 8 with -m slow.
+@covering(("group_type", ["m", "k"]), ("implementation, interpret", [
+    pytest.param(name, interpret, id=name) for name, interpret in IMPLEMENTATIONS]))
 def test_invalid_traced_lists_give_the_same_defined_result(group_type, implementation,
                                                           interpret):
   # Every implementation gives the documented result: each size clamped to what is left

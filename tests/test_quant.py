@@ -19,6 +19,7 @@ import pytest
 from gmm_jax import QArray, QuantSpec, dequantize, quantize
 from gmm_jax._src.qarray import check_fits
 from gmm_test_base import encode
+from grids import covering
 from oracle import dequantize as np_dequantize  # numpy, from the raw fields
 from oracle import gmm_oracle, tolerances
 
@@ -547,9 +548,10 @@ def test_a8w4_accuracy_budget():
   assert rel_error(got, np_gmm(x, w, SIZES) * row_mask(SIZES, M)) <= BUDGETS["A8W4"]
 
 
-@pytest.mark.parametrize("group_type", ["m", "k"])
-@pytest.mark.parametrize("mode", ["weight_only", "scaled", "blocked"])
-@pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "fast_gelu", "silu", "gelu"])
+# Default run: each activation once, the modes and group types in turn (the finishing step
+# after the quantized product is one function); all 30 cases with -m slow.
+@covering(("activation", ["relu", "gelu_tanh", "fast_gelu", "silu", "gelu"]),
+          ("mode", ["weight_only", "scaled", "blocked"]), ("group_type", ["m", "k"]))
 def test_activation_in_every_mode(mode, activation, group_type):
   # activation(dequantized lhs @ dequantized rhs + bias) in numpy, one group at a time.
   x, w, bias = operands(14, group_type)
@@ -741,9 +743,10 @@ def _stacked(qarrays):
 VMAP_B = 3
 
 
-@pytest.mark.parametrize("group_type", ["m", "k"])
-@pytest.mark.parametrize("axis", ["lhs", "rhs", "both"])
-@pytest.mark.parametrize("mode", ["weight_only", "scaled", "dynamic"])
+# Default run: 6 of the 18 cases (each mode over two of the axes, each axis in two modes,
+# both group types); the rest with -m slow.
+@covering(("mode", ["weight_only", "scaled", "dynamic"]), ("axis", ["lhs", "rhs", "both"]),
+          ("group_type", ["m", "k"]), keep=[(0, 2, 1), (1, 0, 0), (2, 1, 1)])
 def test_vmap_of_quantized_gmm_matches_oracle(mode, axis, group_type):
   # vmap over a (QArray) lhs, a QArray rhs, or both, each example against numpy.
   rng = np.random.default_rng(30)
