@@ -121,7 +121,18 @@ def test_colab_badge_install_and_platform(path):
              for source in code[1:3])
 
 
-@by_name
+# Notebooks whose run is in -m slow only (each 1-3 CPU-minutes; every notebook's pairing,
+# saved outputs, badge and install cell are still checked above by default). Each shows an
+# API whose own tests run by default: 03 quantize/QArray (test_quant.py), 04 explain, the
+# bench tables and autotune (test_api.py, test_bench.py, test_tuning.py), 05
+# train_moe.main's 200 steps (test_train_moe.py runs it as a function and as a module).
+# 01_quickstart and 02_moe_flax (the gmm call and the Flax MoE layer) run by default.
+SLOW_TO_RUN = {"03_quantization", "04_performance", "05_train_moe"}
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(p, id=p.stem, marks=[pytest.mark.slow] if p.stem in SLOW_TO_RUN else [])
+    for p in NOTEBOOKS])
 def test_notebook_runs(path, tmp_path, monkeypatch):
   if "flax" in path.stem or "train" in path.stem:
     pytest.importorskip("flax")
