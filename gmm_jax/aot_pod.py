@@ -20,6 +20,8 @@ Strategies:
   ep:       ``nn.MoE(expert_parallel=(mesh, "expert"), data_parallel=(mesh, ("data",
             "expert")))``: expert parallelism through `gmm_jax.routed_apply`.
   unfused:  ``nn.MoE(fused=False)`` under plain jit (sorted copies, gate and up as two gmms).
+  default+a2a, ep+a2a: default / ep with ``transport="all_to_all"`` (fixed buffers; libtpu's
+            ragged all-to-all refuses TPU slices with limited ICI routing, e.g. v5e 8x8).
   ragged_dot: a baseline without gmm_jax: the same MoE math (router, top-k, tokens sorted by
             expert, ``jax.lax.ragged_dot`` for both projections, shared expert) written here.
 
@@ -129,10 +131,11 @@ MODELS = {
 DEFAULT_MODELS = ("mixtral", "deepseek-v3")
 # --small (CI): one small model, 2-3 minutes for every strategy on the small topologies.
 SMALL_MODELS = ("mixtral-small",)
-STRATEGIES = ("default", "default+set_mesh", "ep", "unfused", "ragged_dot")
+STRATEGIES = ("default", "default+set_mesh", "ep", "unfused", "ragged_dot", "default+a2a",
+              "ep+a2a")
 # The strategies without nn.MoE: a buffer factor does not apply to them.
 BASELINES = ("ragged_dot",)
-DEFAULT_STRATEGIES = STRATEGIES
+DEFAULT_STRATEGIES = STRATEGIES[:5]  # the "+a2a" variants on request
 LEARNING_RATE = 1e-3
 # The collectives counted, as XLA's HLO names them (their async forms end at "-done").
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
@@ -313,6 +316,9 @@ def steps(models, topologies_, strategies, buffer_factors) -> list[tuple]:
 
 def _layer_kwargs(strategy: str, mesh: Mesh, buffer_factor: float | None = None) -> dict:
   kwargs = {} if buffer_factor is None else dict(buffer_factor=buffer_factor)
+  if strategy.endswith("+a2a"):
+    kwargs.update(transport="all_to_all")
+    strategy = strategy[:-len("+a2a")]
   if strategy == "ep":
     kwargs.update(expert_parallel=(mesh, "expert"), data_parallel=(mesh, ("data", "expert")))
   if strategy == "unfused":

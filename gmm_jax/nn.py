@@ -233,6 +233,10 @@ class MoE(nnx.Module):
       when jax sees more than one device (`jax.device_count()`, every process's) or the
       program is compiled for another platform's devices (`jax.default_device`, as a
       deviceless compile for a TPU or GPU topology does).
+    transport: how rows travel under expert parallelism (`gmm_jax.routed_apply`): "auto"
+      (ragged all-to-all on GPU and TPU, all_to_all on CPU), "ragged" or "all_to_all"
+      (fixed [devices, rows] buffers; for TPU slices whose ICI routing libtpu's ragged
+      all-to-all does not support, e.g. v5e 8x8 and 16x16).
     expert_parallel: None, or ``(mesh, axis)``: the expert kernels sharded over the mesh
       axis. Tokens sharded over the same axis travel to their experts' devices
       (`gmm_jax.routed_apply`) once per call; tokens replicated over it are each run by
@@ -270,7 +274,8 @@ class MoE(nnx.Module):
                router_bias: bool = False, num_shared_experts: int = 0,
                shared_mlp: int | None = None, use_bias: bool = False,
                capacity_factor: float | None = None, buffer_factor: float | None = None,
-               partitionable: bool | None = None, expert_parallel=None,
+               partitionable: bool | None = None, transport: str = "auto",
+               expert_parallel=None,
                data_parallel=None, dtype: Any = None, param_dtype: Any = jnp.float32,
                weight_quant: QuantSpec | None = None, input_quant: QuantSpec | None = None,
                implementation: str | None = None,
@@ -303,7 +308,9 @@ class MoE(nnx.Module):
     if buffer_factor is not None and buffer_factor <= 0:
       raise ValueError(f"buffer_factor must be positive, got {buffer_factor}")
     self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
-    self.partitionable = partitionable
+    if transport not in experts.TRANSPORTS:
+      raise ValueError(f"transport must be one of {experts.TRANSPORTS}, got {transport!r}")
+    self.partitionable, self.transport = partitionable, transport
     self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
     self.dtype, self.out_sharding = dtype, out_sharding
 
@@ -430,7 +437,8 @@ class MoE(nnx.Module):
       # the operands' shardings (`experts.routed_experts`).
       y, kept = experts.routed_experts(spec, rows, top_e, top_p, weights,
                                        capacity_factor=self.capacity_factor,
-                                       buffer_factor=self.buffer_factor)
+                                       buffer_factor=self.buffer_factor,
+                                       transport=self.transport)
       kept = None if self.capacity_factor is None and self.buffer_factor is None else kept
     else:
       shards = math.prod(mesh.shape[a] for a in token_axes)
@@ -487,7 +495,8 @@ class MoE(nnx.Module):
       per_pair = max(1, min(local_rows, math.ceil(self.buffer_factor * local_rows
                                                   / mesh.shape[axis])))
     out = routed_apply(lambda r, s, w: experts.ffn_rows(spec, r, s, w), copies, ids, weights,
-                       mesh=mesh, axis=axis, token_axes=token_axes, capacity=per_pair)
+                       mesh=mesh, axis=axis, token_axes=token_axes, capacity=per_pair,
+                       transport=self.transport)
     # Each token's k results, weighted: a reshape and a sum (no scatter across shards).
     weighted = (out.astype(jnp.float32).reshape(num_tokens, k, -1)
                 * flat_p.reshape(num_tokens, k, 1))

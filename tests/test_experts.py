@@ -252,3 +252,28 @@ def test_nn_moe_inline_path_equals_the_partitionable_op():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        rtol=1e-5, atol=1e-6),
                grads_op, grads_inline)
+
+
+@pytest.mark.parametrize("transport", ["all_to_all", "ragged"])
+def test_travel_with_each_transport_equals_the_oracle(reference, transport):
+  # "ragged" on CPU runs the all_gather emulation of ragged_all_to_all's semantics.
+  problem, y_ref, _ = reference
+  mesh = meshes.mesh((2, 4), ("data", "expert"))
+  tokens, weights = LAYOUTS["travel"]
+  x, top_e, top_p, params = _as_jax(*problem)
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
+  args = (put(x, tokens), put(top_e, tokens), put(top_p, tokens),
+          jax.tree.map(lambda w: put(w, weights), params))
+  spec = gmm_jax.ExpertFFN(E, "silu", gated=True)
+  y, kept = jax.jit(lambda *a: gmm_jax.routed_experts(spec, *a, transport=transport))(*args)
+  np.testing.assert_allclose(np.asarray(y), y_ref, **oracle.tolerances(jnp.float32))
+  assert np.asarray(kept).all()
+
+
+def test_nn_moe_rejects_an_unknown_transport():
+  nnx = pytest.importorskip("flax.nnx")
+  from gmm_jax import nn  # noqa: PLC0415 (the optional flax extra)
+  with pytest.raises(ValueError, match="transport"):
+    nn.MoE(E, D, F, top_k=K, transport="carrier pigeon", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="buffer_factor"):
+    nn.MoE(E, D, F, top_k=K, buffer_factor=0, rngs=nnx.Rngs(0))

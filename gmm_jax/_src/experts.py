@@ -50,6 +50,7 @@ GATED_NAMES = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh",
 # What the fused expert FFN keeps for its backward: the gmms' pre-activations.
 FFN_POLICY = jax.checkpoint_policies.save_only_these_names(PREACTIVATION)
 STRATEGIES = ("local", "experts", "travel")
+TRANSPORTS = routing.TRANSPORTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -564,8 +565,8 @@ def routed_experts(ffn: ExpertFFN, x, top_e, top_p, params, *,
   Returns:
     (y ``[T, D]`` f32, kept int32 ``[T, k]``: 1 where the assignment was computed).
   """
-  if transport not in routing.TRANSPORTS:
-    raise ValueError(f"transport must be one of {routing.TRANSPORTS}, got {transport!r}")
+  if transport not in TRANSPORTS:
+    raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
   if buffer_factor is not None and buffer_factor <= 0:
     raise ValueError(f"buffer_factor must be positive, got {buffer_factor}")
   leaves, tree = jax.tree.flatten(params)
