@@ -157,6 +157,16 @@ def normalize_platform(platform: str) -> str:
   return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
 
 
+def mesh_platform(mesh) -> str | None:
+  """The platform of a concrete mesh's devices ("cpu", "gpu", "tpu"), None for an abstract
+  mesh (or none): callers that know it trace one platform's branch instead of all."""
+  try:
+    device = np.asarray(mesh.devices).flat[0]
+    return normalize_platform(device.platform)
+  except (AttributeError, IndexError, TypeError, ValueError, RuntimeError):
+    return None
+
+
 def on_lowering_platform(fn: Callable, platform: str | None, *args):
   """``fn(platform, *args)`` for the platform the program is lowered for.
 

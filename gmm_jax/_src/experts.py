@@ -38,7 +38,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src.api import gmm
-from gmm_jax._src.dispatch import on_lowering_platform
+from gmm_jax._src.dispatch import mesh_platform, on_lowering_platform
 from gmm_jax._src.epilogue import GATED_ACTIVATIONS
 from gmm_jax._src.op.primitive import PREACTIVATION
 from gmm_jax._src import routing
@@ -170,6 +170,7 @@ class Layout:
   expert_axes: tuple[str, ...] = ()
   token_shards: int = 1
   expert_shards: int = 1
+  platform: str | None = None  # the mesh's devices' (None: every branch traced)
 
   @property
   def strategy(self) -> str:
@@ -325,7 +326,7 @@ def _travel(static: Static, layout: Layout, x, top_e, top_p, params, capacity):
     return routing._route_ragged(rows, ids, compute=compute, collective=collective,
                                  **options)
 
-  out = on_lowering_platform(run, None, rows, ids)
+  out = on_lowering_platform(run, layout.platform, rows, ids)
   weighted = out.astype(jnp.float32).reshape(num_tokens, k, -1) * jnp.where(
       valid, flat_p, 0).reshape(num_tokens, k, 1)
   return jnp.sum(weighted, axis=1), valid.reshape(num_tokens, k)
@@ -381,8 +382,10 @@ def _layout_of(static: Static, mesh, arg_shapes):
              if s.shape and s.shape[0] == static.ffn.num_experts]
   token_axes = _spec_entry(x_shape, 0)
   expert_axes = _spec_entry(weights[0], 0) if weights else ()
-  return choose_layout(dict(mesh.shape), x_shape.shape, token_axes, expert_axes,
-                       static.ffn.num_experts)
+  layout, notes = choose_layout(dict(mesh.shape), x_shape.shape, token_axes, expert_axes,
+                                static.ffn.num_experts)
+  # The partitioner's mesh has the target's devices: the transports trace their branch only.
+  return dataclasses.replace(layout, platform=mesh_platform(mesh)), notes
 
 
 def _operand_shardings(static: Static, layout: Layout, mesh, arg_shapes):
