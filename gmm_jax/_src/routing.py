@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from gmm_jax._src.api import gmm
-from gmm_jax._src.dispatch import mesh_platform, on_lowering_platform
+from gmm_jax._src.dispatch import on_lowering_platform
 from gmm_jax._src.qarray import QArray
 from gmm_jax._src.sharding import axes_of, explicit_axes, operand_spec, reshard, token_layout
 
@@ -307,8 +307,6 @@ def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh | None = None,
   if capacity <= 0:
     raise ValueError(f"capacity must be positive, got {capacity}")
   routed = axis is not None and axis in token_axes
-  # A concrete mesh names the platform: one branch is traced, not every platform's.
-  platform = mesh_platform(mesh)
 
   def group_locally(x, ids, weights):
     # Local experts first (in order), then the others' rows, which fn leaves 0.
@@ -345,7 +343,7 @@ def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh | None = None,
                     else _emulated_ragged_all_to_all)
       return _route_ragged(x, ids, compute=compute, collective=collective, **options)
 
-    return on_lowering_platform(route, platform, x, ids)
+    return on_lowering_platform(route, None, x, ids)
 
   tokens = P(_entry(token_axes))
   weight_spec = P(axis) if axis is not None else P()
