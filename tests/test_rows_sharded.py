@@ -37,8 +37,12 @@ def _loss(x, ids, probs, w_up, w_down, activation):
   return jnp.sum(jnp.sin(r.combine(y)))
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-@pytest.mark.parametrize("weights", ["experts", "experts+columns"])
+# Two cases by default cover both activations and both weight layouts (the gated one with
+# columns, which also checks its forward's whole N); the other two run with -m slow.
+@pytest.mark.parametrize("activation,weights", [
+    ("gelu", "experts"), ("swiglu", "experts+columns"),
+    pytest.param("swiglu", "experts", marks=pytest.mark.slow),
+    pytest.param("gelu", "experts+columns", marks=pytest.mark.slow)])
 def test_row_gmms_split_their_experts_under_plain_jit(activation, weights):
   mesh = meshes.mesh((2, 4), ("data", "expert"))
   x, ids, probs, w_up, w_down = _problem()
