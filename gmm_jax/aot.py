@@ -566,10 +566,7 @@ def main(argv=None) -> int:
     print(f"skipped {r['target']}: {r['error']}")
   for r in failed:
     print(f"FAILED {r['target']} {r['case']}: {r['error']}")
-  if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
-  if args.markdown:
-    pathlib.Path(args.markdown).write_text(table)
+  cli.save_tables(rows, table, args.json, args.markdown)
   return 1 if failed or (skipped and args.require) else 0
 
 

@@ -752,10 +752,7 @@ def main(argv=None) -> int:
         f"{time.perf_counter() - start:.0f} s")
   for line in failed:
     print(f"REQUIRED: {line}")
-  if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
-  if args.markdown:
-    pathlib.Path(args.markdown).write_text(table)
+  cli.save_tables(rows, table, args.json, args.markdown)
   return 1 if failed else 0
 
 

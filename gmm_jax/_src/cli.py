@@ -8,6 +8,8 @@ Floor 0: imports nothing from gmm_jax.
 
 from __future__ import annotations
 
+import json
+import pathlib
 import sys
 import time
 from typing import Callable, Sequence
@@ -136,3 +138,12 @@ class Progress:
 
   def close(self):
     self._clear()
+
+
+def save_tables(rows: list, table: str, json_path: str | None, markdown_path: str | None
+                ) -> None:
+  """Writes a command's result rows as JSON and its table as markdown, where asked."""
+  if json_path:
+    pathlib.Path(json_path).write_text(json.dumps(rows, indent=1))
+  if markdown_path:
+    pathlib.Path(markdown_path).write_text(table)
