@@ -6,7 +6,10 @@ int8 scaled) x dtype (f32, bf16), with group sizes that leave groups empty and r
 the total (`combinations.cases`). Each test checks one property (`combinations.check_*`):
 the float64 oracle, gated = gate of the ungated halves, vmap = loop, sharded = unsharded,
 grad of vmap = loop of grads, jvp = finite difference, jit = eager, empty groups' gradients
-exactly 0, two runs bitwise equal.
+exactly 0, two runs bitwise equal. The routed experts of the MoE layer
+(`gmm_jax.routed_experts`) get their own draws (`moe_combinations`): FFN kind x activation x
+fused x biases x capacity x the layout the partitioner splits, forward and gradients against
+a float64 per-token oracle.
 
 The default run is deterministic (the "gmm" profile derandomizes) with a few examples per
 property and tiny shapes; each ``*_slow`` twin (``-m slow``) draws SLOW times as many.
@@ -17,6 +20,7 @@ found, as fixed cases.
 from __future__ import annotations
 
 import combinations as comb
+import moe_combinations as moe
 import hypothesis
 import pytest
 
@@ -222,3 +226,31 @@ def test_two_runs_are_bitwise_equal(case):
 @hypothesis.given(case=comb.cases())
 def test_two_runs_are_bitwise_equal_slow(case):
   comb.check_bitwise(case)
+
+
+# ------------------------------------------- the routed experts (gmm_jax.routed_experts)
+# FFN kind x activation x fused x biases x capacity x the layout the partitioner splits
+# (unsharded, local, experts, travel with either transport) on a 2 x 4 CPU mesh, against
+# the float64 per-token oracle (`moe_combinations`).
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(moe.MoECase(layout="travel", capacity_factor=1.0, bias=True), id="travel-cap"),
+    pytest.param(moe.MoECase(layout="experts", gated=False, activation="relu", fused=False,
+                             top_k=1, num_experts=8), id="experts-plain-unfused"),
+])
+def test_routed_experts_cases(case):
+  moe.check_routed_experts(case)
+
+
+@_settings(2, slow=False)
+@hypothesis.given(case=moe.moe_cases())
+def test_routed_experts_equal_the_oracle(case):
+  moe.check_routed_experts(case)
+
+
+@pytest.mark.slow
+@_settings(2, slow=True)
+@hypothesis.given(case=moe.moe_cases())
+def test_routed_experts_equal_the_oracle_slow(case):
+  moe.check_routed_experts(case)
