@@ -16,6 +16,7 @@ from gmm_jax._src import experts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import meshes
+from grids import covering
 import oracle
 
 T, D, F, E, K = 64, 16, 8, 8, 2
@@ -126,8 +127,7 @@ def test_one_device_equals_the_oracle(reference, fused):
   _check(jax.jit(_step(spec))(*_as_jax(*problem)), y_ref, grads_ref)
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("fused", [True, False])
+@covering(("layout", sorted(LAYOUTS)), ("fused", [True, False]))
 def test_each_layout_equals_the_oracle_and_gathers_no_weights(reference, layout, fused):
   problem, y_ref, grads_ref = reference
   mesh = meshes.mesh((2, 4), ("data", "expert"))

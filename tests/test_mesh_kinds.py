@@ -47,7 +47,8 @@ def spec_of(a):
   return a.sharding.spec
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k if k != "auto" else pytest.param(k, marks=pytest.mark.slow)
+                                  for k in KINDS])
 def test_plain_jit_gmm_and_ragged_dot(kind):
   # Tokens over "d", experts over "e": expert + rows strategies, chosen by the partitioner.
   the_mesh = mesh((2, 4), ("d", "e"), kind)
@@ -126,8 +127,8 @@ def _mesh_names(layout):
 
 
 @pytest.mark.parametrize("layout, kind", [
-    ("data", "explicit"), ("data+expert", "mesh"), ("data+routed", "mesh"),
-    ("data+routed", "explicit")])
+    pytest.param("data", "explicit", marks=pytest.mark.slow), ("data+expert", "mesh"),
+    pytest.param("data+routed", "mesh", marks=pytest.mark.slow), ("data+routed", "explicit")])
 def test_data_parallel_moe(layout, kind):
   shape, names = _mesh_names(layout)
   _, token_axes, expert_axis = LAYOUTS[layout]
@@ -186,7 +187,7 @@ def test_data_parallel_capacity_is_per_shard():
   assert float(jnp.abs(got[2:8]).max()) == 0.0  # 8 tokens per shard, capacity 2
 
 
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("kind", [pytest.param("auto", marks=pytest.mark.slow), "explicit"])
 def test_moe_expert_parallel_argument_on_make_mesh(kind):
   # The case: nn.MoE(expert_parallel=(make_mesh(...), "e")) with unsharded tokens
   # (replicated over "e": each device runs its experts, one psum) and sharded ones (routed).

@@ -14,6 +14,7 @@ from gmm_jax import GmmSharding, quantize
 from gmm_jax._src import strategy
 from gmm_jax._src.config import GmmConfig
 from jax.sharding import NamedSharding, PartitionSpec as P
+from grids import covering
 from meshes import collectives, mesh
 from oracle import dequantize, f64, gmm_oracle, gmm_oracle_vjp, tolerances, vjp_tolerances
 
@@ -91,8 +92,7 @@ def run_case(the_mesh, lhs_spec, rhs_spec, *, group_type="m", sizes=SIZES, x=Non
   return fwd_hlo, grad_hlo
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("form", FORMS)
+@covering(("mesh_name", list(MESHES)), ("form", FORMS))
 def test_expert_parallel(mesh_name, form):
   shape, names = MESHES[mesh_name]
   the_mesh = mesh(shape, names)
@@ -179,8 +179,7 @@ def test_sharding_errors(lhs_spec, rhs_spec, error, match):
     gmm_jax.gmm(x, w, jnp.asarray(SIZES), sharding=GmmSharding(the_mesh, lhs_spec, rhs_spec))
 
 
-@pytest.mark.parametrize("transport", ["all_to_all", "ragged"])
-@pytest.mark.parametrize("capacity", [None, 2])
+@covering(("capacity", [None, 2]), ("transport", ["all_to_all", "ragged"]))
 def test_routed_gmm(capacity, transport):
   # Tokens and experts both over the 8 devices: route, compute, route back.
   the_mesh = mesh((8,), ("e",))

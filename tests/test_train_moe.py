@@ -81,6 +81,7 @@ def test_bad_flags_are_rejected():
     train_moe.parse_args(["--steps", "0"])
 
 
+@pytest.mark.slow  # ~30-55 s: a fresh process compiles the whole run again
 def test_runs_as_a_module(tmp_path):
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
