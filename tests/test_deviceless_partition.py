@@ -1,6 +1,8 @@
 """Partitioned gmms compiled deviceless for a multi-chip GPU topology (8 x H200 on one host):
 under plain jit with sharded operands every device runs the target's kernel inside the
-partitioning rule, and the compiled program gathers no weights.
+partitioning rule, and the compiled program gathers no weights. The same for the Flax
+`nn.GroupedLinear` layer's training gradients and for a user's expert FFN inside
+`gmm_jax.routed_apply` (per device in its shard_map).
 
 Runs where the CUDA plugin is importable (the aot environment of `.ci/run`); skipped with the
 reason elsewhere. (../shared/notes/deviceless-compile.md, "Many chips".)
@@ -75,3 +77,71 @@ def test_expert_sharded_gmm_runs_a_kernel_on_every_device(activation):
     text = compiled.as_text()
     assert ("mosaic_gpu" in text) == ("pallas_mosaic_gpu" in expected)
     assert _all_gathers(text) == []  # the weights stay where they are
+
+
+def _compile_on_pod(fn, *args):
+  """Lowers and compiles `fn` for the 8 x H200 pod (the default device is the pod's, as the
+  Pallas lowering reads it); returns the program text and the implementations chosen."""
+  topology = _gpu_pod()
+  with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+    compiled = jax.jit(fn).lower(*args).compile()
+  return compiled.as_text(), {d.implementation for d in decisions}
+
+
+def test_grouped_linear_layer_trains_partitioned_with_kernels():
+  # `nn.GroupedLinear` under plain jit: the kernel's experts over the 8 devices, tokens
+  # replicated; a training step's gradients. Every gmm runs a Pallas kernel per device.
+  nnx = pytest.importorskip("flax.nnx")
+  from gmm_jax import nn
+  mesh = Mesh(np.array(_gpu_pod().devices).reshape(8), ("x",))
+  layer = nnx.eval_shape(lambda: nn.GroupedLinear(8, 256, 512, param_dtype=jnp.bfloat16,
+                                                  rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(layer)
+  specs = {"kernel": P("x"), "bias": P("x")}
+
+  def abstract(path, leaf):
+    spec = specs[str(path[-1].key)]
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+  params = jax.tree_util.tree_map_with_path(abstract, nnx.to_pure_dict(state))
+  x = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  sizes = jax.ShapeDtypeStruct((8,), jnp.int32, sharding=NamedSharding(mesh, P()))
+
+  def loss(params, x, sizes):
+    model = nnx.merge(graphdef, params)
+    return jnp.sum(model(x, sizes, activation="silu").astype(jnp.float32) ** 2)
+
+  text, chosen = _compile_on_pod(jax.grad(loss, argnums=(0, 1)), params, x, sizes)
+  assert chosen <= {"pallas_mosaic_gpu", "pallas_triton"} and chosen, chosen
+  assert "mosaic_gpu" in text or "triton" in text
+  assert _all_gathers(text) == []
+
+
+def test_routed_apply_with_a_user_ffn_compiles_with_kernels():
+  # A user's expert FFN inside `gmm_jax.routed_apply` (tokens and experts over the same
+  # axis: they travel), forward and gradients: the gmms run per device inside its
+  # shard_map, as kernels, and the expert weights are never gathered.
+  mesh = Mesh(np.array(_gpu_pod().devices).reshape(8), ("e",))
+  t, d, f, e = 4096, 256, 512, 16
+
+  def arg(shape, dtype, spec):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+  x = arg((t, d), jnp.bfloat16, P("e"))
+  ids = arg((t,), jnp.int32, P("e"))
+  w_up, w_down = arg((e, d, f), jnp.bfloat16, P("e")), arg((e, f, d), jnp.bfloat16, P("e"))
+
+  def ffn(rows, sizes, weights):
+    up, down = weights
+    return gmm_jax.gmm(gmm_jax.gmm(rows, up, sizes, activation="gelu_tanh"), down, sizes)
+
+  def loss(weights, x, ids):
+    y = gmm_jax.routed_apply(ffn, x, ids, weights, mesh=mesh, axis="e", transport="ragged")
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  text, chosen = _compile_on_pod(jax.grad(loss), (w_up, w_down), x, ids)
+  assert chosen <= {"pallas_mosaic_gpu", "pallas_triton"} and chosen, chosen
+  assert "ragged-all-to-all" in text
+  weight_shapes = {"bf16[16,256,512]", "bf16[16,512,256]", "bf16[2,256,512]",
+                   "bf16[2,512,256]"}
+  assert not set(_all_gathers(text)) & weight_shapes
