@@ -10,6 +10,7 @@ import math
 
 import hypothesis
 import hypothesis.strategies as st
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -162,3 +163,25 @@ def test_granule_rejects_what_it_cannot_cut(align, granule, tile):
   with pytest.raises(ValueError, match="granule"):
     metadata.make_tile_metadata(jnp.asarray([3, 4], jnp.int32), 16, tile, align=align,
                                 granule=granule)
+
+
+@pytest.mark.parametrize("counts_dtype", ["int32", "int64"])
+def test_metadata_under_x64_strict_promotion(counts_dtype):
+  # Everything is int32 whatever the counts' width: under jax_enable_x64 an untyped arange
+  # or sum is int64, which strict promotion will not mix with int32 (issue 26).
+  with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+    counts = jnp.asarray([5, 0, 9], counts_dtype)
+    meta = jax.jit(lambda c: metadata.make_tile_metadata(c, 16, 16, num_local=3,
+                                                         align="group"))(counts)
+    classes = metadata.size_classes(16, 16)
+    order, class_start, class_count = jax.jit(
+        lambda m: metadata.items_by_size_class(m, classes))(meta)
+    ids = jax.jit(lambda c: metadata.row_group_ids(c, 16))(counts)
+  for array in (*meta, order, class_start, class_count, ids):
+    assert array.dtype == jnp.int32
+  # Group 0's 5 rows fit the class of 8, group 2's 9 rows the class of 16.
+  assert classes == (8, 16)
+  np.testing.assert_array_equal(class_count, [1, 1])
+  np.testing.assert_array_equal(class_start, [0, 1])
+  np.testing.assert_array_equal(order[:2], [0, 1])
+  np.testing.assert_array_equal(ids, [0] * 5 + [2] * 9 + [-1] * 2)

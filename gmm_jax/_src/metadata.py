@@ -266,7 +266,9 @@ def items_by_size_class(meta: TileMetadata, classes: Sequence[int]):
   key = jnp.searchsorted(class_sizes, length, side="left").astype(jnp.int32)
   key = jnp.where(length > 0, key, len(classes))
   order = jnp.argsort(key, stable=True).astype(jnp.int32)
-  class_count = jnp.sum(key[None, :] == jnp.arange(len(classes))[:, None], axis=1)
-  class_count = class_count.astype(jnp.int32)
+  # int32 throughout: under jax_enable_x64 an untyped arange (and a sum) is int64, which
+  # strict dtype promotion will not mix with the int32 keys.
+  class_ids = jnp.arange(len(classes), dtype=jnp.int32)
+  class_count = jnp.sum(key[None, :] == class_ids[:, None], axis=1, dtype=jnp.int32)
   class_start = jnp.cumsum(class_count) - class_count
   return order, class_start, class_count
