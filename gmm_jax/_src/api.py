@@ -20,6 +20,7 @@ from gmm_jax._src import sharding as sharding_lib
 from gmm_jax._src import metadata
 from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling, Tilings, is_gated
 from gmm_jax._src.epilogue import NO_ROWS, Rows, resolve_activation
+from gmm_jax._src.errors import GmmShapeError
 from gmm_jax._src.grouped_array import GroupedArray
 from gmm_jax._src.qarray import QArray, QuantSpec, as_qarray, check_fits, quant_mode
 
@@ -53,15 +54,16 @@ def _as_operand(x, name: str):
   if quantized_x is not None:
     return check_fits(quantized_x, name)
   if x is None or isinstance(x, (str, bytes, dict, set)):
-    raise ValueError(f"{name} must be an array or a gmm_jax.QArray, got {x!r}")
+    raise GmmShapeError(f"{name} must be an array or a gmm_jax.QArray, got {x!r}")
   try:
     x = jnp.asarray(x)
   except (TypeError, ValueError) as err:
-    raise ValueError(f"{name} must be an array or a gmm_jax.QArray, got {x!r}: {err}") from None
+    raise GmmShapeError(
+        f"{name} must be an array or a gmm_jax.QArray, got {x!r}: {err}") from None
   dtype = x.dtype
   if dtype == np.bool_ or not (jnp.issubdtype(dtype, jnp.floating)
                                or jnp.issubdtype(dtype, jnp.integer)):
-    raise ValueError(f"{name} must be a floating or integer array, got {jax.typeof(x)}")
+    raise GmmShapeError(f"{name} must be a floating or integer array, got {jax.typeof(x)}")
   return x
 
 
@@ -86,16 +88,29 @@ def _check_plain_dtypes(lhs, rhs) -> None:
 def _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs):
   rhs_rank = 3 if group_type == "m" else 2
   if lhs.ndim != 2 or rhs.ndim != rhs_rank:
-    raise ValueError(
+    raise GmmShapeError(
         f"group_type={group_type!r} needs a 2-D lhs and a {rhs_rank}-D rhs, got lhs "
         f"{_describe(lhs)} and rhs {_describe(rhs)}")
   m, k = (lhs.shape[1], lhs.shape[0]) if transpose_lhs else lhs.shape
   rhs_k, n = (rhs.shape[-1], rhs.shape[-2]) if transpose_rhs else rhs.shape[-2:]
   if rhs_k != k:
-    raise ValueError(
+    raise GmmShapeError(
         f"contraction sizes differ: lhs {lhs.shape} (transpose_lhs={transpose_lhs}) has "
         f"K={k}, rhs {rhs.shape} (transpose_rhs={transpose_rhs}) has K={rhs_k}")
   return m, k, n
+
+
+def _check_static(**operands) -> None:
+  """NotImplementedError for symbolic dimensions (`jax.export` shape polymorphism): the
+  work lists and kernel grids are sized while tracing."""
+  for name, x in operands.items():
+    shape = getattr(x, "shape", ())
+    if any(jax.export.is_symbolic_dim(d) for d in shape):
+      raise NotImplementedError(
+          f"gmm needs static shapes (its work lists and kernel grids are sized while "
+          f"tracing), got {name} {_describe(x)} with symbolic dimensions; "
+          "gmm_jax.ragged_dot and ragged_dot_general call jax.lax.ragged_dot_general when "
+          "a size is symbolic")
 
 
 def _num_groups(num_groups):
@@ -110,7 +125,7 @@ def _group_counts(groups, group_list_type, num_groups, group_type, rhs_shape, gr
                   dim_size, dim_name):
   """(counts, num_total, num_local): the list validated and made canonical."""
   groups = group_list.as_group_list(groups)
-  group_list.check_shape(groups, group_list_type)
+  group_list.check_shape(groups, group_list_type, shape_error=GmmShapeError)
   num_groups = _num_groups(num_groups)
   list_len = groups.shape[0]
   if group_list_type == "sparse":
@@ -128,12 +143,12 @@ def _group_counts(groups, group_list_type, num_groups, group_type, rhs_shape, gr
     if group_list_type != "sparse" and num_groups is not None and num_groups != num_total:
       raise ValueError(f"num_groups={num_groups} differs from the group_list length {num_total}")
     if group_offset is None and num_local != num_total:
-      raise ValueError(
+      raise GmmShapeError(
           f"rhs {tuple(rhs_shape)} holds {num_local} groups but the group list has "
           f"{num_total}; pass group_offset if rhs holds a slice of the groups")
     if num_local > num_total:
-      raise ValueError(f"rhs {tuple(rhs_shape)} holds more groups than the group list "
-                       f"({num_total})")
+      raise GmmShapeError(f"rhs {tuple(rhs_shape)} holds more groups than the group list "
+                          f"({num_total})")
   else:
     num_local = num_total if (num_groups is None or group_list_type == "sparse") else num_groups
     if num_local > num_total:
@@ -415,6 +430,7 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
   if groups is None:
     raise ValueError("gmm needs a group_list (or a GroupedArray lhs)")
   lhs, rhs = _as_operand(lhs, "lhs"), _as_operand(rhs, "rhs")
+  _check_static(lhs=lhs, rhs=rhs, group_list=groups)
   _check_quant_specs(lhs, rhs, quantize_lhs, quantize_rhs)
   lhs_q, rhs_q = isinstance(lhs, QArray), isinstance(rhs, QArray)
   quantized_call = lhs_q or rhs_q or quantize_lhs is not None or quantize_rhs is not None
@@ -603,10 +619,14 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.Array
     N]`` for "k".
 
   Raises:
-    ValueError: malformed shapes, dtypes, names, flags, or a concrete group list that is
+    GmmShapeError: an operand or group list of the wrong rank, shape, dtype or type, or
+      shapes that do not fit together (a TypeError, as jax raises for these, and a
+      ValueError).
+    ValueError: malformed names, flags or options, or a concrete group list that is
       negative, decreasing (cumsum), has bad sparse indices, does not fit int32 or sums
       past the grouped dimension.
-    NotImplementedError: a valid combination no registered implementation serves.
+    NotImplementedError: a valid combination no registered implementation serves, or
+      symbolic dimensions (`jax.export`; gmm_jax.ragged_dot serves those).
   """
   lhs, group_list, group_type, group_list_type, out_offsets = _unwrap_grouped_array(
       lhs, group_list, group_type, group_list_type, transpose_lhs)

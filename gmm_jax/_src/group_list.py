@@ -43,24 +43,32 @@ def as_group_list(group_list):
   return group_list
 
 
-def check_shape(group_list, group_list_type: str) -> None:
-  """ValueError unless `group_list` is an integer array shaped for its encoding."""
+def check_shape(group_list, group_list_type: str,
+                shape_error: type[Exception] = ValueError) -> None:
+  """Raises `shape_error` unless `group_list` is an integer array shaped for its encoding
+  (ValueError for an unknown encoding).
+
+  `shape_error` is the caller's class for a malformed operand: the API passes its
+  `GmmShapeError` (a TypeError as jax raises, and a ValueError); this floor-0 module
+  imports nothing from gmm_jax, so it takes the class as an argument.
+  """
   if group_list_type not in GROUP_LIST_TYPES:
     raise ValueError(
         f"group_list_type must be one of {GROUP_LIST_TYPES}, got {group_list_type!r}"
     )
   if not hasattr(group_list, "shape") or not hasattr(group_list, "dtype"):
-    raise ValueError(f"group_list must be an integer array, got {group_list!r}")
+    raise shape_error(f"group_list must be an integer array, got {group_list!r}")
   shape, dtype = tuple(group_list.shape), np.dtype(group_list.dtype)
   if dtype == np.bool_ or not jnp.issubdtype(dtype, jnp.integer):
-    raise ValueError(f"group_list must be an integer array, got dtype {dtype} shape {shape}")
+    raise shape_error(
+        f"group_list must be an integer array, got dtype {dtype} shape {shape}")
   if group_list_type == "sparse":
     if len(shape) != 2 or shape[1] != 2:
-      raise ValueError(
+      raise shape_error(
           f"a 'sparse' group_list must have shape [E, 2] (group_index, size), got {shape}"
       )
   elif len(shape) != 1:
-    raise ValueError(f"a {group_list_type!r} group_list must have shape [G], got {shape}")
+    raise shape_error(f"a {group_list_type!r} group_list must have shape [G], got {shape}")
 
 
 def is_concrete(x) -> bool:

@@ -9,10 +9,17 @@ gmm as:
                           one are summed over.
   ragged batch            jax computes the plain batched product (the group sizes do not
                           change it); so does this.
+
+Every input jax checks is checked first, by jax's own shape and dtype rules run on abstract
+values: what jax rejects raises `GmmShapeError`, a TypeError as jax raises (and a
+ValueError). With a symbolic size (`jax.export` shape polymorphism) the ragged
+non-contracting and contracting modes call `jax.lax.ragged_dot_general` itself: gmm sizes its
+work lists and kernel grids while tracing.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -22,6 +29,13 @@ import numpy as np
 from jax import lax
 
 from gmm_jax._src.api import gmm
+from gmm_jax._src.errors import GmmShapeError
+from gmm_jax._src.qarray import as_qarray
+
+# jax.lax.ragged_dot's dimension numbers: lhs [m, k], rhs [g, k, n].
+_RAGGED_DOT_NUMBERS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
 
 
 def _constrain(out, out_sharding):
@@ -37,6 +51,65 @@ def _constrain(out, out_sharding):
   return lax.with_sharding_constraint(out, out_sharding)
 
 
+def _abstract(x):
+  """A ShapeDtypeStruct of an array, tracer or nested list (dtype as jax would make it)."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    dtype = np.asarray(x).dtype
+  return jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(dtype))
+
+
+def _describe(x) -> str:
+  spec = _abstract(x)
+  return f"{np.dtype(spec.dtype).name}{list(spec.shape)}"
+
+
+def _check_as_jax(lhs, rhs, group_sizes, numbers, preferred_element_type,
+                  group_offset) -> None:
+  """jax.lax.ragged_dot_general's shape and dtype rules, run on abstract values: what jax
+  rejects raises GmmShapeError (a TypeError, as jax raises) naming the shapes.
+
+  jax does not implement group_offset; with one, rhs may hold fewer groups than
+  group_sizes, so rhs is checked as if it held them all.
+  """
+  if as_qarray(lhs) is not None or as_qarray(rhs) is not None:
+    return  # gmm checks quantized operands
+  try:
+    specs = [_abstract(x) for x in (lhs, rhs, group_sizes)]
+  except (TypeError, ValueError) as err:
+    raise GmmShapeError(f"ragged_dot: lhs, rhs and group_sizes must be arrays: {err}") from None
+  group_dims = tuple(getattr(numbers, "rhs_group_dimensions", ()))
+  sizes_shape, rhs_shape = specs[2].shape, list(specs[1].shape)
+  if (group_offset is not None and len(group_dims) == 1 and sizes_shape
+      and 0 <= group_dims[0] < len(rhs_shape)):
+    rhs_shape[group_dims[0]] = sizes_shape[-1]
+    specs[1] = jax.ShapeDtypeStruct(tuple(rhs_shape), specs[1].dtype)
+  rule = functools.partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=numbers,
+                           preferred_element_type=preferred_element_type)
+  try:
+    jax.eval_shape(rule, *specs)
+  except (TypeError, AttributeError) as err:
+    raise GmmShapeError(
+        f"{err} (lhs {_describe(lhs)}, rhs {_describe(rhs)}, group_sizes "
+        f"{_describe(group_sizes)}, {numbers})") from None
+
+
+def _is_symbolic(*arrays) -> bool:
+  return any(jax.export.is_symbolic_dim(d) for x in arrays
+             for d in (x.shape if hasattr(x, "shape") else np.shape(x)))
+
+
+def _jax_ragged_dot_general(lhs, rhs, group_sizes, numbers, precision, preferred_element_type,
+                            group_offset):
+  """jax.lax.ragged_dot_general itself: the path for symbolic sizes."""
+  if group_offset is not None:
+    raise NotImplementedError(
+        "group_offset with symbolic dimensions (jax.export): gmm needs static shapes, and "
+        "jax.lax.ragged_dot_general, which serves symbolic ones, has no group_offset")
+  return lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, precision=precision,
+                                preferred_element_type=preferred_element_type)
+
+
 def ragged_dot(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
                group_sizes: jax.typing.ArrayLike, precision=None,
                preferred_element_type: jax.typing.DTypeLike | None = None,
@@ -45,8 +118,10 @@ def ragged_dot(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
                interpret: bool = False) -> jax.Array:
   """A drop-in for `jax.lax.ragged_dot` (m-grouping, counts), backed by `gmm`.
 
-  Takes every argument jax.lax.ragged_dot takes (jax 0.10-0.12) with the same results, and
-  supports `group_offset` (jax raises NotImplementedError for it).
+  Takes every argument jax.lax.ragged_dot takes (jax 0.10-0.12) with the same results and
+  the same errors, and supports `group_offset` (jax raises NotImplementedError for it).
+  With a symbolic dimension (`jax.export`) it is `jax.lax.ragged_dot` itself (gmm sizes
+  its work while tracing); group_offset then raises NotImplementedError, as in jax.
 
   Args:
     lhs: ``[M, K]``.
@@ -62,10 +137,26 @@ def ragged_dot(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
 
   Returns:
     ``[M, N]``; rows past ``sum(group_sizes)`` are 0.
+
+  Raises:
+    GmmShapeError: shapes or dtypes jax rejects (a TypeError, as jax raises, and a
+      ValueError).
+    ValueError: a concrete group_sizes that is negative or sums past M.
   """
-  out = gmm(lhs, rhs, group_sizes, group_type="m", group_list_type="counts",
-            precision=precision, preferred_element_type=preferred_element_type,
-            group_offset=group_offset, implementation=implementation, interpret=interpret)
+  _check_as_jax(lhs, rhs, group_sizes, _RAGGED_DOT_NUMBERS, preferred_element_type,
+                group_offset)
+  if _is_symbolic(lhs, rhs, group_sizes):
+    out = _jax_ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DOT_NUMBERS, precision,
+                                  preferred_element_type, group_offset)
+  elif as_qarray(lhs) is None and np.ndim(lhs) != 2:
+    # jax takes any lhs whose dim 1 contracts with rhs's dim 1 ([m, k, x...]).
+    return ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DOT_NUMBERS, precision,
+                              preferred_element_type, group_offset, out_sharding,
+                              implementation=implementation, interpret=interpret)
+  else:
+    out = gmm(lhs, rhs, group_sizes, group_type="m", group_list_type="counts",
+              precision=precision, preferred_element_type=preferred_element_type,
+              group_offset=group_offset, implementation=implementation, interpret=interpret)
   return _constrain(out, out_sharding)
 
 
@@ -84,7 +175,7 @@ def _check_concrete_sizes(group_sizes, dim_size: int) -> None:
     return
   sizes = np.asarray(group_sizes)
   if not np.issubdtype(sizes.dtype, np.integer):
-    raise ValueError(f"group_sizes must be an integer array, got {sizes.dtype}")
+    raise GmmShapeError(f"group_sizes must be an integer array, got {sizes.dtype}")
   if (sizes < 0).any():
     raise ValueError(f"group sizes must be non-negative, got {sizes.tolist()}")
   totals = sizes.astype(np.int64).sum(axis=-1)
@@ -127,8 +218,16 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   non-contracting mode (rhs then holds groups ``[group_offset, group_offset +
   rhs_groups)``); the other modes raise NotImplementedError for it, as jax does.
 
+  With a symbolic dimension (`jax.export`) the ragged non-contracting and contracting modes
+  are `jax.lax.ragged_dot_general` itself (gmm sizes its work while tracing): the same
+  values, and jax's derivatives (no reverse mode for a ragged contracting dimension);
+  group_offset then raises NotImplementedError, as in jax.
+
   Raises:
-    ValueError: dimension numbers or shapes jax rejects, or an invalid concrete group list.
+    GmmShapeError: dimension numbers, shapes or dtypes jax rejects (a TypeError, as jax
+      raises, and a ValueError).
+    ValueError: an invalid concrete group list (negative, or summing past the ragged
+      dimension).
     NotImplementedError: group_offset outside the ragged non-contracting mode.
   """
   numbers = ragged_dot_dimension_numbers
@@ -137,18 +236,19 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
     ragged_dims = tuple(numbers.lhs_ragged_dimensions)
     group_dims = tuple(numbers.rhs_group_dimensions)
   except (AttributeError, TypeError, ValueError):
-    raise ValueError(f"ragged_dot_dimension_numbers must be a jax.lax."
-                     f"RaggedDotDimensionNumbers, got {numbers!r}") from None
+    raise GmmShapeError(f"ragged_dot_dimension_numbers must be a jax.lax."
+                        f"RaggedDotDimensionNumbers, got {numbers!r}") from None
+  _check_as_jax(lhs, rhs, group_sizes, numbers, preferred_element_type, group_offset)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   lhs_contract, rhs_contract = list(lhs_contract), list(rhs_contract)
   lhs_batch, rhs_batch = list(lhs_batch), list(rhs_batch)
   if len(ragged_dims) != 1 or not 0 <= ragged_dims[0] < lhs.ndim:
-    raise ValueError(f"ragged_dot_general needs exactly one lhs ragged dimension in "
-                     f"[0, {lhs.ndim}), got {ragged_dims}")
+    raise GmmShapeError(f"ragged_dot_general needs exactly one lhs ragged dimension in "
+                        f"[0, {lhs.ndim}), got {ragged_dims}")
   ragged = ragged_dims[0]
   sizes_shape = np.shape(group_sizes)
   if len(sizes_shape) == 0:
-    raise ValueError("group_sizes must have rank >= 1, got a scalar")
+    raise GmmShapeError("group_sizes must have rank >= 1, got a scalar")
   num_groups = sizes_shape[-1]
   lhs_free = _remaining(lhs.ndim, lhs_contract, lhs_batch)
   if ragged in lhs_free:
@@ -160,27 +260,22 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   if mode == "non-contracting":
     if len(group_dims) != 1 or not 0 <= group_dims[0] < rhs.ndim or (
         group_dims[0] in rhs_contract or group_dims[0] in rhs_batch):
-      raise ValueError(
+      raise GmmShapeError(
           "a ragged non-contracting dimension needs exactly one rhs group dimension, distinct "
           f"from the contracting and batch dimensions, got {group_dims}")
   elif group_dims:
-    raise ValueError(f"a ragged {mode} dimension takes no rhs group dimension, got "
-                     f"{group_dims}")
-  rhs_plain = (jnp.moveaxis(rhs, group_dims[0], 0)[0] if mode == "non-contracting" else rhs)
-  plain_numbers = ((lhs_contract, [d - (d > group_dims[0]) for d in rhs_contract]),
-                   (lhs_batch, [d - (d > group_dims[0]) for d in rhs_batch])) if (
-                       mode == "non-contracting") else numbers.dot_dimension_numbers
-  try:  # jax's own checks of the dimension numbers and sizes
-    jax.eval_shape(lambda a, b: lax.dot_general(a, b, plain_numbers), lhs, rhs_plain)
-  except TypeError as err:
-    raise ValueError(f"ragged_dot_general: {err}") from None
-
+    raise GmmShapeError(f"a ragged {mode} dimension takes no rhs group dimension, got "
+                        f"{group_dims}")
   if mode == "batch":
     if group_offset is not None:
       raise NotImplementedError("group_offset with a ragged batch dimension (jax does not "
                                 "implement group_offset either)")
     out = lax.dot_general(lhs, rhs, numbers.dot_dimension_numbers, precision=precision,
                           preferred_element_type=preferred_element_type)
+    return _constrain(out, out_sharding)
+  if _is_symbolic(lhs, rhs, group_sizes):
+    out = _jax_ragged_dot_general(lhs, rhs, group_sizes, numbers, precision,
+                                  preferred_element_type, group_offset)
     return _constrain(out, out_sharding)
 
   if mode == "non-contracting":
@@ -194,11 +289,11 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
                                 "does not implement group_offset either)")
   prefix_shape = [lhs.shape[d] for d in lhs_batch + outer]  # of a batched group_sizes
   if len(sizes_shape) != 1 and tuple(sizes_shape) != tuple(prefix_shape) + (num_groups,):
-    raise ValueError(f"group_sizes must have shape [g] or {tuple(prefix_shape) + ('g',)}, "
-                     f"got {tuple(sizes_shape)}")
+    raise GmmShapeError(f"group_sizes must have shape [g] or {tuple(prefix_shape) + ('g',)}, "
+                        f"got {tuple(sizes_shape)}")
   if mode == "non-contracting" and group_offset is None and rhs.shape[group_dims[0]] != num_groups:
-    raise ValueError(f"the rhs group dimension has {rhs.shape[group_dims[0]]} groups, "
-                     f"group_sizes {num_groups}")
+    raise GmmShapeError(f"the rhs group dimension has {rhs.shape[group_dims[0]]} groups, "
+                        f"group_sizes {num_groups}")
   _check_concrete_sizes(group_sizes, lhs.shape[ragged])
   batch = _prod(lhs.shape, lhs_batch)
   options = dict(precision=precision, preferred_element_type=preferred_element_type,
