@@ -134,9 +134,11 @@ def test_ascend_antiquant_scale_with_the_wrong_expert_count():
                           group_list=np.asarray([6, 12]), split_item=3, group_type=0)
 
 
-def test_onednn_negative_dims_still_rejected():
-  with pytest.raises(ValueError, match=r"non-negative ints, got \(-2, 4\)"):
+def test_onednn_negative_and_zero_dims_rejected():
+  with pytest.raises(ValueError, match=r"positive ints.*, got \(-2, 4\)"):
     onednn.memory_desc_grouped((-2, 4), "f32", 0, 2)
+  with pytest.raises(ValueError, match=r"total size 0.*, got \(0, 4\)"):
+    onednn.memory_desc_grouped((0, 4), "f32", 0, 2)
 
 
 def test_traced_inputs_skip_the_value_checks_but_keep_the_type_checks():

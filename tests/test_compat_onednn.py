@@ -50,25 +50,59 @@ def test_sizes_by_type(dtype, name, size):
   assert onednn.memory_desc_grouped((10, 6), name, 1, 3).get_size(1) == 12
 
 
-@pytest.mark.parametrize("call, error, match", [
-    (lambda: onednn.memory_desc_grouped((2, 3, 4), "f32", 0, 2), NotImplementedError, "2-D"),
-    (lambda: onednn.memory_desc_grouped((8, 4), "f32", 0, 0), ValueError, "num_groups"),
-    (lambda: onednn.memory_desc_grouped((8, 4), "f32", 2, 2), ValueError,
-     "variable_dim_idx"),
-    (lambda: onednn.memory_desc_grouped((-1, 4), "f32", 0, 2), ValueError, "non-negative"),
-    (lambda: onednn.memory_desc_grouped((8, 4), "f32", 0, 2, offsets_dtype="s64"),
-     ValueError, "s32"),
-    (lambda: onednn.memory_desc_grouped((8, 4), "q7", 0, 2), ValueError, "unknown data type"),
-])
-def test_descriptor_validation(call, error, match):
+# The creation-time rules of memory::desc::grouped (spec section 1.2), in oneDNN's order.
+DESC_RULES = {
+    "not_2d_is_unimplemented": (((2, 3, 4), "f32", 0, 2, "s32"), NotImplementedError, "2-D"),
+    "1d_is_unimplemented": (((8,), "f32", 0, 2, "s32"), NotImplementedError, "2-D"),
+    "unimplemented_before_invalid": (((2, 3, 4), "f32", 5, 0, "s64"), NotImplementedError,
+                                     "2-D"),
+    "group_count_0": (((8, 4), "f32", 0, 0, "s32"), ValueError, "group_count"),
+    "group_count_negative": (((8, 4), "f32", 0, -3, "s32"), ValueError, "group_count"),
+    "group_count_not_int": (((8, 4), "f32", 0, 2.0, "s32"), ValueError, "group_count"),
+    "offsets_s64": (((8, 4), "f32", 0, 2, "s64"), ValueError, "s32"),
+    "offsets_f32": (((8, 4), "f32", 0, 2, "f32"), ValueError, "s32"),
+    "variable_dim_2": (((8, 4), "f32", 2, 2, "s32"), ValueError, "variable_dim_idx"),
+    "variable_dim_negative": (((8, 4), "f32", -1, 2, "s32"), ValueError, "variable_dim_idx"),
+    # issue 26: a grouped tensor cannot have total size 0.
+    "rows_0": (((0, 512), "f32", 0, 2, "s32"), ValueError, r"total size 0.*\(0, 512\)"),
+    "columns_0": (((512, 0), "f32", 1, 2, "s32"), ValueError, r"total size 0.*\(512, 0\)"),
+    "negative_dim": (((-1, 4), "f32", 0, 2, "s32"), ValueError, r"positive ints.*\(-1, 4\)"),
+    "runtime_placeholder": (((-2**63, 4), "f32", 0, 2, "s32"), ValueError, "placeholder"),
+    "unknown_dim": (((None, 4), "f32", 0, 2, "s32"), ValueError, "placeholder"),
+    # Ordered as oneDNN checks: group_count, offsets type, variable dim, then dims.
+    "group_count_before_dims": (((0, 4), "f32", 0, 0, "s64"), ValueError, "group_count"),
+    "offsets_before_variable_dim": (((8, 4), "f32", 3, 2, "s64"), ValueError, "s32"),
+    "variable_dim_before_dims": (((0, 4), "f32", 3, 2, "s32"), ValueError, "variable_dim"),
+    "unknown_data_type": (((8, 4), "q7", 0, 2, "s32"), ValueError, "unknown data type"),
+}
+
+
+@pytest.mark.parametrize("rule", list(DESC_RULES))
+def test_descriptor_creation_rules(rule):
+  args, error, match = DESC_RULES[rule]
   with pytest.raises(error, match=match):
-    call()
+    onednn.memory_desc_grouped(*args)
+  # allow_empty: the zero descriptor instead of the error.
+  md = onednn.memory_desc_grouped(*args, allow_empty=True)
+  assert md.is_zero() and md.dims == () and md.get_size(0) == 0 and md.get_size(1) == 0
 
 
-def test_zero_volume_descriptor_is_valid():
-  # oneDNN accepts a zero-volume memory: its values buffer has 0 bytes.
-  md = onednn.memory_desc_grouped((0, 16), "f32", 0, 2)
-  assert md.dims == (0, 16) and md.get_size(0) == 0 and md.get_size(1) == 8
+def test_zero_dims_give_the_zero_descriptor():
+  # ndims == 0 succeeds with a zero descriptor, whatever the other arguments.
+  for args in [((), "f32", 0, 2), ((), "f32", 7, 0, "s64")]:
+    md = onednn.memory_desc_grouped(*args)
+    assert md.is_zero() and md.dims == () and md.num_groups == 0 and md.get_size(0) == 0
+  assert not onednn.memory_desc_grouped((1, 1), "f32", 1, 1).is_zero()
+  with pytest.raises(ValueError, match="zero memory descriptor"):
+    onednn.memory(onednn.memory_desc_grouped((), "f32", 0, 2), (np.zeros(()), np.zeros(0)))
+
+
+def test_matmul_with_zero_columns_is_rejected_as_onednn_would():
+  # The dst [total_M, N=0] descriptor cannot be created.
+  src = onednn.memory(onednn.memory_desc_grouped((4, 3), "f32", 0, 2),
+                      (np.ones((4, 3), np.float32), np.asarray([2, 4], np.int32)))
+  with pytest.raises(ValueError, match="total size 0"):
+    onednn.matmul(src, np.ones((2, 3, 0), np.float32))
 
 
 def np_var_m(src, weights, offsets, *, src_scale=None, wei_scale=None, src_zp=None,

@@ -54,35 +54,84 @@ def data_type(dtype) -> np.dtype:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryDesc:
-  """``memory::desc::grouped``: a 2-D tensor with one dimension split into groups."""
+  """``memory::desc::grouped``: a 2-D tensor with one dimension split into groups, or the
+  zero descriptor (``desc`` None: what 0 dims, or a failure with ``allow_empty``, give)."""
 
-  desc: GroupedDesc
+  desc: GroupedDesc | None
 
-  dims = property(lambda self: self.desc.dims)
-  data_type = property(lambda self: self.desc.dtype)
-  variable_dim_idx = property(lambda self: self.desc.variable_dim_idx)
-  num_groups = property(lambda self: self.desc.num_groups)
+  dims = property(lambda self: () if self.desc is None else self.desc.dims)
+  data_type = property(lambda self: None if self.desc is None else self.desc.dtype)
+  variable_dim_idx = property(
+      lambda self: None if self.desc is None else self.desc.variable_dim_idx)
+  num_groups = property(lambda self: 0 if self.desc is None else self.desc.num_groups)
+
+  def is_zero(self) -> bool:
+    """``memory::desc::is_zero()``: the zero descriptor (it describes no memory)."""
+    return self.desc is None
 
   def get_size(self, index: int = 0) -> int:
-    """Bytes of buffer 0 (values; sub-byte types packed) or 1 (``num_groups * 4``)."""
-    return self.desc.size(index)
+    """Bytes of buffer 0 (values; sub-byte types packed) or 1 (``num_groups * 4``); 0 for
+    the zero descriptor."""
+    return 0 if self.desc is None else self.desc.size(index)
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def memory_desc_grouped(dims: Sequence[int], dtype, variable_dim_idx: int, num_groups: int,
-                        offsets_dtype="s32") -> MemoryDesc:
-  """oneDNN's ``memory::desc::grouped(dims, dt, variable_dim_idx, group_count, offsets_dt)``.
+                        offsets_dtype="s32", allow_empty: bool = False) -> MemoryDesc:
+  """oneDNN's ``memory::desc::grouped(dims, dt, variable_dim_idx, group_count, offsets_dt,
+  allow_empty)``, with its creation-time checks in its order (spec section 1.2).
+
+  Args:
+    dims: ``(rows, columns)``, the variable dimension's size being the total over the
+      groups; ``()`` (0 dims) gives the zero descriptor, as in oneDNN.
+    dtype: a oneDNN name ("f32", "bf16", "s8", ...) or a jnp dtype.
+    variable_dim_idx: 0 (rows vary) or 1 (columns vary).
+    num_groups: oneDNN's group_count.
+    offsets_dtype: must be s32.
+    allow_empty: return the zero descriptor instead of raising (as oneDNN returns one
+      instead of throwing).
 
   Raises:
     NotImplementedError: not 2-D (oneDNN: unimplemented).
-    ValueError: group_count <= 0, offsets type other than s32, variable_dim_idx outside
-      [0, 2), or a negative dimension (oneDNN: invalid_arguments; a dimension of 0 is a
-      valid zero-volume memory).
+    ValueError: group_count <= 0, an offsets type other than s32, variable_dim_idx
+      outside [0, 2), or a dimension that is not a positive int: 0 (a grouped tensor
+      cannot have total size 0), negative, or a runtime placeholder (None); oneDNN:
+      invalid_arguments. Also an unknown data type.
   """
-  if len(tuple(dims)) != 2:
+  try:
+    return _memory_desc_grouped(dims, dtype, variable_dim_idx, num_groups, offsets_dtype)
+  except (ValueError, NotImplementedError):
+    if allow_empty:
+      return MemoryDesc(None)
+    raise
+
+
+def _memory_desc_grouped(dims, dtype, variable_dim_idx, num_groups, offsets_dtype):
+  try:
+    dims = tuple(dims)
+  except TypeError:
+    raise ValueError(f"grouped memory dims must be a pair of ints, got {dims!r}") from None
+  if not dims:
+    return MemoryDesc(None)
+  if len(dims) != 2:
     raise NotImplementedError(f"grouped memory is 2-D only (oneDNN: unimplemented), got "
-                              f"dims {tuple(dims)}")
+                              f"dims {dims}")
+  if not _is_int(num_groups) or num_groups <= 0:
+    raise ValueError(f"num_groups (group_count) must be a positive int (oneDNN: "
+                     f"invalid_arguments), got {num_groups!r}")
   if data_type(offsets_dtype) != np.dtype(np.int32):
-    raise ValueError(f"grouped offsets must be s32, got {offsets_dtype!r}")
+    raise ValueError(f"grouped offsets must be s32 (oneDNN: invalid_arguments), got "
+                     f"{offsets_dtype!r}")
+  if not _is_int(variable_dim_idx) or not 0 <= variable_dim_idx < 2:
+    raise ValueError(f"variable_dim_idx must be 0 or 1 (oneDNN: invalid_arguments), got "
+                     f"{variable_dim_idx!r}")
+  if not all(_is_int(d) and d > 0 for d in dims):
+    raise ValueError(f"grouped memory dims must be positive ints: a grouped tensor cannot "
+                     f"have total size 0, and runtime placeholders are not accepted "
+                     f"(oneDNN: invalid_arguments), got {dims!r}")
   return MemoryDesc(grouped_desc(dims, data_type(dtype), variable_dim_idx, num_groups))
 
 
@@ -91,6 +140,8 @@ class Memory:
   """A grouped memory: the descriptor and its two buffers (values, int32 offsets)."""
 
   def __init__(self, desc: MemoryDesc, buffers):
+    if desc.is_zero():
+      raise ValueError("the zero memory descriptor describes no grouped memory")
     values, offsets = buffers
     self.desc = desc
     self.values = jnp.asarray(values)
@@ -127,7 +178,12 @@ class Memory:
 
 
 def memory(desc: MemoryDesc, buffers) -> Memory:
-  """``memory(md, engine, {values, offsets})`` (no engine: JAX places arrays itself)."""
+  """``memory(md, engine, {values, offsets})`` (no engine: JAX places arrays itself).
+
+  Raises:
+    ValueError: buffers that do not match the descriptor, or the zero descriptor (it
+      describes no grouped memory; oneDNN makes an empty memory of it).
+  """
   return Memory(desc, buffers)
 
 
