@@ -51,6 +51,9 @@ FLOORS = {
     "gmm_jax._src.experts": 6,
     "gmm_jax._src.ragged_dot": 6,
     "gmm_jax.nn": 6,
+    **{f"gmm_jax.nn.{name}": 6 for name in (
+        "params", "grouped_linear", "router", "expert_ffn", "shared", "dispatch", "presets",
+        "moe", "linen", "hf")},
     "gmm_jax.bench": 6,
     "gmm_jax.bench_moe": 6,
     "gmm_jax.bench_fallback": 6,
@@ -93,6 +96,16 @@ SAME_FLOOR = {
     # The routed-experts op moves rows with the routing transports; the layer composes it.
     ("gmm_jax._src.experts", "gmm_jax._src.routing"),
     ("gmm_jax.nn", "gmm_jax._src.experts"),
+    # The Flax layers package: its modules build on each other (the circle test still
+    # holds) and on the routed-experts op.
+    *((a, b) for a in ("gmm_jax.nn", "gmm_jax.nn.params", "gmm_jax.nn.grouped_linear",
+                       "gmm_jax.nn.router", "gmm_jax.nn.expert_ffn", "gmm_jax.nn.shared",
+                       "gmm_jax.nn.dispatch", "gmm_jax.nn.presets", "gmm_jax.nn.moe",
+                       "gmm_jax.nn.linen", "gmm_jax.nn.hf")
+      for b in ("gmm_jax._src.experts", "gmm_jax.nn.params", "gmm_jax.nn.grouped_linear",
+                "gmm_jax.nn.router", "gmm_jax.nn.expert_ffn", "gmm_jax.nn.shared",
+                "gmm_jax.nn.dispatch", "gmm_jax.nn.presets", "gmm_jax.nn.moe",
+                "gmm_jax.nn.linen", "gmm_jax.nn.hf")),
 }
 # Function-level (or try-guarded) imports are for optional dependencies only: Pallas, flax,
 # the comparison libraries, and jax's private table of primitives that need devices while

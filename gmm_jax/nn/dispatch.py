@@ -1,0 +1,114 @@
+"""How an MoE layer's tokens reach their experts: the layer only chooses among the
+strategies of `gmm_jax._src.experts` (the fused path, the unfused baseline, the
+partitionable op) and `gmm_jax.routed_apply` (explicit meshes), from its mesh arguments,
+the tokens' and kernels' shardings and the devices in sight."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from gmm_jax import routed_apply
+from gmm_jax._src import experts
+from gmm_jax._src.experts import ExpertFFN
+from gmm_jax._src.sharding import explicit_axes, token_layout
+
+Array = jax.Array
+
+
+def may_be_partitioned() -> bool:
+  """Whether a program traced now may run on several devices: more than one device in
+  sight, or a default device of another platform (a deviceless compile's target)."""
+  if jax.device_count() > 1:
+    return True
+  device = jax.config.jax_default_device
+  return device is not None and getattr(device, "platform", "cpu") != "cpu"
+
+
+def layout(x, expert_parallel, data_parallel, in_kernel):
+  """(mesh, expert axis, token axes) of a call on x, from the layer's `expert_parallel`
+  ``(mesh, axis)`` and `data_parallel` ``(mesh, axes)`` and the types of x and of the
+  experts' input kernel `in_kernel`; mesh None: one device's view."""
+  mesh = axis = token_axes = None
+  if expert_parallel is not None:
+    mesh, axis = expert_parallel
+  if data_parallel is not None:
+    data_mesh, token_axes = data_parallel
+    mesh = data_mesh if mesh is None else mesh
+    token_axes = (token_axes,) if isinstance(token_axes, str) else tuple(token_axes)
+  mesh, token_axes = token_layout(x, mesh, token_axes)
+  typed = getattr(jax.typeof(in_kernel), "sharding", None)
+  if axis is None and typed is not None and not typed.mesh.empty and len(typed.spec):
+    entry = typed.spec[0]  # the expert kernels' leading dim on an Explicit mesh
+    axis = entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
+  if mesh is None or mesh.empty or (axis is None and not token_axes):
+    return None, None, ()
+  if not token_axes and data_parallel is None and not explicit_axes(mesh):
+    token_axes = (axis,)
+  return mesh, axis, token_axes
+
+
+def run_experts(spec: ExpertFFN, rows, top_e, top_p, params, *, mesh, axis, token_axes,
+                partitionable: bool | None, capacity_factor: float | None,
+                buffer_factor: float | None, transport: str):
+  """The routed experts of rows ``[T, D]`` (see `MoE` for the options): one device's fused
+  path or unfused baseline, the partitionable op under plain jit, or `routed_apply` on a
+  mesh. Returns (y ``[T, D]`` f32, kept ``[T, k]`` or None when nothing can be dropped)."""
+  num_tokens, k = top_e.shape
+  num_experts = spec.num_experts
+  if partitionable is None:
+    partitionable = may_be_partitioned()
+  if mesh is None and not partitionable:
+    capacity = (None if capacity_factor is None else
+                math.ceil(capacity_factor * num_tokens * k / num_experts))
+    ffn = experts.ffn_routed if spec.fused else experts.ffn_sorted
+    y, kept = ffn(spec, rows, top_e.astype(jnp.int32), top_p, params, capacity=capacity)
+    return y, None if capacity is None else kept
+  if mesh is None:
+    # Mesh-blind (plain jit, one device): the partitioner splits the routed experts by
+    # the operands' shardings (`experts.routed_experts`).
+    y, kept = experts.routed_experts(spec, rows, top_e, top_p, params,
+                                     capacity_factor=capacity_factor,
+                                     buffer_factor=buffer_factor, transport=transport)
+    return y, None if capacity_factor is None and buffer_factor is None else kept
+  shards = math.prod(mesh.shape[a] for a in token_axes)
+  capacity = None
+  if capacity_factor is not None:
+    capacity = math.ceil(capacity_factor * num_tokens * k / (num_experts * shards))
+  return sorted_on_mesh(spec, rows, top_e, top_p, params, capacity=capacity, shards=shards,
+                        mesh=mesh, axis=axis, token_axes=token_axes,
+                        buffer_factor=buffer_factor, transport=transport)
+
+
+def sorted_on_mesh(spec: ExpertFFN, rows, top_e, top_p, params, *, capacity, shards, mesh,
+                   axis, token_axes, buffer_factor, transport):
+  """The mesh path (mesh arguments or Explicit axes): each assignment's row copied,
+  sorted by expert within each shard (`routed_apply`), the expert FFN, unsorted, weighted
+  and summed over k."""
+  num_tokens, k = top_e.shape
+  flat_e, flat_p = top_e.reshape(-1), top_p.reshape(-1)
+  # The token of each assignment (a broadcast: keeps the tokens' sharding on any mesh).
+  copies = jnp.broadcast_to(rows[:, None, :], (num_tokens, k, rows.shape[-1])).reshape(
+      num_tokens * k, rows.shape[-1])
+  kept = None
+  if capacity is not None:
+    # Each expert takes the first `capacity` assignments of each token shard, in order.
+    hot = jax.nn.one_hot(flat_e.reshape(shards, -1), spec.num_experts, dtype=jnp.int32)
+    rank = jnp.sum((jnp.cumsum(hot, axis=1) - 1) * hot, axis=-1).reshape(-1)
+    kept = rank < capacity
+    flat_p = jnp.where(kept, flat_p, 0.0)
+  ids = flat_e if kept is None else jnp.where(kept, flat_e, 0)  # dropped: weight 0
+  per_pair = None  # routed_apply's default: the worst case
+  if buffer_factor is not None and axis is not None and axis in token_axes:
+    local_rows = num_tokens * k // shards
+    per_pair = max(1, min(local_rows, math.ceil(buffer_factor * local_rows
+                                                / mesh.shape[axis])))
+  out = routed_apply(lambda r, s, w: experts.ffn_rows(spec, r, s, w), copies, ids, params,
+                     mesh=mesh, axis=axis, token_axes=token_axes, capacity=per_pair,
+                     transport=transport)
+  # Each token's k results, weighted: a reshape and a sum (no scatter across shards).
+  weighted = (out.astype(jnp.float32).reshape(num_tokens, k, -1)
+              * flat_p.reshape(num_tokens, k, 1))
+  return jnp.sum(weighted, axis=1), None if kept is None else kept.reshape(num_tokens, k)

@@ -1,0 +1,271 @@
+"""`MoE`: a routed mixture-of-experts block composed of a router (`router`), the routed
+experts' FFN (`expert_ffn`) run by the strategy `dispatch` picks, and optional shared
+experts (`shared`)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gmm_jax import QuantSpec
+from gmm_jax.nn import dispatch
+from gmm_jax.nn.expert_ffn import check_activation, expert_layers, expert_params, ffn_spec
+from gmm_jax.nn.grouped_linear import GroupedLinear
+from gmm_jax.nn.params import reshard
+from gmm_jax.nn.presets import scaled
+from gmm_jax.nn.router import Router
+from gmm_jax.nn.shared import SharedExperts
+from gmm_jax._src import experts
+
+Array = jax.Array
+
+# The router options of `MoE` with their defaults (a replacement router takes none).
+_ROUTER_DEFAULTS = dict(score="softmax", normalize_top_k=None, routing_bias=False,
+                        num_expert_groups=None, top_k_groups=None,
+                        routed_scaling_factor=1.0, router_bias=False)
+
+
+class MoE(nnx.Module):
+  """A top-k routed mixture of experts (dropless by default), with optional shared experts.
+
+  ``y = shared(x) + sum_{e in top_k(x)} w_e(x) * down_e(act(x @ gate_e) * (x @ up_e))``.
+  The router: ``logits = x @ W_router (+ b)``, scores ``s = softmax(logits)`` or
+  ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
+  optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked by
+  the sum of their top-2 biased scores, DeepSeek-V3); weights ``w = s[chosen]``, divided by
+  their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
+
+  The fused path (default): `gmm_jax.route` gives the expert-grouped rows; gate and up are
+  ONE gmm on the ``[E, D, 2F]`` kernel reading the tokens by ``lhs_indices`` with the gated
+  activation in its epilogue; the down projection is one gmm that weights each row by its
+  router weight and writes it to its (token, k) slot (``row_weights``, ``out_indices``);
+  ``route.combine`` sums each token's k slots. No sorted copy of the tokens is made.
+  ``fused=False`` is the unfused baseline: tokens sorted and copied, gate and up as two
+  gmms (on the two halves of the same kernel: the same parameters), unsorted and combined.
+
+  Args:
+    num_experts, embed, mlp: E, the model width D, the expert FFN width F.
+    top_k: experts per token.
+    activation: for gated FFNs "silu" (SwiGLU), "gelu" / "gelu_tanh" (GeGLU),
+      "swiglu_clamped" (gpt-oss), or a callable on the gate half; for plain FFNs a name of
+      `gmm_jax.ACTIVATIONS` ("relu", "gelu", ...) or a callable.
+    gated: True: gated FFN, ``gate_up`` kernel ``[E, D, 2F]`` (gate half first); False: a
+      Switch-style FFN, ``up`` kernel ``[E, D, F]``. Either way ``down`` is ``[E, F, D]``.
+    fused: the fused path (above) or the unfused baseline.
+    score: "softmax" or "sigmoid" router scores.
+    normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
+      (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+    routing_bias: add a `RoutingBias` (zeros at first) to the scores for the selection.
+    num_expert_groups, top_k_groups: group-limited routing (None: off).
+    routed_scaling_factor: multiplies the routed experts' weights.
+    router_bias: the router has a bias (gpt-oss).
+    router: None (the built-in `Router` from the options above, at ``self.router``), or a
+      replacement: any nnx.Module with ``route(tokens [T, D]) -> Routing(weights [T, k]
+      float, experts [T, k] int, aux dict)`` (see `Router`); the router options above
+      must then keep their defaults.
+    num_shared_experts, shared_mlp: shared experts, one dense FFN of width ``shared_mlp``
+      (default ``mlp * num_shared_experts``) applied to every token, gated like the experts.
+    use_bias: expert biases ``[E, 2F]`` (or ``[E, F]``) and ``[E, D]`` (gpt-oss).
+    capacity_factor: None (dropless) or c: each expert takes at most
+      ``ceil(c * T * top_k / E)`` assignments (earlier tokens first; the rest give 0), and
+      the grouped buffers hold ``min(T * top_k, E * capacity)`` rows.
+    buffer_factor: None (dropless: receive buffers sized for the worst case, every
+      assignment of a token shard sent to one device) or b: under expert parallelism with
+      the tokens sharded over the expert axis, each device receives at most
+      ``ceil(b * T_shard * top_k / D)`` rows from each of the D devices of that axis (b = 1:
+      the balanced load), so per-device memory stays flat as the mesh grows; rows past it
+      give 0 and count in ``aux["dropped_fraction"]`` (MaxText's ragged buffer factor).
+    partitionable: without mesh arguments, True: the routed experts are one op the
+      partitioner splits from the shardings (`gmm_jax.routed_experts`; its backward
+      recomputes the expert forward per device: a one-device CPU training step measured
+      1.34x slower). False: the fused gmms inline, keeping their pre-activations for the
+      backward: for one device, or inside the user's own shard_map. None (default): True
+      when jax sees more than one device (`jax.device_count()`, every process's) or the
+      program is compiled for another platform's devices (`jax.default_device`, as a
+      deviceless compile for a TPU or GPU topology does).
+    transport: how rows travel under expert parallelism (`gmm_jax.routed_apply`): "auto"
+      (ragged all-to-all on GPU and TPU, all_to_all on CPU), "ragged" or "all_to_all"
+      (fixed [devices, rows] buffers; for TPU slices whose ICI routing libtpu's ragged
+      all-to-all does not support, e.g. v5e 8x8 and 16x16).
+    expert_parallel: None, or ``(mesh, axis)``: the expert kernels sharded over the mesh
+      axis. Tokens sharded over the same axis travel to their experts' devices
+      (`gmm_jax.routed_apply`) once per call; tokens replicated over it are each run by
+      the devices of their experts and combined with one psum.
+    data_parallel: None, or ``(mesh, axes)``: tokens (the leading dims of x) sharded over
+      these mesh axes (data parallel, FSDP). Each shard groups its own tokens and the output
+      keeps the tokens' sharding. With capacity_factor, each shard's capacity is computed
+      from its own tokens. On a mesh with Explicit axes both follow from the types. On a
+      mesh the experts run inside `routed_apply` on sorted rows (the gate and up still one
+      gmm with the gated activation when fused).
+      Without either (plain `jax.jit` with sharded arguments, or one device), the routed
+      experts are one partitionable op (`gmm_jax.routed_experts`): the partitioner picks
+      local routing (replicated experts), per-device experts with a psum (tokens not
+      sharded over the experts' axis) or expert parallelism with all-to-all (tokens
+      sharded over it too) from the shardings of the tokens and the expert kernels.
+    weight_quant, input_quant: QuantSpecs for the expert projections (see GroupedLinear).
+    dtype, param_dtype, implementation: as in GroupedLinear.
+    kernel_metadata: metadata of every expert kernel Param (as nnx.Linear's).
+    out_sharding: the output's sharding (a NamedSharding or a PartitionSpec of the context
+      mesh); __call__'s argument overrides it.
+    rngs: nnx.Rngs.
+
+  Parameters: ``router.kernel [D, E]`` (``router.bias [E]``, ``router.routing_bias [E]``,
+  the latter a `RoutingBias`), ``gate_up.kernel [E, D, 2F]`` (gate half first) or
+  ``up.kernel [E, D, F]``, ``down.kernel [E, F, D]`` (biases ``[E, 2F]``/``[E, F]`` and
+  ``[E, D]``), ``shared.up.kernel [D, 2F_s]``, ``shared.down.kernel [F_s, D]``.
+
+  Returns (from __call__): ``(y, aux)``: the router's aux (the built-in router's:
+  ``aux["load_balancing_loss"]`` the Switch balance loss ``E * sum_e f_e * P_e`` (f_e:
+  fraction of top-k assignments to e, P_e: mean score of e, sigmoid scores normalized per
+  token), ``aux["router_z_loss"]`` the ST-MoE z-loss ``mean(logsumexp(logits)^2)``,
+  ``aux["expert_load"]`` f ``[E]``), and ``aux["dropped_fraction"]`` (assignments over
+  capacity). The caller weights the losses.
+  """
+
+  def __init__(self, num_experts: int, embed: int, mlp: int, *, top_k: int = 2,
+               activation="silu", gated: bool = True, fused: bool = True,
+               score: str = "softmax", normalize_top_k: bool | None = None,
+               routing_bias: bool = False, num_expert_groups: int | None = None,
+               top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
+               router_bias: bool = False, router: nnx.Module | None = None,
+               num_shared_experts: int = 0,
+               shared_mlp: int | None = None, use_bias: bool = False,
+               capacity_factor: float | None = None, buffer_factor: float | None = None,
+               partitionable: bool | None = None, transport: str = "auto",
+               expert_parallel=None,
+               data_parallel=None, dtype: Any = None, param_dtype: Any = jnp.float32,
+               weight_quant: QuantSpec | None = None, input_quant: QuantSpec | None = None,
+               implementation: str | None = None,
+               kernel_metadata: Mapping[str, Any] | None = None, out_sharding=None,
+               rngs: nnx.Rngs):
+    if not 1 <= top_k <= num_experts:
+      raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if capacity_factor is not None and capacity_factor <= 0:
+      raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+    check_activation(activation, gated)
+    if buffer_factor is not None and buffer_factor <= 0:
+      raise ValueError(f"buffer_factor must be positive, got {buffer_factor}")
+    if transport not in experts.TRANSPORTS:
+      raise ValueError(f"transport must be one of {experts.TRANSPORTS}, got {transport!r}")
+    router_options = dict(score=score, normalize_top_k=normalize_top_k,
+                          routing_bias=routing_bias, num_expert_groups=num_expert_groups,
+                          top_k_groups=top_k_groups,
+                          routed_scaling_factor=routed_scaling_factor,
+                          router_bias=router_bias)
+    if router is None:
+      options = dict(router_options)
+      router = Router(embed, num_experts, top_k=top_k, use_bias=options.pop("router_bias"),
+                      param_dtype=param_dtype, rngs=rngs, **options)
+    else:
+      changed = sorted(k for k, v in router_options.items() if v != _ROUTER_DEFAULTS[k])
+      if changed:
+        raise ValueError(f"router= replaces the built-in router: its options {changed} "
+                         "do not apply (give them to the router)")
+      if not callable(getattr(router, "route", None)):
+        raise ValueError(f"router must have a route(tokens) -> Routing method, got "
+                         f"{type(router).__name__}")
+    self.num_experts, self.embed, self.mlp, self.top_k = num_experts, embed, mlp, top_k
+    self.activation, self.gated, self.fused = activation, gated, fused
+    self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
+    self.partitionable, self.transport = partitionable, transport
+    self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
+    self.dtype, self.out_sharding = dtype, out_sharding
+
+    self.router = router
+    self.gate_up, self.up, self.down = expert_layers(
+        num_experts, embed, mlp, gated=gated, use_bias=use_bias, dtype=dtype,
+        param_dtype=param_dtype, weight_quant=weight_quant, input_quant=input_quant,
+        implementation=implementation, kernel_metadata=kernel_metadata, rngs=rngs)
+    shared_mlp = shared_mlp or mlp * num_shared_experts
+    self.shared = SharedExperts(embed, shared_mlp, gated=gated, activation=activation,
+                                dtype=dtype, param_dtype=param_dtype,
+                                rngs=rngs) if num_shared_experts else None
+
+  @classmethod
+  def from_preset(cls, name: str, *, rngs: nnx.Rngs, scale: float = 1.0, **overrides):
+    """An MoE layer shaped as `MOE_PRESETS[name]`; `scale` multiplies the widths (embed,
+    mlp, shared_mlp; multiples of 8, at least 8) to shrink it for tests; `overrides`
+    replace any argument."""
+    kwargs = scaled(name, scale)
+    kwargs.update(overrides)
+    return cls(kwargs.pop("num_experts"), kwargs.pop("embed"), kwargs.pop("mlp"), rngs=rngs,
+               **kwargs)
+
+  # ------------------------------------------------------------------------- routing
+  # The built-in router's settings, read through the layer (None for a replacement
+  # router without them).
+
+  @property
+  def score(self):
+    return getattr(self.router, "score", None)
+
+  @property
+  def normalize_top_k(self):
+    return getattr(self.router, "normalize_top_k", None)
+
+  @property
+  def num_expert_groups(self):
+    return getattr(self.router, "num_expert_groups", None)
+
+  @property
+  def top_k_groups(self):
+    return getattr(self.router, "top_k_groups", None)
+
+  @property
+  def routed_scaling_factor(self):
+    return getattr(self.router, "routed_scaling_factor", None)
+
+  @property
+  def routing_bias(self):
+    """The built-in router's `RoutingBias` variable (``router.routing_bias``), or None."""
+    return getattr(self.router, "routing_bias", None)
+
+  def route_tokens(self, tokens: Array):
+    """The built-in router's choice for tokens ``[T, D]``: (logits ``[T, E]`` f32, scores
+    ``[T, E]``, weights ``[T, k]``, experts int32 ``[T, k]``) (`Router.select`)."""
+    return self.router.select(tokens)
+
+  def update_routing_bias(self, expert_load: Array, rate: float = 1e-3):
+    """DeepSeek-V3's balancing step (`Router.update_routing_bias`): each expert's bias
+    moves by `rate` towards balance (down when its load, ``aux["expert_load"]``, is above
+    ``1/E``, up when below)."""
+    if self.routing_bias is None:
+      raise ValueError("this MoE has no routing bias (routing_bias=False)")
+    self.router.update_routing_bias(expert_load, rate)
+
+  # ------------------------------------------------------------------------- experts
+
+  def _in_layer(self) -> GroupedLinear:
+    return self.gate_up if self.gated else self.up
+
+  def __call__(self, x: Array, *, out_sharding=None) -> tuple[Array, dict[str, Array]]:
+    shape = x.shape
+    tokens = x.reshape(-1, shape[-1])
+    in_kernel = self._in_layer().kernel[...]
+    mesh, axis, token_axes = dispatch.layout(x, self.expert_parallel, self.data_parallel,
+                                             in_kernel)
+    routing = self.router.route(tokens)
+    top_e, top_p = routing.experts, routing.weights
+    if top_e.shape != (tokens.shape[0], self.top_k):
+      raise ValueError(f"the router chose experts of shape {top_e.shape}; the layer takes "
+                       f"[{tokens.shape[0]}, top_k={self.top_k}]")
+    dtype = self.dtype or jnp.result_type(x, in_kernel)
+    y, kept = dispatch.run_experts(
+        ffn_spec(self.num_experts, self.activation, self.gated, self.fused,
+                 self._in_layer(), dtype),
+        tokens.astype(dtype), top_e, top_p,
+        expert_params(self._in_layer(), self.down, dtype), mesh=mesh, axis=axis,
+        token_axes=token_axes, partitionable=self.partitionable,
+        capacity_factor=self.capacity_factor, buffer_factor=self.buffer_factor,
+        transport=self.transport)
+    if self.shared is not None:
+      y = y + self.shared(tokens).astype(jnp.float32)
+    aux = dict(routing.aux)
+    aux["dropped_fraction"] = (jnp.zeros((), jnp.float32) if kept is None
+                               else 1.0 - jnp.mean(kept.astype(jnp.float32)))
+    y = y.astype(x.dtype).reshape(shape)
+    out_sharding = self.out_sharding if out_sharding is None else out_sharding
+    return reshard(y, out_sharding), aux

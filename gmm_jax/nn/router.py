@@ -1,0 +1,199 @@
+"""The MoE router: scores, top-k, group-limited selection, the routing bias that only
+selects, and the auxiliary losses. `MoE` takes any module with the same `route` (see
+`Router`)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gmm_jax.nn.params import param, replicated_last
+
+Array = jax.Array
+
+SCORES = ("softmax", "sigmoid")
+
+
+class RoutingBias(nnx.Variable):
+  """A per-expert routing bias that is not trained by gradient (DeepSeek-V3's auxiliary-
+  loss-free balancing): its own collection, outside ``nnx.Param`` (optimizers built with
+  ``wrt=nnx.Param`` skip it); `Router.update_routing_bias` moves it. Linen collection:
+  "routing_bias"."""
+
+
+try:  # the Linen collection name of RoutingBias (flax >= 0.11)
+  nnx.register_variable_name("routing_bias", RoutingBias, overwrite=True)
+except AttributeError:
+  pass
+
+
+class Routing(NamedTuple):
+  """What a router gives `MoE` for tokens ``[T, D]``.
+
+  Fields:
+    weights: float ``[T, k]``: each chosen expert's weight (differentiable: the router
+      learns through it).
+    experts: int32 ``[T, k]``: the chosen experts (ids outside ``[0, E)``: no assignment).
+    aux: dict of scalars or arrays the layer returns in its ``aux`` (the built-in router's:
+      ``load_balancing_loss``, ``router_z_loss``, ``expert_load``).
+  """
+
+  weights: Array
+  experts: Array
+  aux: dict[str, Array]
+
+
+class Router(nnx.Module):
+  """A top-k router: ``logits = x @ kernel (+ bias)``, scores ``s = softmax(logits)`` or
+  ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
+  optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked
+  by the sum of their top-2 biased scores, DeepSeek-V3); weights ``w = s[chosen]``, divided
+  by their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
+
+  The interface `MoE` uses (a replacement router, ``MoE(..., router=my_router)``, is any
+  nnx.Module with it): ``route(tokens)`` with tokens ``[T, D]`` (the layer's input rows,
+  in the input's dtype) returns a `Routing` ``(weights [T, k] float, experts [T, k] int,
+  aux dict)``, k being the layer's ``top_k``. Everything else here (``__call__`` giving the
+  logits, `select`, `update_routing_bias`, the attributes) belongs to this router only.
+
+  Args:
+    embed, num_experts: D, E.
+    top_k: experts per token.
+    score: "softmax" or "sigmoid" scores.
+    normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
+      (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+    routing_bias: a `RoutingBias` (zeros at first) added to the scores for the selection.
+    num_expert_groups, top_k_groups: group-limited routing (None: off).
+    routed_scaling_factor: multiplies the chosen weights.
+    use_bias: the router has a bias (gpt-oss).
+    param_dtype: of the kernel and bias.
+    rngs: nnx.Rngs.
+
+  Parameters: ``kernel [D, E]`` (("embed", "expert")), ``bias [E]`` (("expert",)),
+  ``routing_bias [E]`` (a `RoutingBias`, ("expert",)).
+  """
+
+  def __init__(self, embed: int, num_experts: int, *, top_k: int = 2,
+               score: str = "softmax", normalize_top_k: bool | None = None,
+               routing_bias: bool = False, num_expert_groups: int | None = None,
+               top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
+               use_bias: bool = False, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    if not 1 <= top_k <= num_experts:
+      raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    if score not in SCORES:
+      raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    if (num_expert_groups is None) != (top_k_groups is None):
+      raise ValueError("num_expert_groups and top_k_groups go together")
+    if num_expert_groups is not None:
+      if num_experts % num_expert_groups or not 1 <= top_k_groups <= num_expert_groups:
+        raise ValueError(f"{num_experts} experts in {num_expert_groups} groups, choosing "
+                         f"{top_k_groups} of them: the groups must split the experts")
+      if top_k_groups * (num_experts // num_expert_groups) < top_k:
+        raise ValueError(f"top_k={top_k} is more than the experts of {top_k_groups} groups")
+    self.num_experts, self.top_k, self.score = num_experts, top_k, score
+    self.normalize_top_k = top_k > 1 if normalize_top_k is None else normalize_top_k
+    self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
+    self.routed_scaling_factor = routed_scaling_factor
+    # The keys in nnx.Linear's order (kernel, then bias): the same initial values.
+    init = nnx.initializers.normal(0.02)
+    self.kernel = param(init(rngs.params(), (embed, num_experts), param_dtype),
+                        ("embed", "expert"))
+    bias_key = rngs.params() if use_bias else None
+    self.bias = (param(nnx.initializers.zeros_init()(bias_key, (num_experts,), param_dtype),
+                       ("expert",)) if use_bias else None)
+    self.routing_bias = (param(jnp.zeros((num_experts,), jnp.float32), ("expert",),
+                               kind=RoutingBias) if routing_bias else None)
+
+  def __call__(self, x: Array) -> Array:
+    """The logits ``[..., E]`` of x ``[..., D]`` (as nnx.Linear: computed in the promoted
+    dtype of x and the kernel)."""
+    kernel = self.kernel[...]
+    bias = None if self.bias is None else self.bias[...]
+    dtype = jnp.result_type(*[a for a in (x, kernel, bias) if a is not None])
+    logits = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype),
+                                 (((x.ndim - 1,), (0,)), ((), ())))
+    if bias is not None:
+      logits = logits + bias.astype(dtype)
+    return logits
+
+  def select(self, tokens: Array):
+    """tokens ``[T, D]`` -> (logits ``[T, E]`` f32, scores ``[T, E]``, weights ``[T, k]``,
+    experts int32 ``[T, k]``)."""
+    logits = replicated_last(self(tokens).astype(jnp.float32))
+    scores = (jax.nn.softmax(logits, axis=-1) if self.score == "softmax"
+              else jax.nn.sigmoid(logits))
+    choice = scores
+    if self.routing_bias is not None:
+      choice = choice + jax.lax.stop_gradient(self.routing_bias[...]).astype(jnp.float32)
+    choice = jax.lax.stop_gradient(choice)  # the selection is discrete
+    if self.num_expert_groups is not None:
+      choice = limit_to_groups(choice, self.num_expert_groups, self.top_k_groups)
+    top_e = top_k(choice, self.top_k)
+    weights = jnp.take_along_axis(scores, top_e, axis=-1)
+    if self.normalize_top_k:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    if self.routed_scaling_factor != 1.0:
+      weights = weights * self.routed_scaling_factor
+    return logits, scores, weights, top_e
+
+  def aux_losses(self, logits: Array, scores: Array, experts: Array) -> dict[str, Array]:
+    """``load_balancing_loss`` (Switch: ``E * sum_e f_e * P_e``, f_e the fraction of the
+    top-k assignments to e, P_e the mean score of e, sigmoid scores normalized per token),
+    ``router_z_loss`` (ST-MoE: ``mean(logsumexp(logits)^2)``) and ``expert_load`` (f)."""
+    num_experts, k = self.num_experts, experts.shape[-1]
+    expert_load = jnp.mean(jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32),
+                                   axis=1), axis=0) / k
+    balance_probs = scores if self.score == "softmax" else (
+        scores / jnp.sum(scores, axis=-1, keepdims=True))
+    return {
+        "load_balancing_loss": num_experts * jnp.sum(expert_load
+                                                     * jnp.mean(balance_probs, axis=0)),
+        "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "expert_load": expert_load,
+    }
+
+  def route(self, tokens: Array) -> Routing:
+    """tokens ``[T, D]`` -> `Routing` (the interface `MoE` calls)."""
+    logits, scores, weights, experts = self.select(tokens)
+    return Routing(weights, experts, self.aux_losses(logits, scores, experts))
+
+  def update_routing_bias(self, expert_load: Array, rate: float = 1e-3):
+    """DeepSeek-V3's balancing step: each expert's bias moves by `rate` towards balance
+    (down when its load, ``aux["expert_load"]``, is above ``1/E``, up when below)."""
+    if self.routing_bias is None:
+      raise ValueError("this router has no routing bias (routing_bias=False)")
+    step = rate * jnp.sign(1.0 / self.num_experts - expert_load.astype(jnp.float32))
+    self.routing_bias[...] = self.routing_bias[...] + step
+
+
+def top_k(scores, k: int):
+  """The indices of `jax.lax.top_k` over the experts as k max/argmax passes: reductions
+  that the partitioner keeps local to each token shard (XLA:CPU's TopK gathers every
+  token's scores). Ties go to the lower expert index, as in top_k."""
+  indices = []
+  remaining = scores
+  for _ in range(k):
+    index = jnp.argmax(remaining, axis=-1).astype(jnp.int32)
+    indices.append(index)
+    remaining = jnp.where(jax.nn.one_hot(index, scores.shape[-1], dtype=bool), -jnp.inf,
+                          remaining)
+  return jnp.stack(indices, axis=-1)
+
+
+def limit_to_groups(choice, num_groups: int, top_groups: int):
+  """DeepSeek-V3's group-limited routing: the experts of all but the `top_groups` groups
+  with the largest sum of their two best scores get -inf."""
+  num_tokens, num_experts = choice.shape
+  grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
+  best = jnp.max(grouped, axis=-1)
+  group_score = best
+  if grouped.shape[-1] > 1:
+    first = jax.nn.one_hot(jnp.argmax(grouped, axis=-1), grouped.shape[-1], dtype=bool)
+    group_score = best + jnp.max(jnp.where(first, -jnp.inf, grouped), axis=-1)
+  chosen = jnp.sum(jax.nn.one_hot(top_k(group_score, top_groups), num_groups, dtype=bool),
+                   axis=1, dtype=jnp.int32) > 0  # [T, groups]
+  mask = jnp.repeat(chosen, num_experts // num_groups, axis=-1)
+  return jnp.where(mask, choice, -jnp.inf)
