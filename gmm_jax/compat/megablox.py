@@ -120,11 +120,12 @@ def _implementation(interpret: bool, implementation):
   return ("pallas_tpu", "xla") if interpret else None
 
 
-def _group_offset(group_offset, *, scalar_only: bool):
+def _group_offset(group_offset):
+  """megablox's ``()`` group_offset; a ``[1]`` one (tokamax's and gmm_jax's) works too."""
   if group_offset is None:
     return None
   shape = np.shape(group_offset)
-  if shape == () or (not scalar_only and shape == (1,)):
+  if shape in ((), (1,)):
     return group_offset
   raise ValueError(f"group_offset must be a ()-shaped array, got shape {shape}")
 
@@ -165,7 +166,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
       that kernel call); a callable ``(m, k, n) -> tiles | None`` called with each kernel
       call's dims; or None, gmm_jax's automatic choice. Tiles a backend cannot use fall
       through to the next implementation of gmm_jax's chain.
-    group_offset: int32 ``()`` array: the first group rhs holds.
+    group_offset: int32 ``()`` (or ``[1]``) array: the first group rhs holds.
     existing_out: ``[m, n]`` of dtype preferred_element_type: the result's rows outside
       the local groups' rows are taken from it (expert-parallel shards written into one
       buffer).
@@ -183,7 +184,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     ValueError: shapes megablox rejects, an existing_out of another dtype or shape.
   """
   _check_shapes(lhs, rhs, 3, "gmm")
-  group_offset = _group_offset(group_offset, scalar_only=True)
+  group_offset = _group_offset(group_offset)
   m = np.shape(lhs)[0]
   n = np.shape(rhs)[1 if transpose_rhs else 2]
   if existing_out is not None:
@@ -240,7 +241,7 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     ``[num_actual_groups, k, n]`` of preferred_element_type.
   """
   _check_shapes(lhs, rhs, 2, "tgmm")
-  group_offset = _group_offset(group_offset, scalar_only=False)
+  group_offset = _group_offset(group_offset)
   num_groups = np.shape(group_sizes)[0] if num_actual_groups is None else num_actual_groups
   out_dtype = jnp.dtype(preferred_element_type)
   if existing_out is not None:
