@@ -16,6 +16,8 @@ runs), `presets`, `moe` (`MoE`, composing them), `grouped_linear` and `linen`.
 
 from gmm_jax.nn.grouped_linear import GroupedLinear as GroupedLinear
 from gmm_jax.nn.grouped_linear import grouped_kernel_init as grouped_kernel_init
+from gmm_jax.nn.hf import from_transformers as from_transformers
+from gmm_jax.nn.hf import to_transformers as to_transformers
 from gmm_jax.nn.linen import grouped_linear_linen as grouped_linear_linen
 from gmm_jax.nn.linen import moe_linen as moe_linen
 from gmm_jax.nn.moe import MoE as MoE
