@@ -114,6 +114,23 @@ def test_ragged_dot_takes_what_jax_takes():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lhs_dtype, rhs_dtype", [
+    ("float16", "bfloat16"), ("float32", "int8"), ("int8", "bfloat16"), ("int8", "int8"),
+    ("bfloat16", "float32")])
+def test_result_types_are_jax_s(lhs_dtype, rhs_dtype):
+  # jax's dot rule picks the result type (f16 x bf16 -> bf16; mixed int and float -> the
+  # float); small integer values keep every product exact.
+  lhs = jnp.asarray(np.arange(24).reshape(6, 4) % 5, lhs_dtype)
+  rhs = jnp.asarray(np.arange(60).reshape(3, 4, 5) % 7 - 3, rhs_dtype)
+  sizes = jnp.asarray([2, 1, 3], jnp.int32)
+  for ours, theirs in (
+      (gmm_jax.ragged_dot(lhs, rhs, sizes), jax.lax.ragged_dot(lhs, rhs, sizes)),
+      (gmm_jax.ragged_dot_general(lhs, rhs[0], sizes[:2], CONTRACTING),
+       jax.lax.ragged_dot_general(lhs, rhs[0], sizes[:2], CONTRACTING))):
+    assert ours.dtype == theirs.dtype
+    np.testing.assert_array_equal(np.asarray(ours, np.float64), np.asarray(theirs, np.float64))
+
+
 def test_errors_under_jit_name_the_shapes():
   lhs, rhs, sizes = jnp.ones((17, 19, 11, 5)), jnp.ones((17, 19, 5, 7)), jnp.ones((19, 3), int)
   numbers = BAD_GENERAL["batch_sizes_wrong_prefix"][4]

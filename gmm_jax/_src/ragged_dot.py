@@ -64,16 +64,18 @@ def _describe(x) -> str:
   return f"{np.dtype(spec.dtype).name}{list(spec.shape)}"
 
 
-def _check_as_jax(lhs, rhs, group_sizes, numbers, preferred_element_type,
-                  group_offset) -> None:
+def _check_as_jax(lhs, rhs, group_sizes, numbers, preferred_element_type, group_offset):
   """jax.lax.ragged_dot_general's shape and dtype rules, run on abstract values: what jax
   rejects raises GmmShapeError (a TypeError, as jax raises) naming the shapes.
 
   jax does not implement group_offset; with one, rhs may hold fewer groups than
   group_sizes, so rhs is checked as if it held them all.
+
+  Returns:
+    The result's dtype as jax gives it (None for quantized operands, which gmm checks).
   """
   if as_qarray(lhs) is not None or as_qarray(rhs) is not None:
-    return  # gmm checks quantized operands
+    return None
   try:
     specs = [_abstract(x) for x in (lhs, rhs, group_sizes)]
   except (TypeError, ValueError) as err:
@@ -87,11 +89,22 @@ def _check_as_jax(lhs, rhs, group_sizes, numbers, preferred_element_type,
   rule = functools.partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=numbers,
                            preferred_element_type=preferred_element_type)
   try:
-    jax.eval_shape(rule, *specs)
+    return jax.eval_shape(rule, *specs).dtype
   except (TypeError, AttributeError) as err:
     raise GmmShapeError(
         f"{err} (lhs {_describe(lhs)}, rhs {_describe(rhs)}, group_sizes "
         f"{_describe(group_sizes)}, {numbers})") from None
+
+
+def _jax_types(lhs, rhs, out_dtype):
+  """Plain operands as jax multiplies them: an integer operand with a floating one is
+  converted to the (floating) result type, where gmm takes only one kind."""
+  if out_dtype is None or not jnp.issubdtype(out_dtype, jnp.floating):
+    return lhs, rhs
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  if jnp.issubdtype(lhs.dtype, jnp.integer) == jnp.issubdtype(rhs.dtype, jnp.integer):
+    return lhs, rhs
+  return lhs.astype(out_dtype), rhs.astype(out_dtype)
 
 
 def _is_symbolic(*arrays) -> bool:
@@ -143,8 +156,11 @@ def ragged_dot(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
       ValueError).
     ValueError: a concrete group_sizes that is negative or sums past M.
   """
-  _check_as_jax(lhs, rhs, group_sizes, _RAGGED_DOT_NUMBERS, preferred_element_type,
-                group_offset)
+  out_dtype = _check_as_jax(lhs, rhs, group_sizes, _RAGGED_DOT_NUMBERS,
+                            preferred_element_type, group_offset)
+  lhs, rhs = _jax_types(lhs, rhs, out_dtype)
+  if preferred_element_type is None:  # jax's result type (f16 x bf16 is bf16; gmm: f32)
+    preferred_element_type = out_dtype
   if _is_symbolic(lhs, rhs, group_sizes):
     out = _jax_ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DOT_NUMBERS, precision,
                                   preferred_element_type, group_offset)
@@ -238,8 +254,11 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   except (AttributeError, TypeError, ValueError):
     raise GmmShapeError(f"ragged_dot_dimension_numbers must be a jax.lax."
                         f"RaggedDotDimensionNumbers, got {numbers!r}") from None
-  _check_as_jax(lhs, rhs, group_sizes, numbers, preferred_element_type, group_offset)
-  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  out_dtype = _check_as_jax(lhs, rhs, group_sizes, numbers, preferred_element_type,
+                            group_offset)
+  lhs, rhs = _jax_types(jnp.asarray(lhs), jnp.asarray(rhs), out_dtype)
+  if preferred_element_type is None:
+    preferred_element_type = out_dtype
   lhs_contract, rhs_contract = list(lhs_contract), list(rhs_contract)
   lhs_batch, rhs_batch = list(lhs_batch), list(rhs_batch)
   if len(ragged_dims) != 1 or not 0 <= ragged_dims[0] < lhs.ndim:
