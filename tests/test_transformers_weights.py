@@ -1,0 +1,412 @@
+"""nn.from_transformers / nn.to_transformers against Hugging Face transformers' own MoE blocks.
+
+The reference is transformers itself: tests/fixtures/hf/<arch>.npz hold, for each of twelve
+architectures, a tiny block's config, weights, input, output, gradients (of
+``sum(y * cotangent)``), chosen experts and auxiliary losses, written by
+tests/fixtures/hf/make_fixtures.py with torch (CPU) and transformers 5.x. The default run
+needs neither: it builds the layer from each fixture's config and state dict. The live test
+(skipped unless torch and transformers import) draws fresh random blocks, builds the layer
+from the block object itself and runs transformers next to it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nnx = pytest.importorskip("flax.nnx")
+
+from gmm_jax import nn  # noqa: E402
+
+FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+ARCHS = ("dbrx", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "llama4", "mixtral",
+         "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "switch_transformers")
+RTOL = ATOL = 1e-5
+
+# A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
+# each, with jax_disable_most_optimizations). By default: the four architectures whose
+# options only they use (a gated shared expert; gpt-oss's interleave, biases and clamp;
+# router weights on the input; Switch's plain FFN and per-sequence capacity); the other
+# eight with -m slow. Every architecture's layout, options and round trip are checked by
+# default without compiling the layer (test_layout_computes_the_blocks_ffn,
+# test_options_from_config, test_round_trip).
+DEFAULT_RUN = {"qwen2_moe", "gpt_oss", "llama4", "switch_transformers"}
+
+
+# The nn.MoE option each architecture needs beyond the basic ones (issue 26, part 3).
+NEEDS = {"qwen2_moe": "shared_gate", "qwen3_next": "shared_gate", "gpt_oss": "swiglu_limit",
+         "llama4": "router_weight_on", "switch_transformers": "capacity_per"}
+
+
+def _has_option(name):
+  return name in inspect.signature(nn.MoE.__init__).parameters
+
+
+def _marks(arch, slow=False):
+  marks = [pytest.mark.slow] if slow and arch not in DEFAULT_RUN else []
+  if arch in NEEDS and not _has_option(NEEDS[arch]):
+    marks.append(pytest.mark.xfail(raises=NotImplementedError, strict=True,
+                                   reason=f"nn.MoE has no {NEEDS[arch]} option yet"))
+  return marks
+
+
+def _by_arch(names, slow=False):
+  return pytest.mark.parametrize("arch", [pytest.param(a, marks=_marks(a, slow))
+                                          for a in names])
+
+
+def _load(arch):
+  with np.load(FIXTURES / f"{arch}.npz") as data:
+    return {name: data[name] for name in data.files}
+
+
+def _state_dict(fixture, kind="param"):
+  return {name[len(kind) + 1:]: value for name, value in fixture.items()
+          if name.startswith(kind + "/")}
+
+
+def _config(fixture):
+  return json.loads(str(fixture["config"]))
+
+
+def _seq_len(arch, fixture):
+  return dict(seq_len=fixture["x"].shape[1]) if arch == "switch_transformers" else {}
+
+
+def _run(moe, x, cotangent):
+  """One compiled program: (y, aux, dx, the parameter gradients as a layer of the same
+  structure, the chosen experts [T, k])."""
+  graphdef, params, rest = nnx.split(moe, nnx.Param, ...)
+
+  @jax.jit
+  def run(params, rest, x):
+    def loss(params, x):
+      layer = nnx.merge(graphdef, params, rest)
+      y, aux = layer(x)
+      experts = layer.route_tokens(x.reshape(-1, x.shape[-1]))[3]
+      return jnp.sum(y * cotangent), (y, aux, experts)
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+    return out, grads
+
+  (y, aux, experts), (dparams, dx) = run(params, rest, x)
+  return y, aux, dx, nnx.merge(graphdef, dparams, rest), experts
+
+
+def _check(arch, moe, fixture):
+  """The layer reproduces the fixture's transformers block."""
+  x = jnp.asarray(fixture["x"])
+  y, aux, dx, grads, experts = _run(moe, x, jnp.asarray(fixture["cotangent"]))
+  np.testing.assert_array_equal(np.sort(np.asarray(experts), -1),
+                                np.sort(fixture["experts"], -1))
+  np.testing.assert_allclose(y, fixture["y"], rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(dx, fixture["dx"], rtol=RTOL, atol=ATOL)
+  # The gradients in transformers' names and layout (the layouts permute entries).
+  expected = _state_dict(fixture, "grad")
+  got = nn.to_transformers(grads, _config(fixture))
+  assert set(expected) <= set(got), sorted(set(expected) - set(got))
+  for name, value in expected.items():
+    np.testing.assert_allclose(got[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+  if "aux/router_z_loss" in fixture:
+    np.testing.assert_allclose(aux["router_z_loss"], fixture["aux/router_z_loss"],
+                               rtol=RTOL)
+  # Switch's own balance loss averages per sequence (the others' over all tokens).
+  if "aux/load_balancing_loss" in fixture and arch != "switch_transformers":
+    expected_loss = fixture["aux/load_balancing_loss"]
+    if not _has_option("load_balancing_convention"):  # gmm_jax's scale: 1/top_k of it
+      expected_loss = expected_loss / moe.top_k
+    np.testing.assert_allclose(aux["load_balancing_loss"], expected_loss, rtol=RTOL)
+
+
+def test_fixtures_are_whole():
+  """Twelve architectures, each written by transformers >= 5, small in all."""
+  assert sorted(p.stem for p in FIXTURES.glob("*.npz")) == sorted(ARCHS)
+  total = sum(p.stat().st_size for p in FIXTURES.glob("*.npz"))
+  assert total < 2 * 1024 * 1024, total
+  for arch in ARCHS:
+    fixture = _load(arch)
+    versions = json.loads(str(fixture["versions"]))
+    assert int(versions["transformers"].split(".")[0]) >= 5, (arch, versions)
+    assert _config(fixture)["model_type"] in (arch, "llama4_text"), arch
+
+
+@pytest.fixture
+def fast_compile():
+  """XLA's optimizations off for the test (the compile is most of its time)."""
+  previous = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", previous)
+
+
+@_by_arch(ARCHS, slow=True)
+def test_matches_transformers(arch, fast_compile):
+  """Forward, input and parameter gradients, chosen experts and auxiliary losses equal
+  transformers' for the fixture's block, built from its config and state dict."""
+  fixture = _load(arch)
+  moe = nn.from_transformers(_config(fixture), _state_dict(fixture), **_seq_len(arch, fixture))
+  _check(arch, moe, fixture)
+
+
+@_by_arch(ARCHS)
+def test_round_trip(arch):
+  """to_transformers(from_transformers(config, state_dict)) is the state dict, bit for bit,
+  under the same names; a prefix goes both ways."""
+  fixture = _load(arch)
+  config, state_dict = _config(fixture), _state_dict(fixture)
+  moe = nn.from_transformers(config, state_dict, **_seq_len(arch, fixture))
+  out = nn.to_transformers(moe, config)
+  assert sorted(out) == sorted(state_dict)
+  for name, value in state_dict.items():
+    assert out[name].dtype == value.dtype and out[name].shape == value.shape, name
+    np.testing.assert_array_equal(out[name], value, err_msg=name)
+  prefix = "model.layers.3.mlp."
+  by_name = nn.to_transformers(moe, arch, prefix=prefix)
+  assert sorted(by_name) == sorted(prefix + k for k in state_dict)
+  whole_model = {**by_name, "model.layers.3.input_layernorm.weight": np.ones(4)}
+  again = nn.from_transformers(json.dumps(config), whole_model, prefix=prefix,
+                               **_seq_len(arch, fixture))
+  for name, value in nn.to_transformers(again, config).items():
+    np.testing.assert_array_equal(value, state_dict[name], err_msg=name)
+
+
+# The routing options each config maps to (the models' own defaults where a config leaves
+# them out).
+EXPECTED_OPTIONS = {
+    "mixtral": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "qwen2_moe": dict(score="softmax", normalize_top_k=False, top_k=3),
+    "qwen3_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
+    "qwen3_next": dict(score="softmax", normalize_top_k=True, top_k=3),
+    "deepseek_v3": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
+                        num_expert_groups=4, top_k_groups=2, top_k=3),
+    "olmoe": dict(score="softmax", normalize_top_k=False, top_k=2),
+    "gpt_oss": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "granitemoe": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "dbrx": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "glm4_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
+                     num_expert_groups=None, top_k=2),
+    "llama4": dict(score="sigmoid", normalize_top_k=False, top_k=1),
+    "switch_transformers": dict(score="softmax", normalize_top_k=False, top_k=1,
+                                gated=False),
+}
+
+
+@_by_arch(ARCHS)
+def test_options_from_config(arch):
+  fixture = _load(arch)
+  moe = nn.from_transformers(_config(fixture), _state_dict(fixture), **_seq_len(arch, fixture))
+  for name, value in EXPECTED_OPTIONS[arch].items():
+    assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
+  assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "glm4_moe"))
+  assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next", "deepseek_v3",
+                                               "glm4_moe", "llama4"))
+
+
+def _silu(z):
+  return z / (1 + np.exp(-z))
+
+
+def _hf_expert(arch, p, config, e, x):
+  """Expert e of the fixture's block on token x ``[D]``, as transformers' modeling code
+  computes it from its own tensors (float64)."""
+  if arch == "gpt_oss":
+    gate_up = x @ p["experts.gate_up_proj"][e] + p["experts.gate_up_proj_bias"][e]
+    gate, up = gate_up[0::2], gate_up[1::2]  # interleaved columns
+    limit, alpha = config["swiglu_limit"], config["swiglu_alpha"]
+    gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    hidden = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+    return hidden @ p["experts.down_proj"][e] + p["experts.down_proj_bias"][e]
+  if arch == "llama4":
+    gate, up = np.split(x @ p["experts.gate_up_proj"][e], 2)
+    return (up * _silu(gate)) @ p["experts.down_proj"][e]
+  if arch == "dbrx":
+    experts = config["ffn_config"]["moe_num_experts"]
+    w1, v1, w2 = (p[f"experts.mlp.{n}"].reshape(experts, -1, x.shape[0])[e]
+                  for n in ("w1", "v1", "w2"))
+    return (_silu(x @ w1.T) * (x @ v1.T)) @ w2
+  if arch == "switch_transformers":
+    hidden = np.maximum(p[f"experts.expert_{e}.wi.weight"] @ x, 0)
+    return p[f"experts.expert_{e}.wo.weight"] @ hidden
+  gate, up = np.split(p["experts.gate_up_proj"][e] @ x, 2)
+  return p["experts.down_proj"][e] @ (_silu(gate) * up)
+
+
+def _hf_shared(p, prefix, x):
+  gate, up = p[f"{prefix}.gate_proj.weight"] @ x, p[f"{prefix}.up_proj.weight"] @ x
+  return p[f"{prefix}.down_proj.weight"] @ (_silu(gate) * up)
+
+
+def _f64(variable):
+  return np.asarray(variable[...], np.float64)
+
+
+def _our_expert(moe, e, x):
+  """Expert e of the layer on token x, from its parameters as nn.MoE defines them (the
+  gate half of ``gate_up.kernel [E, D, 2F]`` first)."""
+  layer = moe.gate_up if moe.gated else moe.up
+  z = x @ _f64(layer.kernel)[e]
+  if layer.bias is not None:
+    z = z + _f64(layer.bias)[e]
+  if not moe.gated:
+    hidden = np.maximum(z, 0)
+  elif moe.activation == "swiglu_clamped":
+    gate, up = np.split(z, 2)
+    limit, alpha = moe.swiglu_limit, moe.swiglu_alpha
+    gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
+    hidden = (up + 1) * gate / (1 + np.exp(-alpha * gate))
+  else:
+    gate, up = np.split(z, 2)
+    hidden = _silu(gate) * up
+  out = hidden @ _f64(moe.down.kernel)[e]
+  return out if moe.down.bias is None else out + _f64(moe.down.bias)[e]
+
+
+ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "llama4": "router",
+           "dbrx": "router.layer", "switch_transformers": "router.classifier"}
+SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
+          "llama4": "shared_expert", "deepseek_v3": "shared_experts",
+          "glm4_moe": "shared_experts"}
+
+
+@_by_arch(ARCHS)
+def test_layout_computes_the_blocks_ffn(arch):
+  """Each expert, the shared expert, its gate and the router of the layer compute, in
+  numpy, what transformers' modeling code computes from the block's own tensors: the
+  layout is read right (a transposed or swapped half gives other numbers), without
+  compiling the layer."""
+  fixture = _load(arch)
+  config, p = _config(fixture), {k: v.astype(np.float64) for k, v in _state_dict(fixture).items()}
+  moe = nn.from_transformers(config, _state_dict(fixture), **_seq_len(arch, fixture))
+  tokens = fixture["x"].reshape(-1, fixture["x"].shape[-1]).astype(np.float64)[:3]
+  for x in tokens:
+    for e in range(moe.num_experts):
+      np.testing.assert_allclose(_our_expert(moe, e, x), _hf_expert(arch, p, config, e, x),
+                                 rtol=1e-6, atol=1e-9, err_msg=f"expert {e}")
+    router = ROUTERS.get(arch, "gate")
+    logits = p[f"{router}.weight"] @ x + p.get(f"{router}.bias", 0)
+    ours = x @ _f64(moe.router.kernel)
+    if moe.router.bias is not None:
+      ours = ours + _f64(moe.router.bias)
+    np.testing.assert_allclose(ours, logits, rtol=1e-6, atol=1e-9)
+    if arch in SHARED:
+      up, down = _f64(moe.shared.up.kernel), _f64(moe.shared.down.kernel)
+      gate, value = np.split(x @ up, 2)
+      np.testing.assert_allclose((_silu(gate) * value) @ down, _hf_shared(p, SHARED[arch], x),
+                                 rtol=1e-6, atol=1e-9)
+    if "shared_expert_gate.weight" in p:
+      np.testing.assert_allclose(x @ _f64(moe.shared.gate.kernel),
+                                 p["shared_expert_gate.weight"] @ x, rtol=1e-6, atol=1e-9)
+  if "gate.e_score_correction_bias" in p:
+    np.testing.assert_array_equal(_f64(moe.routing_bias), p["gate.e_score_correction_bias"])
+
+
+def _per_expert(fixture, names):
+  """The fixture's fused experts in transformers 4.x's layout: one module per expert."""
+  state = _state_dict(fixture)
+  gate_up, down = state.pop("experts.gate_up_proj"), state.pop("experts.down_proj")
+  mlp = gate_up.shape[1] // 2
+  for e in range(gate_up.shape[0]):
+    state[f"experts.{e}.{names[0]}.weight"] = gate_up[e, :mlp]
+    state[f"experts.{e}.{names[1]}.weight"] = gate_up[e, mlp:]
+    state[f"experts.{e}.{names[2]}.weight"] = down[e]
+  return state
+
+
+@pytest.mark.parametrize("arch,legacy", [
+    ("mixtral", lambda f: _per_expert(f, ("w1", "w3", "w2"))),
+    pytest.param("qwen2_moe", lambda f: _per_expert(f, ("gate_proj", "up_proj", "down_proj")),
+                 marks=_marks("qwen2_moe")),
+    ("deepseek_v3", lambda f: _per_expert(f, ("gate_proj", "up_proj", "down_proj"))),
+    ("granitemoe", lambda f: {
+        "router.layer.weight": f["param/router.weight"],
+        "input_linear.weight": f["param/experts.gate_up_proj"],
+        "output_linear.weight": f["param/experts.down_proj"]}),
+], ids=["mixtral", "qwen2_moe", "deepseek_v3", "granitemoe"])
+def test_transformers_4_layouts(arch, legacy):
+  """transformers 4.x's per-expert modules (and GraniteMoE's input/output_linear) load as
+  the same layer as 5.x's fused tensors."""
+  fixture = _load(arch)
+  moe = nn.from_transformers(_config(fixture), legacy(fixture))
+  for name, value in nn.to_transformers(moe, arch).items():
+    np.testing.assert_array_equal(value, fixture[f"param/{name}"], err_msg=name)
+
+
+def test_bad_inputs():
+  fixture = _load("mixtral")
+  config, state = _config(fixture), _state_dict(fixture)
+  with pytest.raises(NotImplementedError, match="supported are"):
+    nn.from_transformers({**config, "model_type": "llama"}, state)
+  with pytest.raises(ValueError, match="no 'gate.weight'"):
+    nn.from_transformers(config, {k: v for k, v in state.items() if k != "gate.weight"})
+  with pytest.raises(ValueError, match="does not read.*extra"):
+    nn.from_transformers(config, {**state, "extra": np.zeros(3)})
+  with pytest.raises(ValueError, match=r"\(8, 24, 16\).*\(8, 26, 16\)"):
+    nn.from_transformers({**config, "intermediate_size": 13}, state)
+  with pytest.raises(ValueError, match="needs the state_dict"):
+    nn.from_transformers(config)
+  with pytest.raises(NotImplementedError, match="activation 'relu'"):
+    nn.from_transformers({**config, "hidden_act": "relu"}, state)
+  dbrx = _load("dbrx")
+  dbrx_config = _config(dbrx)
+  dbrx_config["ffn_config"] = {**dbrx_config["ffn_config"], "moe_normalize_expert_weights": 2}
+  with pytest.raises(NotImplementedError, match="2-norm"):
+    nn.from_transformers(dbrx_config, _state_dict(dbrx))
+  switch = _load("switch_transformers")
+  with pytest.raises(ValueError, match="seq_len"):
+    nn.from_transformers(_config(switch), _state_dict(switch))
+  dropless = nn.from_transformers(_config(switch), _state_dict(switch), capacity_factor=None)
+  assert dropless.capacity_factor is None
+  # A layer without the shared expert a Qwen2-MoE block has cannot be written as one.
+  moe = nn.from_transformers(config, state)
+  with pytest.raises(ValueError, match="lacks"):
+    nn.to_transformers(moe, "qwen2_moe")
+  with pytest.raises(ValueError, match="top_k"):
+    nn.to_transformers(moe, {**config, "num_experts_per_tok": 3})
+
+
+def test_imports_neither_torch_nor_transformers():
+  """gmm_jax.nn's converter reads tensors by duck typing: no import of torch or
+  transformers (module or function level)."""
+  import ast
+  source = (pathlib.Path(nn.__file__).parent / "hf.py").read_text()
+  imported = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      imported |= {alias.name.split(".")[0] for alias in node.names}
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      imported.add(node.module.split(".")[0])
+  assert not imported & {"torch", "transformers"}, imported
+
+
+def _make_fixtures():
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  spec = importlib.util.spec_from_file_location("make_fixtures", FIXTURES / "make_fixtures.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@_by_arch(ARCHS)
+def test_live_transformers(arch):
+  """With torch and transformers installed: a freshly drawn block (another seed than the
+  fixture's), the layer built from the block object itself; the same checks; and
+  to_transformers' state dict loaded into the block (strict) gives the same output."""
+  make_fixtures = _make_fixtures()
+  import torch
+  fixture, block = make_fixtures.make(arch, seed=20261202)
+  moe = nn.from_transformers(block, **_seq_len(arch, fixture))
+  _check(arch, moe, fixture)
+  state = nn.to_transformers(moe, _config(fixture))
+  block.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
+                        strict=True)
+  with torch.no_grad():
+    out = block(torch.from_numpy(fixture["x"]))
+  out = out[0] if isinstance(out, tuple) else out
+  np.testing.assert_array_equal(out.numpy(), fixture["y"])
