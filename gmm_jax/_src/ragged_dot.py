@@ -131,8 +131,9 @@ def ragged_dot(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
                interpret: bool = False) -> jax.Array:
   """A drop-in for `jax.lax.ragged_dot` (m-grouping, counts), backed by `gmm`.
 
-  Takes every argument jax.lax.ragged_dot takes (jax 0.10-0.12) with the same results and
-  the same errors, and supports `group_offset` (jax raises NotImplementedError for it).
+  Takes every argument jax.lax.ragged_dot takes (jax 0.10-0.12) with the same results (and
+  result type) and the same errors, and supports `group_offset` (jax raises
+  NotImplementedError for it). Like jax's, lhs may have more dims (``[M, K, X...]``).
   With a symbolic dimension (`jax.export`) it is `jax.lax.ragged_dot` itself (gmm sizes
   its work while tracing); group_offset then raises NotImplementedError, as in jax.
 
@@ -232,7 +233,9 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   modes, arbitrary batch and contracting dimensions, ``group_sizes`` ``[g]`` or
   ``[b..., x..., g]``). `group_offset`, which jax does not implement, works in the ragged
   non-contracting mode (rhs then holds groups ``[group_offset, group_offset +
-  rhs_groups)``); the other modes raise NotImplementedError for it, as jax does.
+  rhs_groups)``); the other modes raise NotImplementedError for it, as jax does. The result
+  type is jax's (its dot rule: e.g. f16 x bf16 gives bf16, an integer operand with a float
+  one the float), and so are the errors.
 
   With a symbolic dimension (`jax.export`) the ragged non-contracting and contracting modes
   are `jax.lax.ragged_dot_general` itself (gmm sizes its work while tracing): the same
