@@ -150,6 +150,7 @@ def test_migration_page_tgmm_row_runs_against_megablox(megablox_tgmm):
   _close(scope["out_local"], c["out"])
 
 
+@pytest.mark.slow  # the default run checks these gradients against jax.lax.ragged_dot's
 def test_ops_gmm_gradients_equal_megablox():
   """ops.gmm under jit + grad, transpose_rhs and group_offset, against megablox's ops.gmm."""
   lhs, rhs, sizes = _inputs(4)
