@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracle import f64, gmm_oracle, tolerances
+from oracle import dequantize, f64, gmm_oracle, tolerances
 
 import gmm_jax
 from gmm_jax.compat import tokamax as tk
@@ -214,6 +214,15 @@ def test_fuse_gateup_activation(fuse):
   np.testing.assert_allclose(f64(out), want, **tolerances(jnp.float32, k=16, scale=64.0))
   with pytest.raises(NotImplementedError, match="Unsupported fused activation"):
     tk.ragged_dot(lhs, rhs, sizes, fuse_gateup_activation="silu_and_mul_with_clamp")
+
+
+def test_quantized_rhs_as_tokamax_takes_it():
+  """tokamax takes qwix QArrays; gmm_jax's own QArray runs the weight-only mode."""
+  lhs, rhs, sizes = _inputs(4)
+  weights = gmm_jax.quantize(rhs, jnp.int8, channelwise_axes=(0, 2))
+  out = _jit(lambda: tk.ragged_dot(lhs, weights, sizes))
+  want = gmm_oracle(lhs, dequantize(weights), np.asarray(sizes), "m")
+  np.testing.assert_allclose(f64(out), want, **tolerances(jnp.float32, k=16, scale=16.0))
 
 
 def test_mismatched_reduction_dimensions_raise_value_error():

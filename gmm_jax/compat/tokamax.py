@@ -27,6 +27,10 @@ calls them. Where the two differ, by design:
   rows of tokamax's kernels are unspecified without it).
 * ``manual_axis_type`` is accepted and not needed: inside ``jax.shard_map`` the result's
   varying manual axes follow from the operands.
+* When every implementation of a sequence fails, one NotImplementedError lists each reason
+  (tokamax raises an ExceptionGroup); a name whose gmm_jax backends are not registered in
+  this installation falls through like an implementation that cannot serve the call
+  (tokamax raises ValueError for it).
 """
 
 from __future__ import annotations
