@@ -138,6 +138,20 @@ def test_errors_under_jit_name_the_shapes():
     jax.jit(lambda *a: gmm_jax.ragged_dot_general(*a, numbers))(lhs, rhs, sizes)
 
 
+def test_checks_under_explicit_mesh_axes():
+  # jax infers no sharding for ragged_dot_general under Explicit axes; the shape check still
+  # runs, and a valid call still works (tests/test_mesh_kinds.py shards one).
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+  set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+  lhs, rhs = jnp.asarray(_rand((6, 4), 0)), jnp.asarray(_rand((3, 4, 5), 1))
+  sizes = jnp.asarray([2, 1, 3], jnp.int32)
+  with set_mesh(mesh):
+    with pytest.raises(TypeError, match="rhs group dimension size to be 3, got 2"):
+      jax.jit(gmm_jax.ragged_dot)(lhs, rhs[:2], sizes)
+    got = jax.jit(gmm_jax.ragged_dot)(lhs, rhs, sizes)
+  np.testing.assert_allclose(got, jax.lax.ragged_dot(lhs, rhs, sizes), rtol=1e-5, atol=1e-5)
+
+
 def test_gmm_shape_errors_are_type_errors_too():
   # gmm's own checks that jax also makes: rank, contraction size, group count, list dtype.
   lhs, rhs, sizes = jnp.ones((6, 4)), jnp.ones((3, 4, 5)), jnp.asarray([2, 2, 2])

@@ -86,8 +86,14 @@ def _check_as_jax(lhs, rhs, group_sizes, numbers, preferred_element_type, group_
       and 0 <= group_dims[0] < len(rhs_shape)):
     rhs_shape[group_dims[0]] = sizes_shape[-1]
     specs[1] = jax.ShapeDtypeStruct(tuple(rhs_shape), specs[1].dtype)
+  # Under Explicit mesh axes jax infers no result sharding for ragged_dot_general (its
+  # shape and dtype rules run before it asks): name one, since only the type is wanted.
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = any(kind == jax.sharding.AxisType.Explicit for kind in
+                 getattr(mesh, "axis_types", ()))
   rule = functools.partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=numbers,
-                           preferred_element_type=preferred_element_type)
+                           preferred_element_type=preferred_element_type,
+                           out_sharding=jax.sharding.PartitionSpec() if explicit else None)
   try:
     return jax.eval_shape(rule, *specs).dtype
   except (TypeError, AttributeError) as err:
