@@ -394,7 +394,7 @@ def _make_fixtures():
 
 
 @_by_arch(ARCHS)
-def test_live_transformers(arch):
+def test_live_transformers(arch, fast_compile):
   """With torch and transformers installed: a freshly drawn block (another seed than the
   fixture's), the layer built from the block object itself; the same checks; and
   to_transformers' state dict loaded into the block (strict) gives the same output."""

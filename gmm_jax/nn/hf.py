@@ -25,8 +25,8 @@ import json
 import sys
 from typing import Any, Callable, Mapping
 
-import ml_dtypes
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -35,11 +35,7 @@ from gmm_jax.nn.moe import MoE
 # --------------------------------------------------------------------------- config
 
 
-class _Missing:
-  pass
-
-
-_REQUIRED = _Missing()
+_REQUIRED = object()
 
 
 def _field(config, *names, default: Any = _REQUIRED):
@@ -50,7 +46,7 @@ def _field(config, *names, default: Any = _REQUIRED):
         return config[name]
     elif getattr(config, name, None) is not None:
       return getattr(config, name)
-  if isinstance(default, _Missing):
+  if default is _REQUIRED:
     raise ValueError(f"the config has none of {names}")
   return default
 
@@ -546,13 +542,12 @@ def from_transformers(block_or_config, state_dict: Mapping[str, Any] | None = No
     config = block_or_config
     if state_dict is None:
       raise ValueError("from_transformers(config) needs the state_dict of the block")
-    model_type = _field(config if not isinstance(config, str) else _as_dict(config),
-                        "model_type", default=None)
+    if isinstance(config, str):
+      config = _as_dict(config)
+    model_type = _field(config, "model_type", default=None)
     if model_type is None:
       raise ValueError("the config has no model_type: cannot tell its architecture")
     arch = _architecture(model_type)
-  if isinstance(config, str):
-    config = _as_dict(config)
   options = arch.options(config)
   tensors = _Tensors(state_dict, prefix)
   canonical = _read(arch, tensors, options)
