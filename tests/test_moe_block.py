@@ -1,11 +1,13 @@
 """The MoE block's variants against a plain per-token loop of the same formula.
 
 Every router option (softmax/sigmoid scores, a routing bias that only selects, group-limited
-top-k, routed scaling, top-1 without renormalization) and expert option (shared experts,
-expert biases, clamped SwiGLU, GeGLU, a plain FFN, capacity) is checked forward and by
-jax.grad against `reference`, which loops over the tokens and their chosen experts with
-numpy-chosen experts and jnp arithmetic. Fused and unfused paths agree; the top-1 router
-learns from the task loss; aux, presets, Linen names, metadata and eager sharding."""
+top-k, routed scaling, top-1 without renormalization, both load-balancing conventions) and
+expert option (shared experts with or without their sigmoid gate, expert biases, clamped
+SwiGLU with its constants, GeGLU, a plain FFN, router weights on the output or the input,
+capacity per call or per sequence) is checked forward and by jax.grad against `reference`,
+which loops over the tokens and their chosen experts with numpy-chosen experts and jnp
+arithmetic, fused and unfused. The top-1 router learns from the task loss; aux, presets,
+a replacement router, Linen names, metadata, bad options and eager sharding."""
 
 from __future__ import annotations
 
@@ -27,18 +29,45 @@ E, D, F = 8, 16, 12
 GATES = {
     "silu": lambda g, u: jax.nn.silu(g) * u,
     "gelu": lambda g, u: jax.nn.gelu(g, approximate=False) * u,
-    "swiglu_clamped": lambda g, u: (jnp.minimum(g, 7.0) * jax.nn.sigmoid(
-        1.702 * jnp.minimum(g, 7.0)) * (jnp.clip(u, -7.0, 7.0) + 1)),
 }
 PLAIN = {"relu": jax.nn.relu, "gelu": lambda z: jax.nn.gelu(z, approximate=False)}
+
+
+def gate_of(model):
+  """The gated activation on (gate, up), gpt-oss's with the model's limit and alpha."""
+  if model.activation != "swiglu_clamped":
+    return GATES[model.activation]
+  limit, alpha = model.swiglu_limit, model.swiglu_alpha
+  return lambda g, u: (jnp.minimum(g, limit) * jax.nn.sigmoid(alpha * jnp.minimum(g, limit))
+                       * (jnp.clip(u, -limit, limit) + 1))
+
+
+def logits_of(p, tokens):
+  logits = np.asarray(tokens @ p["router"]["kernel"], np.float32)
+  if "bias" in p["router"]:
+    logits = logits + np.asarray(p["router"]["bias"])
+  return logits
+
+
+def balance_loss(model, p, tokens, chosen):
+  """aux["load_balancing_loss"] by the documented formula of the model's convention."""
+  logits = logits_of(p, np.asarray(tokens)).astype(np.float64)
+  softmax = np.exp(logits - logits.max(-1, keepdims=True))
+  softmax /= softmax.sum(-1, keepdims=True)
+  if model.router.load_balancing_convention == "transformers":
+    top = np.argsort(-softmax, axis=-1, kind="stable")[:, :model.top_k]
+    counts = np.bincount(top.reshape(-1), minlength=E) / tokens.shape[0]
+    return E * np.sum(counts * softmax.mean(0))
+  scores = softmax if model.score == "softmax" else 1 / (1 + np.exp(-logits))
+  scores = scores / scores.sum(-1, keepdims=True)
+  load = np.bincount(chosen.reshape(-1), minlength=E) / chosen.size
+  return E * np.sum(load * scores.mean(0))
 
 
 def choose(model: nn.MoE, p, tokens):
   """The experts each token goes to, by the documented rule, in numpy (float32 scores as
   the model computes them): [T, k] int."""
-  logits = np.asarray(tokens @ p["router"]["kernel"], np.float32)
-  if "bias" in p["router"]:
-    logits = logits + np.asarray(p["router"]["bias"])
+  logits = logits_of(p, tokens)
   if model.score == "softmax":
     scores = np.exp(logits - logits.max(-1, keepdims=True))
     scores /= scores.sum(-1, keepdims=True)
@@ -60,8 +89,12 @@ def choose(model: nn.MoE, p, tokens):
   return np.stack(chosen)
 
 
-def kept_of(chosen, capacity):
-  """bool [T, k]: each expert takes its first `capacity` assignments in token order."""
+def kept_of(chosen, capacity, sequence=None):
+  """bool [T, k]: each expert takes its first `capacity` assignments in token order (of
+  each sequence of `sequence` tokens when given)."""
+  if sequence is not None:
+    return np.concatenate([kept_of(chosen[s:s + sequence], capacity)
+                           for s in range(0, chosen.shape[0], sequence)])
   taken = np.zeros(E, int)
   kept = np.ones(chosen.shape, bool)
   for t, j in np.ndindex(*chosen.shape):
@@ -83,45 +116,69 @@ def reference(model: nn.MoE, p, x, chosen, kept):
     if model.normalize_top_k:
       w = w / jnp.sum(w)
     w = w * model.routed_scaling_factor
+    on_input = model.router_weight_on == "input"
     y = jnp.zeros(D)
     for j in range(model.top_k):
       e = experts[j]
+      x_in = x_t * w[j] if on_input else x_t  # Llama 4: the weight scales the input
       if model.gated:
-        z = x_t @ p["gate_up"]["kernel"][e]
+        z = x_in @ p["gate_up"]["kernel"][e]
         if "bias" in p["gate_up"]:
           z = z + p["gate_up"]["bias"][e]
-        h = GATES[model.activation](z[:F], z[F:])
+        h = gate_of(model)(z[:F], z[F:])
       else:
-        z = x_t @ p["up"]["kernel"][e]
+        z = x_in @ p["up"]["kernel"][e]
         if "bias" in p["up"]:
           z = z + p["up"]["bias"][e]
         h = PLAIN[model.activation](z)
       o = h @ p["down"]["kernel"][e]
       if "bias" in p["down"]:
         o = o + p["down"]["bias"][e]
-      y = y + jnp.where(keep[j], w[j], 0.0) * o
+      y = y + jnp.where(keep[j], 1.0 if on_input else w[j], 0.0) * o
     if "shared" in p:
       z = x_t @ p["shared"]["up"]["kernel"]
       half = z.shape[0] // 2
-      y = y + GATES[model.activation](z[:half], z[half:]) @ p["shared"]["down"]["kernel"]
+      shared = gate_of(model)(z[:half], z[half:]) @ p["shared"]["down"]["kernel"]
+      if "gate" in p["shared"]:  # Qwen2-MoE: sigmoid(x @ w) scales the shared expert
+        shared = shared * jax.nn.sigmoid(x_t @ p["shared"]["gate"]["kernel"])[0]
+      y = y + shared
     return y
 
   return jax.vmap(one_token)(x, jnp.asarray(chosen), jnp.asarray(kept))
 
 
+# The default run covers every option at least once (several per variant); the rest run
+# with -m slow.
 VARIANTS = {
     "softmax_top2": dict(),
-    "gelu_top3_unnormalized_scaled_shared": dict(
+    # Qwen2-MoE-like: unnormalized, a sigmoid-gated shared expert, transformers' loss scale.
+    "gelu_top3_unnormalized_scaled_gated_shared_transformers_loss": dict(
         top_k=3, activation="gelu", normalize_top_k=False, routed_scaling_factor=0.5,
-        num_shared_experts=2, shared_mlp=8),
+        num_shared_experts=2, shared_mlp=8, shared_gate=True,
+        load_balancing_convention="transformers"),
     "deepseek_sigmoid_bias_groups_scaled_shared": dict(
         score="sigmoid", routing_bias=True, num_expert_groups=4, top_k_groups=2, top_k=3,
         routed_scaling_factor=2.5, num_shared_experts=1),
-    "gpt_oss_biases_clamped_capacity": dict(
+    # gpt-oss with other clamp constants (applied after the gmm) and the router weights on
+    # the expert inputs (with biases and capacity: a dropped row's ffn(0) is not 0).
+    "gpt_oss_biases_clamp_constants_input_weights_capacity": dict(
+        activation="swiglu_clamped", swiglu_limit=2.0, swiglu_alpha=1.3, use_bias=True,
+        router_bias=True, capacity_factor=0.5, router_weight_on="input"),
+    # Switch in transformers: top-1, not gated, capacity per sequence (x [2, 8, D]).
+    "switch_plain_top1_capacity_per_sequence": dict(
+        gated=False, activation="relu", top_k=1, capacity_factor=1.0,
+        capacity_per="sequence"),
+    "slow_gpt_oss_biases_clamped_capacity": dict(
         activation="swiglu_clamped", use_bias=True, router_bias=True, capacity_factor=0.5),
-    "switch_plain_top1_capacity": dict(gated=False, activation="relu", top_k=1,
-                                       capacity_factor=1.0),
+    # Llama 4: sigmoid of the top-1 logit on the expert input, a shared expert.
+    "slow_llama4_sigmoid_top1_input_weights_shared": dict(
+        score="sigmoid", top_k=1, normalize_top_k=False, router_weight_on="input",
+        num_shared_experts=1),
+    "slow_switch_plain_top1_capacity": dict(gated=False, activation="relu", top_k=1,
+                                            capacity_factor=1.0),
 }
+SLOW = [pytest.param(name, marks=pytest.mark.slow) if name.startswith("slow_") else name
+        for name in sorted(VARIANTS)]
 
 
 def build(options, seed=0):
@@ -149,27 +206,31 @@ def leaf(tree, path):
   return tree
 
 
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", SLOW)
 def test_variant_matches_per_token_loop_and_unfused(name):
   model, x = build(VARIANTS[name])
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   pure = nnx.to_pure_dict(params)
   chosen = choose(model, pure, x)
-  capacity = None
+  capacity, sequence = None, None
+  if model.capacity_per == "sequence":
+    sequence = x.shape[0] // 2  # the layer sees x as [2, S, D]
   if model.capacity_factor is not None:
-    capacity = math.ceil(model.capacity_factor * x.shape[0] * model.top_k / E)
-  kept = kept_of(chosen, capacity)
+    capacity = math.ceil(model.capacity_factor * (sequence or x.shape[0]) * model.top_k / E)
+  kept = kept_of(chosen, capacity, sequence)
+  shape = (2, sequence, D) if sequence else x.shape
 
   @jax.jit
   def run(params, x):
     def loss(params):
-      y, aux = nnx.merge(graphdef, params, rest)(x)
-      return loss_of(y), (y, aux)
+      y, aux = nnx.merge(graphdef, params, rest)(x.reshape(shape))
+      return loss_of(y), (y.reshape(x.shape), aux)
 
     grads, (y, aux) = jax.grad(loss, has_aux=True)(params)
     unfused = nnx.merge(graphdef, params, rest)
     unfused.fused = False  # the baseline, from the same parameters
-    return grads, y, aux, unfused(x)
+    y_unfused, aux_unfused = unfused(x.reshape(shape))
+    return grads, y, aux, (y_unfused.reshape(x.shape), aux_unfused)
 
   @jax.jit
   def run_reference(pure):
@@ -192,6 +253,8 @@ def test_variant_matches_per_token_loop_and_unfused(name):
   np.testing.assert_allclose(aux["expert_load"], load, rtol=1e-6)
   assert (capacity is None) == bool(kept.all())
   np.testing.assert_allclose(aux["dropped_fraction"], 1.0 - kept.mean(), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(aux["load_balancing_loss"], balance_loss(model, pure, x, chosen),
+                             rtol=1e-5)
   assert set(aux) == {"load_balancing_loss", "router_z_loss", "expert_load",
                       "dropped_fraction"}
   for key in aux:
@@ -240,8 +303,21 @@ def test_top1_router_learns_from_the_task_loss_and_sigmoid_aux():
 
 
 def test_presets():
-  assert set(nn.MOE_PRESETS) == {"mixtral-8x7b", "deepseek-v3", "qwen3-moe-30b-a3b",
-                                 "gpt-oss-120b"}
+  assert set(nn.MOE_PRESETS) == {
+      "mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-moe-30b-a3b", "qwen3-next-80b-a3b",
+      "deepseek-v3", "olmoe-1b-7b", "gpt-oss-120b", "granite-3.0-3b-a800m", "dbrx",
+      "glm-4.5-air", "llama-4-scout", "switch-base-8"}
+  # The models' own defaults: Qwen2-MoE and OLMoE do not renormalize, Qwen3-MoE does.
+  normalized = {name: nn.MOE_PRESETS[name].get("normalize_top_k") for name in
+                ("qwen1.5-moe-a2.7b", "olmoe-1b-7b", "qwen3-moe-30b-a3b")}
+  assert normalized == {"qwen1.5-moe-a2.7b": False, "olmoe-1b-7b": False,
+                        "qwen3-moe-30b-a3b": True}
+  qwen = nnx.eval_shape(lambda: nn.MoE.from_preset("qwen3-next-80b-a3b", rngs=nnx.Rngs(0)))
+  assert qwen.shared.gate.kernel.shape == (2048, 1) and qwen.gate_up.kernel.shape == (
+      512, 2048, 1024)
+  llama = nn.MOE_PRESETS["llama-4-scout"]
+  assert llama["router_weight_on"] == "input" and llama["top_k"] == 1
+  assert nn.MOE_PRESETS["switch-base-8"]["capacity_per"] == "sequence"
   full = nnx.eval_shape(lambda: nn.MoE.from_preset("deepseek-v3", rngs=nnx.Rngs(0)))
   assert full.gate_up.kernel.shape == (256, 7168, 4096)
   assert full.shared.up.kernel.shape == (7168, 4096) and full.top_k == 8
@@ -293,6 +369,41 @@ def test_kernel_metadata_and_bad_options():
     nn.MoE(E, D, F, score="relu", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="gated activation"):
     nn.MoE(E, D, F, activation="relu", rngs=nnx.Rngs(0))
+  bad = [
+      (dict(router_weight_on="both"), "router_weight_on"),
+      (dict(capacity_per="batch"), "capacity_per"),
+      (dict(load_balancing_convention="hf"), "load_balancing_convention"),
+      (dict(swiglu_limit=5.0), "swiglu_clamped"),  # constants of another activation
+      (dict(activation="swiglu_clamped", swiglu_alpha=0.0), "swiglu_alpha"),
+      (dict(shared_gate=True), "num_shared_experts"),
+      (dict(router=nnx.Linear(D, E, rngs=nnx.Rngs(0))), "route"),
+      (dict(router=nn.Router(D, E, rngs=nnx.Rngs(0)), score="sigmoid"), "score"),
+  ]
+  for options, message in bad:
+    with pytest.raises(ValueError, match=message):
+      nn.MoE(E, D, F, rngs=nnx.Rngs(0), **options)
+
+
+def test_a_replacement_router():
+  class Doubled(nnx.Module):
+    """The built-in router's choice with its weights doubled and its own aux."""
+
+    def __init__(self, rngs):
+      self.inner = nn.Router(D, E, top_k=2, rngs=rngs)
+
+    def route(self, tokens):
+      weights, experts, _ = self.inner.route(tokens)
+      return nn.Routing(2.0 * weights, experts, {"mine": jnp.ones(())})
+
+  model = nn.MoE(E, D, F, router=Doubled(nnx.Rngs(1)), rngs=nnx.Rngs(2))
+  plain = nn.MoE(E, D, F, rngs=nnx.Rngs(2))
+  plain.router.kernel[...] = model.router.inner.kernel[...]  # the same, weights not doubled
+  for name in ("gate_up", "down"):
+    getattr(plain, name).kernel[...] = getattr(model, name).kernel[...]
+  x = jax.random.normal(jax.random.key(12), (8, D))
+  (y, aux), (want, _) = nnx.jit(lambda a, b: (a(x), b(x)))(model, plain)
+  np.testing.assert_allclose(y, 2.0 * want, rtol=1e-5, atol=1e-6)  # linear in the weights
+  assert set(aux) == {"mine", "dropped_fraction"}
 
 
 def test_eager_sharding_under_set_mesh_and_out_sharding():

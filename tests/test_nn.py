@@ -1,6 +1,7 @@
 """The Flax layers: GroupedLinear against per-expert nnx.Linear, the MoE block against a dense
 per-token loop (forward and gradient), capacity dropping, a tiny training run, sharding
-metadata on a fake 8-device mesh, expert parallelism, and the Linen bridge."""
+metadata on a fake 8-device mesh, expert parallelism (router weights on the output or the
+input), and the Linen bridge."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from gmm_jax import nn  # noqa: E402
+from gmm_jax._src import experts  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 G, EMBED, MLP = 4, 16, 24
@@ -59,12 +61,15 @@ def test_grouped_linear_axis_names_and_quantized_weights():
   assert float(jnp.abs(grads["kernel"][...]).max()) > 0
 
 
-def dense_moe(model: nn.MoE, x, capacity=None):
-  """Every token through its top-k experts by explicit loops (independent of the sort)."""
+def dense_moe(model: nn.MoE, x, capacity=None, top_e=None):
+  """Every token through its top-k experts by explicit loops (independent of the sort);
+  `top_e`: the experts chosen (numpy), or None: chosen here (eagerly)."""
   tokens = x.reshape(-1, x.shape[-1])
   logits = tokens @ model.router.kernel[...]
   probs = jax.nn.softmax(logits, axis=-1)
-  top_p, top_e = jax.lax.top_k(probs, model.top_k)
+  if top_e is None:
+    top_e = np.asarray(jax.lax.top_k(probs, model.top_k)[1])
+  top_p = jnp.take_along_axis(probs, jnp.asarray(top_e), axis=-1)
   if model.normalize_top_k:
     top_p = top_p / top_p.sum(-1, keepdims=True)
   w_gate_up, wd = model.gate_up.kernel[...], model.down.kernel[...]
@@ -92,12 +97,16 @@ def test_moe_matches_dense_loops_forward_and_gradient():
   np.testing.assert_allclose(y, dense_moe(model, x), rtol=1e-4, atol=1e-5)
   assert y.shape == x.shape and float(aux["load_balancing_loss"]) > 0
 
+  # The experts chosen outside: the loops then unroll with static experts under jit.
+  logits = x.reshape(-1, EMBED) @ model.router.kernel[...]
+  top_e = np.asarray(jax.lax.top_k(logits, model.top_k)[1])
+
   def loss(model, reference):
-    out = dense_moe(model, x) if reference else model(x)[0]
+    out = dense_moe(model, x, top_e=top_e) if reference else model(x)[0]
     return jnp.sum(out ** 2)
 
   got = nnx.jit(nnx.grad(lambda m: loss(m, False)))(model)
-  want = nnx.grad(lambda m: loss(m, True))(model)  # eager: the loops read the routing
+  want = nnx.jit(nnx.grad(lambda m: loss(m, True)))(model)
   for path in (("gate_up", "kernel"), ("down", "kernel"), ("router", "kernel")):
     a, b = got[path[0]][path[1]][...], want[path[0]][path[1]][...]
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
@@ -162,21 +171,55 @@ def test_parameters_shard_by_logical_axes_on_a_mesh():
   assert placed.addressable_shards[0].data.shape == (2, EMBED, 2 * MLP)
 
 
-def test_expert_parallel_moe_equals_single_device():
+def _weight_on_models(weight_on, **extra):
+  """(one-device MoE, the same parameters with `extra` options): expert biases set (a
+  padded or dropped row's ffn(0) is not 0), router weights on the expert outputs or
+  inputs."""
+  options = dict(top_k=2, use_bias=True, router_weight_on=weight_on)
+  local = nn.MoE(8, EMBED, MLP, partitionable=False, rngs=nnx.Rngs(15), **options)
+  local.down.bias[...] = 0.3 * jax.random.normal(jax.random.key(23), (8, EMBED))
+  local.gate_up.bias[...] = 0.3 * jax.random.normal(jax.random.key(24), (8, 2 * MLP))
+  other = nn.MoE(8, EMBED, MLP, rngs=nnx.Rngs(15), **options, **extra)
+  nnx.update(other, nnx.state(local))
+  return local, other
+
+
+def _same_values_and_grads(local, other, x, x_other=None):
+  run = nnx.jit(nnx.value_and_grad(lambda m, x: jnp.sum(jnp.sin(m(x)[0]))))
+  (want, g_want), (got, g_got) = run(local, x), run(other, x if x_other is None else x_other)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  for path in (("gate_up", "kernel"), ("down", "bias"), ("router", "kernel")):
+    np.testing.assert_allclose(g_got[path[0]][path[1]][...], g_want[path[0]][path[1]][...],
+                               rtol=1e-3, atol=1e-5, err_msg=str(path))
+
+
+@pytest.mark.parametrize("weight_on", ["input", pytest.param("output", marks=pytest.mark.slow)])
+def test_expert_parallel_moe_equals_single_device(weight_on):
+  # The one-device path is checked against the per-token loop in test_moe_block.
   if len(jax.devices()) < 8:
     pytest.skip("needs 8 host CPU devices")
   mesh = Mesh(np.array(jax.devices()[:8]), ("expert",))
-  local = nn.MoE(8, EMBED, MLP, top_k=2, rngs=nnx.Rngs(15))
-  parallel = nn.MoE(8, EMBED, MLP, top_k=2, expert_parallel=(mesh, "expert"),
-                    rngs=nnx.Rngs(15))
+  local, parallel = _weight_on_models(weight_on, expert_parallel=(mesh, "expert"))
   x = jax.random.normal(jax.random.key(16), (16, EMBED))  # 32 assignments over 8 devices
-  want, _ = local(x)
-  got, _ = nnx.jit(lambda m, x: m(x))(parallel, x)
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-  g_local = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2)))(local)
-  g_par = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2)))(parallel)
-  np.testing.assert_allclose(g_par["down"]["kernel"][...], g_local["down"]["kernel"][...],
-                             rtol=1e-3, atol=1e-5)
+  _same_values_and_grads(local, parallel, x)
+
+
+@pytest.mark.slow
+def test_router_weights_on_the_input_in_the_partitionable_op():
+  # Tokens and expert kernels over one axis: the partitioner's travel strategy.
+  if len(jax.devices()) < 8:
+    pytest.skip("needs 8 host CPU devices")
+  mesh = Mesh(np.array(jax.devices()[:8]), ("expert",))
+  local, partitioned = _weight_on_models("input", partitionable=True)
+  experts_first = lambda v: v.ndim >= 2 and v.shape[0] == 8  # noqa: E731
+  nnx.update(partitioned, jax.tree.map(
+      lambda v: jax.device_put(v, NamedSharding(mesh, P("expert") if experts_first(v)
+                                                else P())), nnx.state(partitioned)))
+  x = jax.random.normal(jax.random.key(16), (16, EMBED))
+  with experts.record_layouts() as chosen:
+    _same_values_and_grads(local, partitioned, x,
+                           jax.device_put(x, NamedSharding(mesh, P("expert"))))
+  assert {layout.strategy for layout, _ in chosen} == {"travel"}
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -42,10 +42,18 @@ def _halves(z):
   return z[..., :n], z[..., n:]
 
 
-def _swiglu_clamped(gate, up):
-  gate = jnp.minimum(gate, SWIGLU_LIMIT)
-  up = jnp.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT)
-  return gate * jax.nn.sigmoid(SWIGLU_ALPHA * gate) * (up + 1)
+def _swiglu_clamped(gate, up, limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA):
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return gate * jax.nn.sigmoid(alpha * gate) * (up + 1)
+
+
+def swiglu_clamped(limit: float = SWIGLU_LIMIT, alpha: float = SWIGLU_ALPHA
+                   ) -> Callable[[jax.Array], jax.Array]:
+  """gpt-oss's clamped SwiGLU ``[..., 2N] -> [..., N]`` (gate half first) with its clamp
+  `limit` and sigmoid `alpha` (configs' ``swiglu_limit``; the defaults are the
+  ``"swiglu_clamped"`` activation's, the constants the kernels' epilogues use)."""
+  return lambda z: _swiglu_clamped(*_halves(z), limit, alpha)
 
 
 # The gated activations ``act(gate) * up`` by the name of the gate's activation.

@@ -39,7 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src.api import gmm
 from gmm_jax._src.dispatch import mesh_platform, on_lowering_platform
-from gmm_jax._src.epilogue import GATED_ACTIVATIONS
+from gmm_jax._src.epilogue import (GATED_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gather_rows,
+                                    swiglu_clamped)
 from gmm_jax._src.op.primitive import PREACTIVATION
 from gmm_jax._src import routing
 from gmm_jax._src.routing import route
@@ -51,6 +52,22 @@ GATED_NAMES = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh",
 FFN_POLICY = jax.checkpoint_policies.save_only_these_names(PREACTIVATION)
 STRATEGIES = ("local", "experts", "travel")
 TRANSPORTS = routing.TRANSPORTS
+WEIGHT_ON = ("output", "input")
+
+
+def gated_activation(activation, *, swiglu_limit: float = SWIGLU_LIMIT,
+                     swiglu_alpha: float = SWIGLU_ALPHA) -> Callable:
+  """A gated FFN's activation ``[..., 2F] -> [..., F]`` (gate half first) in jnp: a plain
+  name of `GATED_NAMES` ("swiglu_clamped" with its clamp limit and alpha) or a callable on
+  the gate half (``act(gate) * up``)."""
+  if callable(activation):
+    def gated(z):
+      half = z.shape[-1] // 2
+      return activation(z[..., :half]) * z[..., half:]
+    return gated
+  if activation == "swiglu_clamped":
+    return swiglu_clamped(swiglu_limit, swiglu_alpha)
+  return GATED_ACTIVATIONS[GATED_NAMES[activation]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +83,11 @@ class ExpertFFN:
       the unfused baseline: sorted copies, gate and up as two gmms).
     options: the gmm keyword options (``implementation``, ``precision``, quantization...)
       as sorted (name, value) pairs.
+    weight_on: "output": each assignment's result times its router weight (``w *
+      ffn(x)``); "input": the expert's input row times it (``ffn(w * x)``, Llama 4).
+    swiglu_limit, swiglu_alpha: the clamped SwiGLU's constants ("swiglu_clamped"). The
+      gmm's epilogue (and every kernel's) has the defaults; other values run the gated
+      activation after the gmm, in jnp (`epilogue.swiglu_clamped`).
   """
 
   num_experts: int
@@ -73,33 +95,61 @@ class ExpertFFN:
   gated: bool
   fused: bool = True
   options: tuple[tuple[str, Any], ...] = ()
+  weight_on: str = "output"
+  swiglu_limit: float = SWIGLU_LIMIT
+  swiglu_alpha: float = SWIGLU_ALPHA
 
   @property
   def gmm_options(self) -> dict[str, Any]:
     return dict(self.options)
 
+  @property
+  def epilogue_activation(self):
+    """The activation the gate|up gmm applies in its epilogue, or None when `after_gmm`
+    applies it (a user's callable gate, clamped SwiGLU constants the kernels lack)."""
+    if not self.gated:
+      return self.activation
+    if self.after_gmm is not None:
+      return None
+    return GATED_NAMES[self.activation]
+
+  @property
+  def after_gmm(self) -> Callable | None:
+    """The gated activation applied to the gate|up gmm's ``[R, 2F]`` result in jnp, or
+    None when the gmm's epilogue applies it."""
+    if not self.gated:
+      return None
+    if callable(self.activation) or (
+        self.activation == "swiglu_clamped"
+        and (self.swiglu_limit, self.swiglu_alpha) != (SWIGLU_LIMIT, SWIGLU_ALPHA)):
+      return gated_activation(self.activation, swiglu_limit=self.swiglu_limit,
+                              swiglu_alpha=self.swiglu_alpha)
+    return None
+
+
+def _input_weighted(rows, weights):
+  """Rows times their router weights (``weight_on="input"``), in f32, in the rows' dtype."""
+  return (rows.astype(jnp.float32) * weights.astype(jnp.float32)[:, None]).astype(rows.dtype)
+
 
 def ffn_rows(spec: ExpertFFN, rows, sizes, params):
   """The expert FFN on expert-contiguous rows (rows past ``sum(sizes)`` give 0):
   ``down(act(rows @ w_in + b_in))``; `params` a dict of w_in, w_down (b_in, b_down)."""
-  options, activation = spec.gmm_options, spec.activation
+  options = spec.gmm_options
   w_in, w_down = params["w_in"], params["w_down"]
   b_in, b_down = params.get("b_in"), params.get("b_down")
-  if not spec.gated:
-    h = gmm(rows, w_in, sizes, bias=b_in, activation=activation, **options)
-  elif callable(activation):  # a user's gate activation: the halves in jnp
-    z = gmm(rows, w_in, sizes, bias=b_in, **options)
-    half = z.shape[-1] // 2
-    h = activation(z[:, :half]) * z[:, half:]
-  elif spec.fused:
-    h = gmm(rows, w_in, sizes, bias=b_in, activation=GATED_NAMES[activation], **options)
+  if not spec.gated or spec.fused:
+    h = gmm(rows, w_in, sizes, bias=b_in, activation=spec.epilogue_activation, **options)
+    if spec.after_gmm is not None:  # the gated activation the epilogue cannot apply
+      h = spec.after_gmm(h)
   else:
     half = w_in.shape[-1] // 2
     gate = gmm(rows, w_in[..., :half], sizes, bias=None if b_in is None else b_in[..., :half],
                **options)
     up = gmm(rows, w_in[..., half:], sizes, bias=None if b_in is None else b_in[..., half:],
              **options)
-    h = GATED_ACTIVATIONS[GATED_NAMES[activation]](jnp.concatenate([gate, up], axis=-1))
+    h = gated_activation(spec.activation, swiglu_limit=spec.swiglu_limit,
+                         swiglu_alpha=spec.swiglu_alpha)(jnp.concatenate([gate, up], axis=-1))
   return gmm(h.astype(rows.dtype), w_down, sizes, bias=b_down, **options)
 
 
@@ -107,25 +157,29 @@ def ffn_routed(spec: ExpertFFN, x, top_e, top_p, params, *, capacity=None):
   """The fused expert FFN on unsorted tokens: `route` -> one gmm reading the tokens by
   index (gate|up with the gated activation) -> one gmm weighting each row by its router
   weight and writing it to its (token, k) slot -> each token's slots summed. Experts are
-  the leading dim of `params` (ids outside it are no assignment). No sorted copy of x.
+  the leading dim of `params` (ids outside it are no assignment). No sorted copy of x
+  (with ``weight_on="input"``: the gathered rows, weighted, are one).
   Returns (y ``[T, D]`` f32, kept ``[T, k]`` bool)."""
 
   def body(x, top_e, top_p, params):
     num_local = params["w_in"].shape[0]
-    options, activation = spec.gmm_options, spec.activation
+    options = spec.gmm_options
     r = route(top_e, num_local, weights=top_p, capacity=capacity)
     w_in, w_down = params["w_in"], params["w_down"]
     b_in, b_down = params.get("b_in"), params.get("b_down")
     sizes = r.group_sizes
-    if not spec.gated or not callable(activation):
-      act = GATED_NAMES[activation] if spec.gated else activation
-      h = gmm(x, w_in, sizes, bias=b_in, activation=act, lhs_indices=r.lhs_indices,
-              **options)
-    else:  # a user's gate activation: the halves in jnp
-      z = gmm(x, w_in, sizes, bias=b_in, lhs_indices=r.lhs_indices, **options)
-      half = z.shape[-1] // 2
-      h = activation(z[:, :half]) * z[:, half:]
-    y = gmm(h.astype(x.dtype), w_down, sizes, bias=b_down, row_weights=r.row_weights,
+    if spec.weight_on == "input":
+      # The gmm's row weights scale its results; these scale its input rows.
+      rows = dict(lhs=_input_weighted(gather_rows(x, r.lhs_indices), r.row_weights))
+      out_weights = None
+    else:
+      rows = dict(lhs=x, lhs_indices=r.lhs_indices)
+      out_weights = r.row_weights
+    h = gmm(rows.pop("lhs"), w_in, sizes, bias=b_in, activation=spec.epilogue_activation,
+            **rows, **options)
+    if spec.after_gmm is not None:  # the gated activation the epilogue cannot apply
+      h = spec.after_gmm(h)
+    y = gmm(h.astype(x.dtype), w_down, sizes, bias=b_down, row_weights=out_weights,
             out_indices=r.out_indices, out_rows=r.num_slots, **options)
     return r.combine(y).astype(jnp.float32), r.kept
 
@@ -151,11 +205,23 @@ def ffn_sorted(spec: ExpertFFN, x, top_e, top_p, params, *, capacity=None):
     key = jnp.where(valid, key, num_local)
   order = jnp.argsort(key, stable=True)
   sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
-  y_sorted = ffn_rows(spec, copies[order], sizes, params)
+  rows, out_p = weighted_rows(spec, copies, jnp.where(valid, flat_p, 0), valid)
+  y_sorted = ffn_rows(spec, rows[order], sizes, params)
   out = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
   weighted = (out.astype(jnp.float32).reshape(num_tokens, k, -1)
-              * jnp.where(valid, flat_p, 0).reshape(num_tokens, k, 1).astype(jnp.float32))
+              * out_p.reshape(num_tokens, k, 1).astype(jnp.float32))
   return jnp.sum(weighted, axis=1), valid.reshape(num_tokens, k)
+
+
+def weighted_rows(spec: ExpertFFN, rows, weights, kept):
+  """Assignment rows ``[A, D]`` with their router weights ``[A]`` (0 where dropped) and
+  kept mask ``[A]``, as the sorted paths feed them: (the expert input rows, what each
+  result row is multiplied by): ``(rows, weights)`` for ``weight_on="output"``,
+  ``(weights * rows, kept)`` for "input" (a dropped row's result, ffn(0), is not 0 with
+  biases: the mask removes it)."""
+  if spec.weight_on == "input":
+    return _input_weighted(rows, weights), kept.astype(jnp.float32)
+  return rows, weights
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -294,6 +360,8 @@ def _travel(static: Static, layout: Layout, x, top_e, top_p, params, capacity):
   ids = jnp.where(valid, flat_e, 0)  # a dropped assignment: computed, weight 0
   rows = jnp.broadcast_to(x[:, None, :], (num_tokens, k, x.shape[-1])).reshape(
       num_tokens * k, x.shape[-1])
+  if spec.weight_on == "input":
+    rows = _input_weighted(rows, flat_p)
   per_pair = num_tokens * k  # the worst case: every row to one device
   if static.buffer_factor is not None:
     per_pair = max(1, min(per_pair, math.ceil(static.buffer_factor * num_tokens * k
@@ -327,8 +395,11 @@ def _travel(static: Static, layout: Layout, x, top_e, top_p, params, capacity):
                                  **options)
 
   out = on_lowering_platform(run, layout.platform, rows, ids)
+  # The rows past a transport's buffer came back 0 (valid is False there): either way the
+  # mask takes out every dropped row's result.
+  out_p = flat_p if spec.weight_on == "output" else jnp.ones_like(flat_p)
   weighted = out.astype(jnp.float32).reshape(num_tokens, k, -1) * jnp.where(
-      valid, flat_p, 0).reshape(num_tokens, k, 1)
+      valid, out_p, 0).reshape(num_tokens, k, 1)
   return jnp.sum(weighted, axis=1), valid.reshape(num_tokens, k)
 
 

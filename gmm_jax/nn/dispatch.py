@@ -50,21 +50,43 @@ def layout(x, expert_parallel, data_parallel, in_kernel):
   return mesh, axis, token_axes
 
 
+def first_come(top_e, blocks: int, num_experts: int, capacity: int):
+  """bool ``[T, k]``: each expert takes the first `capacity` assignments (in (token,
+  choice) order) of each of `blocks` equal blocks of tokens (sequences, token shards)."""
+  hot = jax.nn.one_hot(top_e.reshape(blocks, -1), num_experts, dtype=jnp.int32)
+  rank = jnp.sum((jnp.cumsum(hot, axis=1) - 1) * hot, axis=-1)
+  return (rank < capacity).reshape(top_e.shape)
+
+
 def run_experts(spec: ExpertFFN, rows, top_e, top_p, params, *, mesh, axis, token_axes,
                 partitionable: bool | None, capacity_factor: float | None,
-                buffer_factor: float | None, transport: str):
+                buffer_factor: float | None, transport: str,
+                sequence_length: int | None = None):
   """The routed experts of rows ``[T, D]`` (see `MoE` for the options): one device's fused
   path or unfused baseline, the partitionable op under plain jit, or `routed_apply` on a
-  mesh. Returns (y ``[T, D]`` f32, kept ``[T, k]`` or None when nothing can be dropped)."""
+  mesh. `sequence_length` S: the capacity is per sequence of S rows (None: per call, or
+  per token shard on a mesh). Returns (y ``[T, D]`` f32, kept ``[T, k]`` or None when
+  nothing can be dropped)."""
   num_tokens, k = top_e.shape
   num_experts = spec.num_experts
+  top_e = top_e.astype(jnp.int32)
+  keep = None
+  bound = None  # the most assignments one expert can get once `keep` has dropped
+  if capacity_factor is not None and sequence_length is not None:
+    # Each sequence's assignments past an expert's capacity become no assignment (-1);
+    # the strategies then run dropless, their buffers bounded by the sequences' total.
+    per_sequence = math.ceil(capacity_factor * sequence_length * k / num_experts)
+    sequences = num_tokens // sequence_length
+    keep = first_come(top_e, sequences, num_experts, per_sequence)
+    top_e = jnp.where(keep, top_e, -1)
+    capacity_factor, bound = None, per_sequence * sequences
   if partitionable is None:
     partitionable = may_be_partitioned()
   if mesh is None and not partitionable:
-    capacity = (None if capacity_factor is None else
+    capacity = (bound if capacity_factor is None else
                 math.ceil(capacity_factor * num_tokens * k / num_experts))
     ffn = experts.ffn_routed if spec.fused else experts.ffn_sorted
-    y, kept = ffn(spec, rows, top_e.astype(jnp.int32), top_p, params, capacity=capacity)
+    y, kept = ffn(spec, rows, top_e, top_p, params, capacity=capacity)
     return y, None if capacity is None else kept
   if mesh is None:
     # Mesh-blind (plain jit, one device): the partitioner splits the routed experts by
@@ -72,34 +94,37 @@ def run_experts(spec: ExpertFFN, rows, top_e, top_p, params, *, mesh, axis, toke
     y, kept = experts.routed_experts(spec, rows, top_e, top_p, params,
                                      capacity_factor=capacity_factor,
                                      buffer_factor=buffer_factor, transport=transport)
-    return y, None if capacity_factor is None and buffer_factor is None else kept
+    dropless = capacity_factor is None and buffer_factor is None and keep is None
+    return y, None if dropless else kept.astype(bool)
   shards = math.prod(mesh.shape[a] for a in token_axes)
   capacity = None
   if capacity_factor is not None:
     capacity = math.ceil(capacity_factor * num_tokens * k / (num_experts * shards))
   return sorted_on_mesh(spec, rows, top_e, top_p, params, capacity=capacity, shards=shards,
                         mesh=mesh, axis=axis, token_axes=token_axes,
-                        buffer_factor=buffer_factor, transport=transport)
+                        buffer_factor=buffer_factor, transport=transport, keep=keep)
 
 
 def sorted_on_mesh(spec: ExpertFFN, rows, top_e, top_p, params, *, capacity, shards, mesh,
-                   axis, token_axes, buffer_factor, transport):
+                   axis, token_axes, buffer_factor, transport, keep=None):
   """The mesh path (mesh arguments or Explicit axes): each assignment's row copied,
   sorted by expert within each shard (`routed_apply`), the expert FFN, unsorted, weighted
-  and summed over k."""
+  and summed over k. `keep`: None or bool ``[T, k]``, the assignments not dropped before
+  (per sequence)."""
   num_tokens, k = top_e.shape
   flat_e, flat_p = top_e.reshape(-1), top_p.reshape(-1)
   # The token of each assignment (a broadcast: keeps the tokens' sharding on any mesh).
   copies = jnp.broadcast_to(rows[:, None, :], (num_tokens, k, rows.shape[-1])).reshape(
       num_tokens * k, rows.shape[-1])
-  kept = None
+  kept = None if keep is None else keep.reshape(-1)
   if capacity is not None:
     # Each expert takes the first `capacity` assignments of each token shard, in order.
-    hot = jax.nn.one_hot(flat_e.reshape(shards, -1), spec.num_experts, dtype=jnp.int32)
-    rank = jnp.sum((jnp.cumsum(hot, axis=1) - 1) * hot, axis=-1).reshape(-1)
-    kept = rank < capacity
+    kept = first_come(flat_e, shards, spec.num_experts, capacity)
+  if kept is not None:
     flat_p = jnp.where(kept, flat_p, 0.0)
   ids = flat_e if kept is None else jnp.where(kept, flat_e, 0)  # dropped: weight 0
+  copies, out_p = experts.weighted_rows(
+      spec, copies, flat_p, jnp.ones_like(flat_p, bool) if kept is None else kept)
   per_pair = None  # routed_apply's default: the worst case
   if buffer_factor is not None and axis is not None and axis in token_axes:
     local_rows = num_tokens * k // shards
@@ -110,5 +135,5 @@ def sorted_on_mesh(spec: ExpertFFN, rows, top_e, top_p, params, *, capacity, sha
                      transport=transport)
   # Each token's k results, weighted: a reshape and a sum (no scatter across shards).
   weighted = (out.astype(jnp.float32).reshape(num_tokens, k, -1)
-              * flat_p.reshape(num_tokens, k, 1))
+              * out_p.reshape(num_tokens, k, 1))
   return jnp.sum(weighted, axis=1), None if kept is None else kept.reshape(num_tokens, k)

@@ -5,39 +5,41 @@ parameters and as the static `ExpertFFN` the dispatch strategies
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 
 from gmm_jax import QuantSpec
 from gmm_jax.nn.grouped_linear import GroupedLinear
-from gmm_jax._src.epilogue import GATED_ACTIVATIONS, resolve_activation
-from gmm_jax._src.experts import GATED_NAMES, ExpertFFN
+from gmm_jax._src.epilogue import SWIGLU_ALPHA, SWIGLU_LIMIT, resolve_activation
+from gmm_jax._src.experts import GATED_NAMES, WEIGHT_ON, ExpertFFN
 
 Array = jax.Array
 
 
-def check_activation(activation, gated: bool):
-  """ValueError unless `activation` suits the FFN: for gated FFNs a name of `GATED_NAMES`
+def check_options(activation, gated: bool, *, router_weight_on: str = "output",
+                  swiglu_limit: float = SWIGLU_LIMIT, swiglu_alpha: float = SWIGLU_ALPHA):
+  """ValueError unless the options suit the FFN: for gated FFNs a name of `GATED_NAMES`
   or a callable on the gate half, for plain ones a `gmm_jax.ACTIVATIONS` name or a
-  callable."""
+  callable; `router_weight_on` in `WEIGHT_ON`; positive clamped-SwiGLU constants, other
+  than the defaults only for "swiglu_clamped"."""
   if gated and isinstance(activation, str) and activation not in GATED_NAMES:
     raise ValueError(f"gated activation must be one of {sorted(GATED_NAMES)} or a "
                      f"callable, got {activation!r}")
   if not gated:
     resolve_activation(activation)
-
-
-def gated_activation(activation) -> Callable[[Array], Array]:
-  """The gated activation ``[..., 2F] -> [..., F]`` (gate half first) of a gated FFN's
-  `activation` (a plain name of `GATED_NAMES` or a callable on the gate half)."""
-  if callable(activation):
-    def gated(z):
-      half = z.shape[-1] // 2
-      return activation(z[..., :half]) * z[..., half:]
-    return gated
-  return GATED_ACTIVATIONS[GATED_NAMES[activation]]
+  if router_weight_on not in WEIGHT_ON:
+    raise ValueError(f"router_weight_on must be one of {WEIGHT_ON}, got "
+                     f"{router_weight_on!r}")
+  for name, value in (("swiglu_limit", swiglu_limit), ("swiglu_alpha", swiglu_alpha)):
+    if not isinstance(value, (int, float)) or not value > 0:
+      raise ValueError(f"{name} must be a positive number, got {value!r}")
+  if ((swiglu_limit, swiglu_alpha) != (SWIGLU_LIMIT, SWIGLU_ALPHA)
+      and not (gated and activation == "swiglu_clamped")):
+    raise ValueError(f"swiglu_limit={swiglu_limit} and swiglu_alpha={swiglu_alpha} are the "
+                     f"constants of the gated activation 'swiglu_clamped', not of "
+                     f"{activation!r} (gated={gated})")
 
 
 def expert_layers(num_experts: int, embed: int, mlp: int, *, gated: bool, use_bias: bool,
@@ -70,7 +72,11 @@ def expert_params(in_layer: GroupedLinear, down: GroupedLinear, dtype) -> dict[s
 
 
 def ffn_spec(num_experts: int, activation, gated: bool, fused: bool,
-             in_layer: GroupedLinear, dtype) -> ExpertFFN:
+             in_layer: GroupedLinear, dtype, *, weight_on: str = "output",
+             swiglu_limit: float = SWIGLU_LIMIT,
+             swiglu_alpha: float = SWIGLU_ALPHA) -> ExpertFFN:
   """The static `ExpertFFN` of these experts (the gmm options from `in_layer`)."""
   options = in_layer.gmm_options(dtype)
-  return ExpertFFN(num_experts, activation, gated, fused, tuple(sorted(options.items())))
+  return ExpertFFN(num_experts, activation, gated, fused, tuple(sorted(options.items())),
+                   weight_on=weight_on, swiglu_limit=float(swiglu_limit),
+                   swiglu_alpha=float(swiglu_alpha))

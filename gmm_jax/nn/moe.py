@@ -12,20 +12,23 @@ from flax import nnx
 
 from gmm_jax import QuantSpec
 from gmm_jax.nn import dispatch
-from gmm_jax.nn.expert_ffn import check_activation, expert_layers, expert_params, ffn_spec
+from gmm_jax.nn.expert_ffn import check_options, expert_layers, expert_params, ffn_spec
 from gmm_jax.nn.grouped_linear import GroupedLinear
 from gmm_jax.nn.params import reshard
 from gmm_jax.nn.presets import scaled
 from gmm_jax.nn.router import Router
 from gmm_jax.nn.shared import SharedExperts
 from gmm_jax._src import experts
+from gmm_jax._src.epilogue import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 Array = jax.Array
 
 # The router options of `MoE` with their defaults (a replacement router takes none).
 _ROUTER_DEFAULTS = dict(score="softmax", normalize_top_k=None, routing_bias=False,
                         num_expert_groups=None, top_k_groups=None,
-                        routed_scaling_factor=1.0, router_bias=False)
+                        routed_scaling_factor=1.0, router_bias=False,
+                        load_balancing_convention="gmm_jax")
+CAPACITY_PER = ("call", "sequence")
 
 
 class MoE(nnx.Module):
@@ -50,8 +53,15 @@ class MoE(nnx.Module):
     num_experts, embed, mlp: E, the model width D, the expert FFN width F.
     top_k: experts per token.
     activation: for gated FFNs "silu" (SwiGLU), "gelu" / "gelu_tanh" (GeGLU),
-      "swiglu_clamped" (gpt-oss), or a callable on the gate half; for plain FFNs a name of
-      `gmm_jax.ACTIVATIONS` ("relu", "gelu", ...) or a callable.
+      "swiglu_clamped" (gpt-oss: ``gate = min(gate, limit)``, ``up = clip(up, -limit,
+      limit)``, ``gate * sigmoid(alpha * gate) * (up + 1)``), or a callable on the gate
+      half; for plain FFNs a name of `gmm_jax.ACTIVATIONS` ("relu", "gelu", ...) or a
+      callable.
+    swiglu_limit, swiglu_alpha: the clamped SwiGLU's limit and alpha (gpt-oss configs'
+      ``swiglu_limit``; defaults 7.0 and 1.702; other values only with
+      "swiglu_clamped"). The gmm kernels' epilogues hold the defaults: other values run
+      the gated activation after the gate|up gmm, in jnp (the same function,
+      `gmm_jax._src.epilogue.swiglu_clamped`), keeping its ``[R, 2F]`` result.
     gated: True: gated FFN, ``gate_up`` kernel ``[E, D, 2F]`` (gate half first); False: a
       Switch-style FFN, ``up`` kernel ``[E, D, F]``. Either way ``down`` is ``[E, F, D]``.
     fused: the fused path (above) or the unfused baseline.
@@ -66,12 +76,32 @@ class MoE(nnx.Module):
       replacement: any nnx.Module with ``route(tokens [T, D]) -> Routing(weights [T, k]
       float, experts [T, k] int, aux dict)`` (see `Router`); the router options above
       must then keep their defaults.
+    load_balancing_convention: the scale of ``aux["load_balancing_loss"]`` (`Router`):
+      "gmm_jax" (default): Switch's ``E * sum_e f_e * P_e`` with f_e the fraction of the
+      T*k assignments that chose e and P_e the mean score of e: 1 when balanced.
+      "transformers": their ``load_balancing_loss_func``, ``E * sum_e (c_e / T) *
+      mean_t softmax(logits)_te`` with c_e the tokens whose top-k of the softmax holds e:
+      top_k times the former for softmax routers, so that their ``router_aux_loss_coef``
+      carries over.
+    router_weight_on: "output" (default): ``y = sum_j w_j * ffn_j(x)``; "input":
+      ``y = sum_j ffn_j(w_j * x)``, the router weight multiplies the expert's input row
+      (Llama 4; the same only for linear experts). Fused, the gathered rows are scaled
+      (one ``[T*k, D]`` copy the output weighting does not make); also under
+      expert parallelism and `routed_experts`.
     num_shared_experts, shared_mlp: shared experts, one dense FFN of width ``shared_mlp``
       (default ``mlp * num_shared_experts``) applied to every token, gated like the experts.
+    shared_gate: the shared experts' output times ``sigmoid(x @ shared.gate.kernel)``, a
+      learned ``[D, 1]`` kernel (Qwen2-MoE's and Qwen3-Next's ``shared_expert_gate``);
+      needs num_shared_experts >= 1.
     use_bias: expert biases ``[E, 2F]`` (or ``[E, F]``) and ``[E, D]`` (gpt-oss).
     capacity_factor: None (dropless) or c: each expert takes at most
       ``ceil(c * T * top_k / E)`` assignments (earlier tokens first; the rest give 0), and
       the grouped buffers hold ``min(T * top_k, E * capacity)`` rows.
+    capacity_per: "call" (default: T is every token of the call, or of a token shard on a
+      mesh) or "sequence": x ``[..., S, D]`` (a 2-D x is one sequence), each sequence's
+      assignments ranked on their own, ``ceil(c * S * top_k / E)`` per expert and
+      sequence (Switch Transformer in transformers: its ``expert_capacity`` is this
+      number, ``c = expert_capacity * E / (S * top_k)``).
     buffer_factor: None (dropless: receive buffers sized for the worst case, every
       assignment of a token shard sent to one device) or b: under expert parallelism with
       the tokens sharded over the expert axis, each device receives at most
@@ -115,7 +145,8 @@ class MoE(nnx.Module):
   Parameters: ``router.kernel [D, E]`` (``router.bias [E]``, ``router.routing_bias [E]``,
   the latter a `RoutingBias`), ``gate_up.kernel [E, D, 2F]`` (gate half first) or
   ``up.kernel [E, D, F]``, ``down.kernel [E, F, D]`` (biases ``[E, 2F]``/``[E, F]`` and
-  ``[E, D]``), ``shared.up.kernel [D, 2F_s]``, ``shared.down.kernel [F_s, D]``.
+  ``[E, D]``), ``shared.up.kernel [D, 2F_s]``, ``shared.down.kernel [F_s, D]``,
+  ``shared.gate.kernel [D, 1]``.
 
   Returns (from __call__): ``(y, aux)``: the router's aux (the built-in router's:
   ``aux["load_balancing_loss"]`` the Switch balance loss ``E * sum_e f_e * P_e`` (f_e:
@@ -131,9 +162,13 @@ class MoE(nnx.Module):
                routing_bias: bool = False, num_expert_groups: int | None = None,
                top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
                router_bias: bool = False, router: nnx.Module | None = None,
-               num_shared_experts: int = 0,
-               shared_mlp: int | None = None, use_bias: bool = False,
-               capacity_factor: float | None = None, buffer_factor: float | None = None,
+               load_balancing_convention: str = "gmm_jax",
+               router_weight_on: str = "output", num_shared_experts: int = 0,
+               shared_mlp: int | None = None, shared_gate: bool = False,
+               use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
+               swiglu_alpha: float = SWIGLU_ALPHA,
+               capacity_factor: float | None = None, capacity_per: str = "call",
+               buffer_factor: float | None = None,
                partitionable: bool | None = None, transport: str = "auto",
                expert_parallel=None,
                data_parallel=None, dtype: Any = None, param_dtype: Any = jnp.float32,
@@ -145,7 +180,13 @@ class MoE(nnx.Module):
       raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if capacity_factor is not None and capacity_factor <= 0:
       raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
-    check_activation(activation, gated)
+    check_options(activation, gated, router_weight_on=router_weight_on,
+                  swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
+    if capacity_per not in CAPACITY_PER:
+      raise ValueError(f"capacity_per must be one of {CAPACITY_PER}, got {capacity_per!r}")
+    if shared_gate and not num_shared_experts:
+      raise ValueError("shared_gate=True gates the shared experts: it needs "
+                       "num_shared_experts >= 1")
     if buffer_factor is not None and buffer_factor <= 0:
       raise ValueError(f"buffer_factor must be positive, got {buffer_factor}")
     if transport not in experts.TRANSPORTS:
@@ -154,7 +195,8 @@ class MoE(nnx.Module):
                           routing_bias=routing_bias, num_expert_groups=num_expert_groups,
                           top_k_groups=top_k_groups,
                           routed_scaling_factor=routed_scaling_factor,
-                          router_bias=router_bias)
+                          router_bias=router_bias,
+                          load_balancing_convention=load_balancing_convention)
     if router is None:
       options = dict(router_options)
       router = Router(embed, num_experts, top_k=top_k, use_bias=options.pop("router_bias"),
@@ -169,7 +211,10 @@ class MoE(nnx.Module):
                          f"{type(router).__name__}")
     self.num_experts, self.embed, self.mlp, self.top_k = num_experts, embed, mlp, top_k
     self.activation, self.gated, self.fused = activation, gated, fused
+    self.router_weight_on = router_weight_on
+    self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
     self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
+    self.capacity_per = capacity_per
     self.partitionable, self.transport = partitionable, transport
     self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
     self.dtype, self.out_sharding = dtype, out_sharding
@@ -181,7 +226,9 @@ class MoE(nnx.Module):
         implementation=implementation, kernel_metadata=kernel_metadata, rngs=rngs)
     shared_mlp = shared_mlp or mlp * num_shared_experts
     self.shared = SharedExperts(embed, shared_mlp, gated=gated, activation=activation,
-                                dtype=dtype, param_dtype=param_dtype,
+                                gate=shared_gate, swiglu_limit=swiglu_limit,
+                                swiglu_alpha=swiglu_alpha, dtype=dtype,
+                                param_dtype=param_dtype,
                                 rngs=rngs) if num_shared_experts else None
 
   @classmethod
@@ -253,14 +300,18 @@ class MoE(nnx.Module):
       raise ValueError(f"the router chose experts of shape {top_e.shape}; the layer takes "
                        f"[{tokens.shape[0]}, top_k={self.top_k}]")
     dtype = self.dtype or jnp.result_type(x, in_kernel)
+    sequence_length = None
+    if self.capacity_per == "sequence":  # x [..., S, D]; a 2-D x is one sequence
+      sequence_length = shape[-2] if len(shape) >= 3 else tokens.shape[0]
+    spec = ffn_spec(self.num_experts, self.activation, self.gated, self.fused,
+                    self._in_layer(), dtype, weight_on=self.router_weight_on,
+                    swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
     y, kept = dispatch.run_experts(
-        ffn_spec(self.num_experts, self.activation, self.gated, self.fused,
-                 self._in_layer(), dtype),
-        tokens.astype(dtype), top_e, top_p,
+        spec, tokens.astype(dtype), top_e, top_p,
         expert_params(self._in_layer(), self.down, dtype), mesh=mesh, axis=axis,
         token_axes=token_axes, partitionable=self.partitionable,
         capacity_factor=self.capacity_factor, buffer_factor=self.buffer_factor,
-        transport=self.transport)
+        transport=self.transport, sequence_length=sequence_length)
     if self.shared is not None:
       y = y + self.shared(tokens).astype(jnp.float32)
     aux = dict(routing.aux)

@@ -8,6 +8,19 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     # Mixtral-8x7B: softmax top-2 of 8, renormalized, SwiGLU experts.
     "mixtral-8x7b": dict(num_experts=8, embed=4096, mlp=14336, top_k=2, score="softmax",
                          activation="silu"),
+    # Qwen1.5-MoE-A2.7B (Qwen2-MoE): softmax top-4 of 60, not renormalized
+    # (norm_topk_prob=False), a shared expert of width 5632 scaled by sigmoid(x @ w).
+    "qwen1.5-moe-a2.7b": dict(num_experts=60, embed=2048, mlp=1408, top_k=4,
+                              score="softmax", normalize_top_k=False, num_shared_experts=1,
+                              shared_mlp=5632, shared_gate=True, activation="silu"),
+    # Qwen3-30B-A3B: softmax top-8 of 128, renormalized (norm_topk_prob), no shared expert.
+    "qwen3-moe-30b-a3b": dict(num_experts=128, embed=2048, mlp=768, top_k=8, score="softmax",
+                              normalize_top_k=True, activation="silu"),
+    # Qwen3-Next-80B-A3B: softmax top-10 of 512, renormalized, a gated shared expert of
+    # width 512.
+    "qwen3-next-80b-a3b": dict(num_experts=512, embed=2048, mlp=512, top_k=10,
+                               score="softmax", normalize_top_k=True, num_shared_experts=1,
+                               shared_mlp=512, shared_gate=True, activation="silu"),
     # DeepSeek-V3: sigmoid scores, bias-corrected selection (aux-loss-free balancing),
     # top-4 of 8 groups, top-8 of 256 experts, weights renormalized and scaled by 2.5, one
     # shared expert.
@@ -15,16 +28,38 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
                         routing_bias=True, num_expert_groups=8, top_k_groups=4,
                         normalize_top_k=True, routed_scaling_factor=2.5,
                         num_shared_experts=1, activation="silu"),
-    # Qwen3-30B-A3B: softmax top-8 of 128, renormalized (norm_topk_prob), no shared expert.
-    "qwen3-moe-30b-a3b": dict(num_experts=128, embed=2048, mlp=768, top_k=8, score="softmax",
-                              normalize_top_k=True, activation="silu"),
+    # OLMoE-1B-7B: softmax top-8 of 64, not renormalized (norm_topk_prob=False).
+    "olmoe-1b-7b": dict(num_experts=64, embed=2048, mlp=1024, top_k=8, score="softmax",
+                        normalize_top_k=False, activation="silu"),
     # gpt-oss-120b: router with a bias, softmax over the top-4 of 128 (= renormalized),
-    # clamped SwiGLU, expert biases.
+    # clamped SwiGLU (swiglu_limit 7.0, alpha 1.702), expert biases.
     "gpt-oss-120b": dict(num_experts=128, embed=2880, mlp=2880, top_k=4, score="softmax",
                          normalize_top_k=True, router_bias=True, use_bias=True,
-                         activation="swiglu_clamped"),
+                         activation="swiglu_clamped", swiglu_limit=7.0, swiglu_alpha=1.702),
+    # Granite-3.0-3B-A800M (GraniteMoE): softmax over the top-8 logits of 40 (=
+    # renormalized), SwiGLU experts.
+    "granite-3.0-3b-a800m": dict(num_experts=40, embed=1536, mlp=512, top_k=8,
+                                 score="softmax", normalize_top_k=True, activation="silu"),
+    # DBRX: softmax top-4 of 16, divided by their L1 norm (moe_normalize_expert_weights=1:
+    # renormalized), SwiGLU experts.
+    "dbrx": dict(num_experts=16, embed=6144, mlp=10752, top_k=4, score="softmax",
+                 normalize_top_k=True, activation="silu"),
+    # GLM-4.5-Air (GLM4-MoE): sigmoid scores with a bias-corrected selection, top-8 of 128
+    # (one group: no group limit), renormalized, scaling 1.0, one shared expert.
+    "glm-4.5-air": dict(num_experts=128, embed=4096, mlp=1408, top_k=8, score="sigmoid",
+                        routing_bias=True, normalize_top_k=True, routed_scaling_factor=1.0,
+                        num_shared_experts=1, activation="silu"),
+    # Llama 4 Scout (17B-16E): top-1 of 16, the weight sigmoid(top logit) multiplying the
+    # expert's input, a shared expert of the experts' width.
+    "llama-4-scout": dict(num_experts=16, embed=5120, mlp=8192, top_k=1, score="sigmoid",
+                          normalize_top_k=False, router_weight_on="input",
+                          num_shared_experts=1, activation="silu"),
+    # Switch-Base-8: softmax top-1 of 8, not renormalized, ReLU FFN (not gated), capacity
+    # per sequence (expert_capacity 64 at 512 tokens: capacity_factor 1.0).
+    "switch-base-8": dict(num_experts=8, embed=768, mlp=3072, top_k=1, score="softmax",
+                          normalize_top_k=False, gated=False, activation="relu",
+                          capacity_factor=1.0, capacity_per="sequence"),
 }
-
 
 def scaled(name: str, scale: float = 1.0) -> dict[str, Any]:
   """The arguments of preset `name` with the widths (embed, mlp, shared_mlp) multiplied by

@@ -15,6 +15,7 @@ from gmm_jax.nn.params import param, replicated_last
 Array = jax.Array
 
 SCORES = ("softmax", "sigmoid")
+LOAD_BALANCING_CONVENTIONS = ("gmm_jax", "transformers")
 
 
 class RoutingBias(nnx.Variable):
@@ -69,6 +70,9 @@ class Router(nnx.Module):
     num_expert_groups, top_k_groups: group-limited routing (None: off).
     routed_scaling_factor: multiplies the chosen weights.
     use_bias: the router has a bias (gpt-oss).
+    load_balancing_convention: the scale of ``aux["load_balancing_loss"]`` (see
+      `aux_losses`): "gmm_jax" (Switch's ``E * sum_e f_e P_e``, 1 when balanced) or
+      "transformers" (their ``load_balancing_loss_func``, top_k when balanced).
     param_dtype: of the kernel and bias.
     rngs: nnx.Rngs.
 
@@ -80,11 +84,15 @@ class Router(nnx.Module):
                score: str = "softmax", normalize_top_k: bool | None = None,
                routing_bias: bool = False, num_expert_groups: int | None = None,
                top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
-               use_bias: bool = False, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               use_bias: bool = False, load_balancing_convention: str = "gmm_jax",
+               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if score not in SCORES:
       raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+    if load_balancing_convention not in LOAD_BALANCING_CONVENTIONS:
+      raise ValueError(f"load_balancing_convention must be one of "
+                       f"{LOAD_BALANCING_CONVENTIONS}, got {load_balancing_convention!r}")
     if (num_expert_groups is None) != (top_k_groups is None):
       raise ValueError("num_expert_groups and top_k_groups go together")
     if num_expert_groups is not None:
@@ -97,6 +105,7 @@ class Router(nnx.Module):
     self.normalize_top_k = top_k > 1 if normalize_top_k is None else normalize_top_k
     self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
     self.routed_scaling_factor = routed_scaling_factor
+    self.load_balancing_convention = load_balancing_convention
     # The keys in nnx.Linear's order (kernel, then bias): the same initial values.
     init = nnx.initializers.normal(0.02)
     self.kernel = param(init(rngs.params(), (embed, num_experts), param_dtype),
@@ -140,17 +149,35 @@ class Router(nnx.Module):
     return logits, scores, weights, top_e
 
   def aux_losses(self, logits: Array, scores: Array, experts: Array) -> dict[str, Array]:
-    """``load_balancing_loss`` (Switch: ``E * sum_e f_e * P_e``, f_e the fraction of the
-    top-k assignments to e, P_e the mean score of e, sigmoid scores normalized per token),
-    ``router_z_loss`` (ST-MoE: ``mean(logsumexp(logits)^2)``) and ``expert_load`` (f)."""
+    """The auxiliary losses of T tokens' routing, and the load.
+
+    ``load_balancing_loss``, by ``load_balancing_convention``:
+
+    * "gmm_jax" (Switch Transformer's): ``E * sum_e f_e * P_e``, f_e the fraction of the
+      T*k top-k assignments that chose e (``expert_load``), P_e the mean over the tokens
+      of e's score (sigmoid scores normalized per token). 1 when balanced.
+    * "transformers" (their ``load_balancing_loss_func``, Mixtral's and the others'):
+      ``E * sum_e (c_e / T) * mean_t softmax(logits)_te``, c_e the number of tokens whose
+      top-k of ``softmax(logits)`` holds e (the unbiased softmax whatever the score and
+      the selection). With softmax scores and plain top-k, top_k times "gmm_jax"'s; top_k
+      when balanced.
+
+    ``router_z_loss`` (ST-MoE): ``mean(logsumexp(logits)^2)``; ``expert_load``: f ``[E]``.
+    """
     num_experts, k = self.num_experts, experts.shape[-1]
     expert_load = jnp.mean(jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=jnp.float32),
                                    axis=1), axis=0) / k
-    balance_probs = scores if self.score == "softmax" else (
-        scores / jnp.sum(scores, axis=-1, keepdims=True))
+    if self.load_balancing_convention == "transformers":
+      probs = jax.nn.softmax(logits, axis=-1)
+      chosen = top_k(jax.lax.stop_gradient(probs), k)
+      counts = jnp.sum(jax.nn.one_hot(chosen, num_experts, dtype=jnp.float32), axis=(0, 1))
+      balance = num_experts * jnp.sum(counts / logits.shape[0] * jnp.mean(probs, axis=0))
+    else:
+      balance_probs = scores if self.score == "softmax" else (
+          scores / jnp.sum(scores, axis=-1, keepdims=True))
+      balance = num_experts * jnp.sum(expert_load * jnp.mean(balance_probs, axis=0))
     return {
-        "load_balancing_loss": num_experts * jnp.sum(expert_load
-                                                     * jnp.mean(balance_probs, axis=0)),
+        "load_balancing_loss": balance,
         "router_z_loss": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
         "expert_load": expert_load,
     }
