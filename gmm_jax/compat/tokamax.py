@@ -45,9 +45,9 @@ import gmm_jax
 
 __all__ = ["IMPLEMENTATION_NAMES", "ragged_dot", "ragged_dot_general"]
 
-# tokamax's implementation names -> gmm_jax's, tried in order. "mosaic" is tokamax's TPU or
-# GPU Mosaic kernel, whichever the device is: gmm_jax's dispatcher keeps the one that runs
-# on the platform the call is lowered for.
+#: tokamax's implementation names -> gmm_jax's, tried in order. "mosaic" is tokamax's TPU or
+#: GPU Mosaic kernel, whichever the device is: gmm_jax's dispatcher keeps the one that runs
+#: on the platform the call is lowered for.
 IMPLEMENTATION_NAMES: dict[str, tuple[str, ...]] = {
     "xla": ("xla",),
     "triton": ("pallas_triton",),
