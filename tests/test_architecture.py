@@ -65,6 +65,8 @@ FLOORS = {
     "gmm_jax.demo": 6,
     "gmm_jax.compat": 6,
     "gmm_jax.compat.onednn": 6,
+    "gmm_jax.compat.megablox": 6,
+    "gmm_jax.compat.tokamax": 6,
     "gmm_jax.compat.ascend": 6,
     "gmm_jax.compat._ascend_rules": 6,
     "gmm_jax.compat._ascend_scales": 6,
