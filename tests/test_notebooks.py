@@ -45,9 +45,9 @@ def _code_cells(notebook):
   return [cell for cell in notebook.cells if cell.cell_type == "code"]
 
 
-def test_there_are_five_notebooks():
+def test_there_are_six_notebooks():
   assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_moe_flax", "03_quantization",
-                                         "04_performance", "05_train_moe"]
+                                         "04_performance", "05_train_moe", "06_transformers"]
   assert execute.notebook_names() == [p.stem for p in NOTEBOOKS]
 
 
@@ -125,9 +125,10 @@ def test_colab_badge_install_and_platform(path):
 # saved outputs, badge and install cell are still checked above by default). Each shows an
 # API whose own tests run by default: 03 quantize/QArray (test_quant.py), 04 explain, the
 # bench tables and autotune (test_api.py, test_bench.py, test_tuning.py), 05
-# train_moe.main's 200 steps (test_train_moe.py runs it as a function and as a module).
+# train_moe.main's 200 steps (test_train_moe.py runs it as a function and as a module), 06
+# from_transformers on twelve architectures (test_transformers_weights.py).
 # 01_quickstart and 02_moe_flax (the gmm call and the Flax MoE layer) run by default.
-SLOW_TO_RUN = {"03_quantization", "04_performance", "05_train_moe"}
+SLOW_TO_RUN = {"03_quantization", "04_performance", "05_train_moe", "06_transformers"}
 
 
 @pytest.mark.parametrize("path", [
