@@ -178,6 +178,25 @@ def test_round_trip(arch):
     np.testing.assert_array_equal(value, state_dict[name], err_msg=name)
 
 
+def test_bfloat16_weights_stay_bfloat16():
+  """A bfloat16 checkpoint gives bfloat16 parameters (no param_dtype given) and comes back
+  bit for bit (the routing bias as float32); param_dtype= casts."""
+  import ml_dtypes
+  fixture = _load("deepseek_v3")
+  config = _config(fixture)
+  state = {k: v.astype(ml_dtypes.bfloat16) for k, v in _state_dict(fixture).items()}
+  moe = nn.from_transformers(config, state)
+  assert moe.gate_up.kernel[...].dtype == jnp.bfloat16
+  for name, value in nn.to_transformers(moe, config).items():
+    if name == "gate.e_score_correction_bias":  # nn.MoE's routing bias is float32
+      np.testing.assert_array_equal(value, state[name].astype(np.float32))
+      continue
+    assert value.dtype == ml_dtypes.bfloat16, name
+    np.testing.assert_array_equal(value.view(np.uint16), state[name].view(np.uint16))
+  wide = nn.from_transformers(config, state, param_dtype=jnp.float32)
+  assert wide.router.kernel[...].dtype == jnp.float32
+
+
 # The routing options each config maps to (the models' own defaults where a config leaves
 # them out).
 EXPECTED_OPTIONS = {
