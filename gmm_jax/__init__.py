@@ -17,6 +17,7 @@ from gmm_jax._src.group_list import check_group_list as check_group_list
 from gmm_jax._src.grouped_array import GroupedArray as GroupedArray
 from gmm_jax._src.grouped_array import GroupedDesc as GroupedDesc
 from gmm_jax._src.grouped_array import grouped_desc as grouped_desc
+from gmm_jax._src.errors import GmmShapeError as GmmShapeError
 from gmm_jax._src.metadata import TileMetadata as TileMetadata
 from gmm_jax._src.op import PREACTIVATION as PREACTIVATION
 from gmm_jax._src.metadata import make_tile_metadata as make_tile_metadata
@@ -45,6 +46,7 @@ __all__ = [
     "explain",
     "gmm",
     "GmmConfig",
+    "GmmShapeError",
     "GmmSharding",
     "grouped_desc",
     "GroupedArray",

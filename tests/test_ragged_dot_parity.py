@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src.errors import GmmShapeError
+from gmm_jax import GmmShapeError
 from jax import export
 
 Numbers = jax.lax.RaggedDotDimensionNumbers

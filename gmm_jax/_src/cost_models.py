@@ -445,7 +445,7 @@ def m_items(counts, m: int, tile_m: int, group_offset, num_local: int, k_steps: 
   real_slot = jnp.arange(slots, dtype=jnp.int32) < meta.num_items
   covered = jnp.zeros((num_tiles,), jnp.int32).at[meta.tile_ids].max(real_slot.astype(jnp.int32))
   tile_key = jnp.concatenate([jnp.where(real_slot, meta.tile_ids, num_tiles),
-                              jnp.where(covered > 0, num_tiles, jnp.arange(num_tiles))])
+                              jnp.where(covered > 0, num_tiles, jnp.arange(num_tiles, dtype=jnp.int32))])
   order = jnp.argsort(tile_key, stable=True)
   zeros = jnp.zeros((num_tiles,), jnp.int32)
   pick = lambda a: jnp.concatenate([a.astype(jnp.int32), zeros])[order]  # noqa: E731
@@ -458,7 +458,7 @@ def m_items(counts, m: int, tile_m: int, group_offset, num_local: int, k_steps: 
   groups = pick(meta.group_ids)[source]
   lhs_tiles = out_tiles[source]
   k_fixed = jnp.where((real == 0) & (previous >= 0), k_steps - 1, 0).astype(jnp.int32)
-  count = (meta.num_items + num_tiles - jnp.sum(covered)).astype(jnp.int32)
+  count = (meta.num_items + num_tiles - jnp.sum(covered, dtype=jnp.int32)).astype(jnp.int32)
   return (groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed), count
 
 

@@ -134,7 +134,8 @@ class GroupedDesc:
 def grouped_desc(dims, dtype, variable_dim_idx: int, num_groups: int) -> GroupedDesc:
   """Describes a 2-D grouped tensor; `dims` give the total along the variable dim.
 
-  A dimension of 0 is valid (a zero-volume memory, as in oneDNN: ``size(0) == 0``).
+  A dimension of 0 is valid here (an empty GroupedArray: ``size(0) == 0``); oneDNN's
+  descriptor rejects it, which `gmm_jax.compat.onednn` enforces.
 
   Raises:
     ValueError: as oneDNN rejects it: not 2-D, a negative or non-integer dim, num_groups

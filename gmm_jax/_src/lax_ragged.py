@@ -113,7 +113,7 @@ def gmm_lax_ragged(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     lead = jnp.zeros((), jnp.int32)
   else:
     lead, sizes = _local_sizes(counts, k, group_offset, num_local)
-  trail = k - lead - jnp.sum(sizes)
+  trail = k - lead - jnp.sum(sizes, dtype=jnp.int32)  # int32 under x64 with strict promotion
   sizes = jnp.concatenate([lead[None], sizes, trail[None]]).astype(jnp.int32)
   rhs_k = 1 if cfg.transpose_rhs else 0
   numbers = jax.lax.RaggedDotDimensionNumbers(
