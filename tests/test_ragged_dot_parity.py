@@ -230,6 +230,27 @@ def test_x64_strict_ragged_dot_and_group_offset():
     np.testing.assert_array_equal(local[:2], 0)
 
 
+@pytest.mark.parametrize("implementation", ["lax_ragged_dot", "pallas_tpu"])
+@pytest.mark.parametrize("group_type", ["m", "k"])
+def test_x64_strict_tpu_paths(implementation, group_type):
+  # The TPU chain's kernel (interpreted) and its fallback count rows in int32 under x64.
+  with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
+    sizes = jnp.asarray([5, 0, 7], jnp.int64)
+    if group_type == "m":
+      lhs, rhs = jnp.asarray(_rand((16, 8), 1)), jnp.asarray(_rand((3, 8, 4), 2))
+      theirs = lambda l, r: jax.lax.ragged_dot(l, r, sizes)  # noqa: E731
+    else:
+      lhs, rhs = jnp.asarray(_rand((4, 12), 1)), jnp.asarray(_rand((12, 5), 2))
+      theirs = lambda l, r: jax.lax.ragged_dot_general(l, r, sizes, CONTRACTING)  # noqa: E731
+    ours = lambda l, r: gmm_jax.gmm(l, r, sizes, group_type=group_type,  # noqa: E731
+                                    implementation=implementation, interpret=True)
+    got = jax.jit(ours)(lhs, rhs)
+    want = theirs(lhs, rhs)
+    np.testing.assert_allclose(got, want.reshape(got.shape), rtol=1e-5, atol=1e-5)
+    grads = jax.jit(jax.grad(lambda l, r: jnp.sum(ours(l, r) ** 2), argnums=(0, 1)))(lhs, rhs)
+    assert [g.dtype for g in grads] == [jnp.float32, jnp.float32]
+
+
 # ------------------------------------------------------------ jax.export, symbolic sizes
 
 def _specs(shapes_and_dtypes):
