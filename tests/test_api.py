@@ -611,3 +611,14 @@ def test_xla_head_capacity_engages_for_small_16bit_groups():
   assert head_capacity(2048, 64, 256, jnp.float16) == 32
   assert head_capacity(2048, 64, 256, jnp.float32) == 0  # f32 loops are not slowed down
   assert head_capacity(2048, 8, 256, jnp.bfloat16) == 0  # groups of a tile: loops only
+
+
+def test_explain_for_another_platform_from_the_cpu():
+  # The kernels of another platform cannot be lowered for the CPU: explain lowers for the
+  # platform asked (and still reports the choice where this jax cannot lower it deviceless).
+  lhs = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((4, 256, 512), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+  assert "on tpu: pallas_tpu" in gmm_jax.explain(lhs, rhs, sizes, platform="tpu")
+  text = gmm_jax.explain(lhs, rhs, sizes, activation="swiglu", platform="gpu")
+  assert "on gpu: pallas_" in text, text

@@ -659,7 +659,9 @@ def explain(lhs: jax.typing.ArrayLike | QArray | GroupedArray | jax.ShapeDtypeSt
 
   Lowers the call, and compiles it when the operands are sharded (nothing is computed);
   arguments as for `gmm`. Arrays placed on (or typed for) other devices, or
-  ``jax.default_device``, decide the platform.
+  ``jax.default_device``, decide the platform; ``platform="tpu"`` (or "gpu") explains the
+  call for that platform from any machine (lowered for it; where this jax cannot lower the
+  chosen kernel without such a device, the choice is still reported, with the reason).
   """
   lines = []
   lq, rq = as_qarray(lhs), as_qarray(rhs)
@@ -679,9 +681,26 @@ def explain(lhs: jax.typing.ArrayLike | QArray | GroupedArray | jax.ShapeDtypeSt
                                    np.ndim(rq.qvalue if rq else rhs)).describe())
   if isinstance(group_list, (list, tuple)):
     group_list = np.asarray(group_list)
+  # ``platform=`` other than the default backend's: lower for that platform (the kernels of
+  # another platform cannot be lowered for this one).
+  target = kwargs.get("platform")
+  if target is not None:
+    target = dispatch.normalize_platform(target)
+    if target == dispatch.normalize_platform(jax.default_backend()):
+      target = None
   with dispatch.record() as decisions, dispatch.record_plans() as plans:
-    lowered = jax.jit(lambda l, r, g: gmm(l, r, g, **kwargs)).lower(lhs, rhs, group_list)
-    if sharding is None and _on_several_devices((lhs, rhs, group_list, kwargs.get("bias"))):
+    fn = jax.jit(lambda l, r, g: gmm(l, r, g, **kwargs))
+    lowered, not_lowered = None, None
+    if target is None:
+      lowered = fn.lower(lhs, rhs, group_list)
+    else:
+      try:
+        lowered = fn.trace(lhs, rhs, group_list).lower(
+            lowering_platforms=("cuda" if target == "gpu" else target,))
+      except Exception as err:  # noqa: BLE001  (the choice is made; reported below)
+        not_lowered = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    if lowered is not None and sharding is None and _on_several_devices(
+        (lhs, rhs, group_list, kwargs.get("bias"))):
       # Plain jit with sharded operands: the partitioner picks the strategy (and the
       # per-device gmms are traced) while the program compiles.
       lowered.compile()
@@ -694,6 +713,8 @@ def explain(lhs: jax.typing.ArrayLike | QArray | GroupedArray | jax.ShapeDtypeSt
     if text not in seen:
       seen.append(text)
       lines.append("  - " + text.replace("\n", "\n  "))
+  if not_lowered is not None:
+    lines.append(f"(the chosen kernel was not lowered for {target} here: {not_lowered})")
   return "\n".join(lines)
 
 
