@@ -12,7 +12,6 @@ from the block object itself and runs transformers next to it.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import pathlib
 
@@ -40,26 +39,10 @@ RTOL = ATOL = 1e-5
 DEFAULT_RUN = {"qwen2_moe", "gpt_oss", "llama4", "switch_transformers"}
 
 
-# The nn.MoE option each architecture needs beyond the basic ones (issue 26, part 3).
-NEEDS = {"qwen2_moe": "shared_gate", "qwen3_next": "shared_gate", "gpt_oss": "swiglu_limit",
-         "llama4": "router_weight_on", "switch_transformers": "capacity_per"}
-
-
-def _has_option(name):
-  return name in inspect.signature(nn.MoE.__init__).parameters
-
-
-def _marks(arch, slow=False):
-  marks = [pytest.mark.slow] if slow and arch not in DEFAULT_RUN else []
-  if arch in NEEDS and not _has_option(NEEDS[arch]):
-    marks.append(pytest.mark.xfail(raises=NotImplementedError, strict=True,
-                                   reason=f"nn.MoE has no {NEEDS[arch]} option yet"))
-  return marks
-
-
 def _by_arch(names, slow=False):
-  return pytest.mark.parametrize("arch", [pytest.param(a, marks=_marks(a, slow))
-                                          for a in names])
+  return pytest.mark.parametrize("arch", [
+      pytest.param(a, marks=[pytest.mark.slow] if slow and a not in DEFAULT_RUN else [])
+      for a in names])
 
 
 def _load(arch):
@@ -120,10 +103,8 @@ def _check(arch, moe, fixture):
                                rtol=RTOL)
   # Switch's own balance loss averages per sequence (the others' over all tokens).
   if "aux/load_balancing_loss" in fixture and arch != "switch_transformers":
-    expected_loss = fixture["aux/load_balancing_loss"]
-    if not _has_option("load_balancing_convention"):  # gmm_jax's scale: 1/top_k of it
-      expected_loss = expected_loss / moe.top_k
-    np.testing.assert_allclose(aux["load_balancing_loss"], expected_loss, rtol=RTOL)
+    np.testing.assert_allclose(aux["load_balancing_loss"], fixture["aux/load_balancing_loss"],
+                               rtol=RTOL)
 
 
 def test_fixtures_are_whole():
@@ -227,6 +208,33 @@ def test_options_from_config(arch):
   assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "glm4_moe"))
   assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next", "deepseek_v3",
                                                "glm4_moe", "llama4"))
+
+
+# The nn.MoE preset of each architecture (docs/transformers.md's table).
+PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
+           "qwen3_moe": "qwen3-moe-30b-a3b", "qwen3_next": "qwen3-next-80b-a3b",
+           "deepseek_v3": "deepseek-v3", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
+           "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
+           "llama4": "llama-4-scout", "switch_transformers": "switch-base-8"}
+
+
+def _routing_kind(moe):
+  return dict(score=moe.score, normalize_top_k=moe.normalize_top_k, gated=moe.gated,
+              activation=moe.activation, router_weight_on=moe.router_weight_on,
+              routing_bias=moe.routing_bias is not None,
+              router_bias=moe.router.bias is not None, expert_bias=moe.down.bias is not None,
+              shared=moe.shared is not None,
+              shared_gate=moe.shared is not None and moe.shared.gate is not None)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_preset_routes_as_the_block(arch):
+  """Each architecture's preset (its real model's shapes) routes and computes as the layer
+  from_transformers builds from the tiny config (built abstractly: no weights drawn)."""
+  fixture = _load(arch)
+  moe = nn.from_transformers(_config(fixture), _state_dict(fixture), **_seq_len(arch, fixture))
+  preset = nnx.eval_shape(lambda: nn.MoE.from_preset(PRESETS[arch], rngs=nnx.Rngs(0)))
+  assert _routing_kind(preset) == _routing_kind(moe)
 
 
 def _silu(z):
@@ -341,8 +349,7 @@ def _per_expert(fixture, names):
 
 @pytest.mark.parametrize("arch,legacy", [
     ("mixtral", lambda f: _per_expert(f, ("w1", "w3", "w2"))),
-    pytest.param("qwen2_moe", lambda f: _per_expert(f, ("gate_proj", "up_proj", "down_proj")),
-                 marks=_marks("qwen2_moe")),
+    ("qwen2_moe", lambda f: _per_expert(f, ("gate_proj", "up_proj", "down_proj"))),
     ("deepseek_v3", lambda f: _per_expert(f, ("gate_proj", "up_proj", "down_proj"))),
     ("granitemoe", lambda f: {
         "router.layer.weight": f["param/router.weight"],
