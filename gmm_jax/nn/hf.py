@@ -20,7 +20,6 @@ biases); Llama 4's ``[E, D, 2F]`` (gate columns first); DBRX's ``w1``/``v1``/``w
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import sys
 from typing import Any, Callable, Mapping
@@ -469,12 +468,6 @@ def _moe_arrays(moe) -> dict:
   return out
 
 
-# Options whose value here is nn.MoE's behaviour without them: dropped when this nn.MoE
-# does not have them.
-_NEUTRAL = {"router_weight_on": "output", "shared_gate": False, "swiglu_limit": 7.0,
-            "swiglu_alpha": 1.702, "capacity_per": "call"}
-
-
 def _moe_arguments(arch: Architecture, options: dict, seq_len, overrides) -> dict:
   kwargs = dict(options)
   capacity = kwargs.pop("expert_capacity", None)
@@ -490,16 +483,6 @@ def _moe_arguments(arch: Architecture, options: dict, seq_len, overrides) -> dic
     kwargs["capacity_per"] = "sequence"
   kwargs["load_balancing_convention"] = "transformers"
   kwargs.update(overrides)
-  accepted = inspect.signature(MoE.__init__).parameters
-  for name in list(kwargs):
-    if name in accepted:
-      continue
-    # Only the loss's scale (documented), or the behaviour nn.MoE has without the option.
-    if name == "load_balancing_convention" or kwargs[name] == _NEUTRAL.get(name, _REQUIRED):
-      del kwargs[name]
-      continue
-    raise NotImplementedError(f"{arch.name} needs nn.MoE({name}={kwargs[name]!r}), an "
-                              f"option this version of gmm_jax.nn.MoE does not have")
   return kwargs
 
 
@@ -527,7 +510,7 @@ def from_transformers(block_or_config, state_dict: Mapping[str, Any] | None = No
   Returns:
     an `MoE` computing what the block computes (forward, gradients, expert choice); its
     ``aux["load_balancing_loss"]`` is transformers' ``load_balancing_loss_func`` value
-    where nn.MoE has ``load_balancing_convention``.
+    (``load_balancing_convention="transformers"``).
 
   Raises:
     NotImplementedError: an architecture, activation or option nn.MoE cannot express.
