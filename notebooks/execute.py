@@ -1,6 +1,6 @@
 """Executes the notebooks and saves their outputs into the .ipynb files.
 
-    python notebooks/execute.py                 # all five
+    python notebooks/execute.py                 # all six
     python notebooks/execute.py 04 05_train_moe  # some (a name, or the start of one)
 
 The .md of each jupytext pair is the source: every run rebuilds the .ipynb from it (putting
