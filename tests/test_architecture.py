@@ -23,6 +23,7 @@ FLOORS = {
     "gmm_jax._src.errors": 0,  # GmmShapeError
     "gmm_jax._src.cli": 0,  # absl flags and the progress bar of the console scripts
     "gmm_jax._src.grouped_array": 1,
+    "gmm_jax._src.masked": 1,  # MaskedArray, beside grouped_array
     "gmm_jax._src.dispatch": 1,
     "gmm_jax._src.strategy": 1,
     "gmm_jax._src.tuning": 1,

@@ -22,6 +22,8 @@ from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling, Tilin
 from gmm_jax._src.epilogue import NO_ROWS, Rows, resolve_activation
 from gmm_jax._src.errors import GmmShapeError
 from gmm_jax._src.grouped_array import GroupedArray
+from gmm_jax._src import masked as masked_lib
+from gmm_jax._src.masked import MaskedArray
 from gmm_jax._src.qarray import QArray, QuantSpec, as_qarray, check_fits, quant_mode
 
 Array = jax.Array
@@ -504,7 +506,66 @@ def _route(call: _Call):
   return op.gmm(*args, rows=call.rows)
 
 
-def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.ArrayLike | QArray,
+# The options a masked lhs does not take (each unset: None, or False for transpose_lhs).
+_MASKED_UNSUPPORTED = ("group_list_type", "num_groups", "transpose_lhs", "group_offset",
+                       "quantize_lhs", "quantize_rhs", "sharding", "lhs_indices",
+                       "out_indices", "out_rows")
+
+
+def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray:
+  """gmm of a masked lhs ``[G, R, K]`` (counts ``[G]``) and rhs ``[G, K, N]`` -> masked
+  ``[G, R, N]`` with the same counts.
+
+  It is the m-grouped gmm of the ``[G*R, K]`` slots read through row operands: row r of
+  the grouped problem reads slot ``lhs_indices[r]`` and is written back to the same slot
+  (``out_indices``), so every implementation that serves row operands (the reference, the
+  XLA path, the Pallas kernels) serves the masked layout with no copy of the activations,
+  padding slots are never read (no gradient to them), never written (exactly 0), and the
+  gradients are the row-operand gmm's own (dlhs scatters into the slots, drhs reads them).
+  """
+  supported = ("a MaskedArray lhs supports group_type='m' with rhs [G, K, N] (or a "
+               "weight-only QArray rhs), bias, activation (gated too), row_weights [G, R], "
+               "transpose_rhs, preferred_element_type, precision, implementation, interpret, "
+               "tiling, platform, deterministic")
+  if group_list is not None:
+    raise ValueError("a MaskedArray lhs carries its own counts; pass no group_list")
+  if options.get("group_type") not in (None, "m"):
+    raise NotImplementedError(f"{supported}; got group_type={options['group_type']!r}")
+  options["group_list_type"] = None if options["group_list_type"] == "counts" else 0
+  given = [name for name in _MASKED_UNSUPPORTED
+           if options[name] is not None and options[name] is not False]
+  if given:
+    raise NotImplementedError(f"{supported}; got {', '.join(given)}")
+  values = lhs.values
+  if isinstance(values, QArray) or as_qarray(values) is not None:
+    raise NotImplementedError(f"{supported}; got a quantized lhs {_describe(values)}")
+  g, max_rows, k = lhs.shape
+  rhs_shape = tuple(np.shape(rhs.qvalue if isinstance(rhs, QArray) else rhs))
+  rhs_k = rhs_shape[-1] if options["transpose_rhs"] else rhs_shape[-2] if len(rhs_shape) > 1 else None
+  if len(rhs_shape) != 3 or rhs_shape[0] != g or rhs_k != k:
+    raise GmmShapeError(
+        f"a MaskedArray lhs {lhs.shape} ([G, max_rows, K]) needs rhs [G, K, N] with G={g}, "
+        f"K={k} ([G, N, K] with transpose_rhs), got rhs {_describe(rhs)} (transpose_rhs="
+        f"{options['transpose_rhs']})")
+  total = g * max_rows
+  slots = masked_lib.ragged_slots(lhs.counts, max_rows, total)
+  row_weights = options.pop("row_weights")
+  if row_weights is not None:
+    row_weights = jnp.asarray(row_weights)
+    if row_weights.shape != (g, max_rows) or not jnp.issubdtype(row_weights.dtype,
+                                                                 jnp.floating):
+      raise ValueError(f"row_weights with a MaskedArray lhs must be float [G, max_rows] = "
+                       f"[{g}, {max_rows}], got {jax.typeof(row_weights)}")
+    row_weights = jnp.take(row_weights.reshape(total), slots, mode="fill", fill_value=0)
+  for name in _MASKED_UNSUPPORTED + ("group_type",):
+    options.pop(name)
+  counts = jnp.clip(lhs.counts, 0, max_rows)
+  out = gmm(jnp.reshape(values, (total, k)), rhs, counts, lhs_indices=slots,
+            out_indices=slots, out_rows=total, row_weights=row_weights, **options)
+  return MaskedArray(out.reshape(g, max_rows, out.shape[-1]), counts)
+
+
+def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray, rhs: jax.typing.ArrayLike | QArray,
         group_list: jax.typing.ArrayLike | None = None, *, group_type: str | None = None,
         group_list_type: str = "counts", num_groups: int | None = None, bias=None,
         activation: str | Callable[[Array], Array] | None = None, transpose_lhs: bool = False,
@@ -515,7 +576,8 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.Array
         quantize_rhs: QuantSpec | None = None, straight_through: bool = True,
         sharding: sharding_lib.GmmSharding | None = None,
         platform: str | None = None, lhs_indices=None, row_weights=None, out_indices=None,
-        out_rows: int | None = None, deterministic: bool = True) -> Array | GroupedArray:
+        out_rows: int | None = None,
+        deterministic: bool = True) -> Array | GroupedArray | MaskedArray:
   """Grouped matrix multiplication with a fused bias + activation epilogue.
 
   m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
@@ -532,8 +594,12 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.Array
   another gmm.
 
   Args:
-    lhs: the left operand, a `QArray`, or a `GroupedArray` (its offsets are then the group
-      list and its variable_dim picks the grouping: 0 -> "m", 1 -> "k").
+    lhs: the left operand, a `QArray`, a `GroupedArray` (its offsets are then the group
+      list and its variable_dim picks the grouping: 0 -> "m", 1 -> "k"), or a
+      `MaskedArray` ``[G, max_rows, K]`` with counts ``[G]`` (the decode layout: rhs ``[G,
+      K, N]``, no group_list; the result is a MaskedArray ``[G, max_rows, N]`` with the
+      same counts, rows past each count exactly 0 and no gradient to or from them;
+      row_weights are then ``[G, max_rows]``).
     rhs: the right operand (per-group weights for "m"), or a `QArray`.
     group_list: ``[G]`` int sizes ("counts"), ``[G]`` non-decreasing end offsets ("cumsum")
       or ``[E, 2]`` rows ``(group_index, size)`` with increasing indices ("sparse"; unlisted
@@ -615,8 +681,8 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.Array
   (before the scales); a float bias after them. See `gmm_jax.quantize`.
 
   Returns:
-    ``[M, N]`` for "m" (a `GroupedArray` with lhs's offsets if lhs was one), ``[G_local, M,
-    N]`` for "k".
+    ``[M, N]`` for "m" (a `GroupedArray` with lhs's offsets if lhs was one, a
+    `MaskedArray` ``[G, max_rows, N]`` if lhs was one), ``[G_local, M, N]`` for "k".
 
   Raises:
     GmmShapeError: an operand or group list of the wrong rank, shape, dtype or type, or
@@ -628,6 +694,10 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray, rhs: jax.typing.Array
     NotImplementedError: a valid combination no registered implementation serves, or
       symbolic dimensions (`jax.export`; gmm_jax.ragged_dot serves those).
   """
+  if isinstance(lhs, MaskedArray):
+    options = dict(locals())
+    return _masked_gmm(options.pop("lhs"), options.pop("rhs"), options.pop("group_list"),
+                       options)
   lhs, group_list, group_type, group_list_type, out_offsets = _unwrap_grouped_array(
       lhs, group_list, group_type, group_list_type, transpose_lhs)
   call = _validate(
