@@ -18,9 +18,9 @@ from gmm_jax._src.grouped_array import GroupedArray as GroupedArray
 from gmm_jax._src.grouped_array import GroupedDesc as GroupedDesc
 from gmm_jax._src.grouped_array import grouped_desc as grouped_desc
 from gmm_jax._src.errors import GmmShapeError as GmmShapeError
-from gmm_jax._src.masked import MaskedArray as MaskedArray
-from gmm_jax._src.masked import from_ragged as from_ragged
-from gmm_jax._src.masked import to_ragged as to_ragged
+from gmm_jax._src.grouped_array import MaskedArray as MaskedArray
+from gmm_jax._src.grouped_array import from_ragged as from_ragged
+from gmm_jax._src.grouped_array import to_ragged as to_ragged
 from gmm_jax._src.metadata import TileMetadata as TileMetadata
 from gmm_jax._src.op import PREACTIVATION as PREACTIVATION
 from gmm_jax._src.metadata import make_tile_metadata as make_tile_metadata

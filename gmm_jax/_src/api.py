@@ -21,9 +21,8 @@ from gmm_jax._src import metadata
 from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling, Tilings, is_gated
 from gmm_jax._src.epilogue import NO_ROWS, Rows, resolve_activation
 from gmm_jax._src.errors import GmmShapeError
-from gmm_jax._src.grouped_array import GroupedArray
-from gmm_jax._src import masked as masked_lib
-from gmm_jax._src.masked import MaskedArray
+from gmm_jax._src import grouped_array
+from gmm_jax._src.grouped_array import GroupedArray, MaskedArray
 from gmm_jax._src.qarray import QArray, QuantSpec, as_qarray, check_fits, quant_mode
 
 Array = jax.Array
@@ -548,7 +547,7 @@ def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray
         f"K={k} ([G, N, K] with transpose_rhs), got rhs {_describe(rhs)} (transpose_rhs="
         f"{options['transpose_rhs']})")
   total = g * max_rows
-  slots = masked_lib.ragged_slots(lhs.counts, max_rows, total)
+  slots = grouped_array.ragged_slots(lhs.counts, max_rows, total)
   row_weights = options.pop("row_weights")
   if row_weights is not None:
     row_weights = jnp.asarray(row_weights)

@@ -1,0 +1,184 @@
+"""Per-call cost of decode-shaped grouped matmuls, side by side in one run: gmm on the ragged
+form, gmm on the masked form (`gmm_jax.MaskedArray`), `jax.lax.ragged_dot` on the ragged
+form, and a masked dense einsum (``einsum('grk,gkn->grn')`` times the row mask, what a
+batched matmul over the padded slots costs).
+
+    python -m gmm_jax.bench_decode                    # T 1, 8, 64; E 64, 256; k=8; D=F=512
+    python -m gmm_jax.bench_decode --tokens 1 16 --experts 128 --dim 1024
+
+Each of T tokens picks k distinct experts at random (a fixed seed); the ragged form is the
+``[T*k, D]`` rows sorted by expert with counts ``[E]``, the masked form ``[E, T, D]`` (T is
+the exact static bound on an expert's rows when each token picks k distinct experts).
+Operands are prepared outside the timed call; the call is ``jax.jit`` of the matmul alone
+with the counts as a runtime argument (one compilation serves any routing). The table gives
+the compiled HLO's instruction count (every computation of ``compile().as_text()``, and the
+entry computation's alone: roughly the ops that run one after the other), and the time per
+call: the minimum over rounds (each round runs every method `number` times, interleaved, so
+that a noisy machine slows them alike; a method slower than 10 ms per call runs fewer times,
+at least once) of the mean per call.
+
+Floor 6: public API only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gmm_jax
+
+_INSTRUCTION = re.compile(r"^\s*(ROOT\s+)?%?[\w.\-]+\s*=\s")
+
+
+def hlo_op_counts(compiled_text: str) -> tuple[int, int]:
+  """(instructions in every computation, instructions in the ENTRY computation) of a
+  compiled HLO module's text."""
+  total = entry = 0
+  in_entry = False
+  for line in compiled_text.splitlines():
+    if line.startswith("ENTRY"):
+      in_entry = True
+      continue
+    if line.startswith("}"):
+      in_entry = False
+      continue
+    if _INSTRUCTION.match(line) and not line.lstrip().startswith("HloModule"):
+      total += 1
+      entry += in_entry
+  return total, entry
+
+
+def decode_problem(tokens: int, experts: int, top_k: int, dim: int, mlp: int, seed: int = 0,
+                   dtype=jnp.float32):
+  """(ragged rows [T*k, D], counts [E], masked [E, T, D] values, weights [E, D, F])."""
+  if top_k > experts:
+    raise ValueError(f"top_k={top_k} needs at least as many experts, got {experts}")
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(tokens, dim)).astype(np.float32)
+  ids = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
+  order = np.argsort(ids.reshape(-1), kind="stable")
+  rows = x[order // top_k]
+  counts = np.bincount(ids.reshape(-1), minlength=experts).astype(np.int32)
+  weights = (rng.normal(size=(experts, dim, mlp)) / np.sqrt(dim)).astype(np.float32)
+  masked = gmm_jax.from_ragged(rows, counts, max_rows=tokens)
+  cast = lambda a: jnp.asarray(a, dtype)
+  return cast(rows), jnp.asarray(counts), cast(masked.values), cast(weights)
+
+
+def _methods():
+  def gmm_ragged(rows, counts, values, weights):
+    return gmm_jax.gmm(rows, weights, counts)
+
+  def gmm_masked(rows, counts, values, weights):
+    return gmm_jax.gmm(gmm_jax.MaskedArray(values, counts), weights).values
+
+  def ragged_dot(rows, counts, values, weights):
+    return jax.lax.ragged_dot(rows, weights, counts)
+
+  def masked_einsum(rows, counts, values, weights):
+    valid = jnp.arange(values.shape[1])[None, :] < counts[:, None]
+    out = jnp.einsum("grk,gkn->grn", values, weights, preferred_element_type=jnp.float32)
+    return jnp.where(valid[..., None], out, 0).astype(values.dtype)
+
+  return dict(gmm_ragged=gmm_ragged, gmm_masked=gmm_masked, ragged_dot=ragged_dot,
+              masked_einsum=masked_einsum)
+
+
+METHODS = tuple(_methods())
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  tokens: int
+  experts: int
+  top_k: int
+  dim: int
+  method: str
+  hlo_ops: int
+  entry_ops: int
+  us_per_call: float
+
+
+def run(tokens: int, experts: int, top_k: int, dim: int, mlp: int, *, number: int = 20,
+        rounds: int = 5, methods=METHODS, dtype=jnp.float32) -> list[Row]:
+  """Compiles and times each method on one decode shape; checks they agree."""
+  args = decode_problem(tokens, experts, top_k, dim, mlp, dtype=dtype)
+  compiled, counts = {}, {}
+  fns = _methods()
+  for name in methods:
+    lowered = jax.jit(fns[name]).lower(*args)
+    compiled[name] = lowered.compile()
+    counts[name] = hlo_op_counts(compiled[name].as_text())
+  # The methods compute the same products: the ragged ones on the sorted rows, the masked
+  # ones in the slots; compare them in the ragged form.
+  results = {name: jax.block_until_ready(fn(*args)) for name, fn in compiled.items()}
+  reference = None
+  for name, out in results.items():
+    out = np.asarray(out, np.float32)
+    if out.ndim == 3:
+      out = np.asarray(gmm_jax.to_ragged(gmm_jax.MaskedArray(out, args[1]),
+                                         tokens * top_k)[0])
+    if reference is None:
+      reference = out
+    elif not np.allclose(out, reference, rtol=2e-2, atol=2e-2):
+      raise AssertionError(f"{name} differs from {next(iter(results))}")
+  best = {name: float("inf") for name in compiled}
+  calls = {}
+  for name, fn in compiled.items():  # slow methods get fewer calls per round (>= 1)
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    calls[name] = max(1, min(number, int(0.2 / max(time.perf_counter() - start, 1e-9))))
+  for _ in range(rounds):
+    for name, fn in compiled.items():
+      start = time.perf_counter()
+      for _ in range(calls[name]):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      best[name] = min(best[name], (time.perf_counter() - start) / calls[name])
+  return [Row(tokens, experts, top_k, dim, name, *counts[name], best[name] * 1e6)
+          for name in compiled]
+
+
+def table(rows: list[Row]) -> str:
+  lines = ["| T | E | k | D=F | method | HLO ops (all / entry) | us per call | vs ragged_dot |",
+           "|---|---|---|---|---|---|---|---|"]
+  base = {(r.tokens, r.experts, r.dim): r.us_per_call for r in rows if r.method == "ragged_dot"}
+  for r in rows:
+    ratio = r.us_per_call / base[(r.tokens, r.experts, r.dim)] if (
+        (r.tokens, r.experts, r.dim) in base) else float("nan")
+    lines.append(f"| {r.tokens} | {r.experts} | {r.top_k} | {r.dim} | {r.method} | "
+                 f"{r.hlo_ops} / {r.entry_ops} | {r.us_per_call:.1f} | {ratio:.2f} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> list[Row]:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
+  parser.add_argument("--experts", type=int, nargs="+", default=[64, 256])
+  parser.add_argument("--top-k", type=int, default=8)
+  parser.add_argument("--dim", type=int, nargs="+", default=[512], help="D = F")
+  parser.add_argument("--dtype", default="float32")
+  parser.add_argument("--number", type=int, default=20, help="calls per round")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+  args = parser.parse_args(argv)
+  rows = []
+  for dim in args.dim:
+    for experts in args.experts:
+      for tokens in args.tokens:
+        rows += run(tokens, experts, args.top_k, dim, dim, number=args.number,
+                    rounds=args.rounds, methods=tuple(args.methods),
+                    dtype=jnp.dtype(args.dtype))
+  print(f"jax {jax.__version__}, {jax.default_backend()}, {jax.devices()[0].device_kind}")
+  print(table(rows))
+  return rows
+
+
+if __name__ == "__main__":
+  main()
