@@ -23,8 +23,12 @@ G, R, K, N = 4, 3, 8, 6
 
 IMPLEMENTATIONS = [dict(implementation="reference"), dict(implementation="xla"),
                    dict(implementation="pallas_tpu", interpret=True,
-                        tiling=gmm_jax.Tiling(128, 128, 128))]
-IDS = ["reference", "xla", "pallas_tpu"]
+                        tiling=gmm_jax.Tiling(128, 128, 128)),
+                   pytest.param(dict(implementation="pallas_triton", interpret=True,
+                                     tiling=gmm_jax.Tiling(16, 16, 16)),
+                                marks=[pytest.mark.slow, pytest.mark.filterwarnings(
+                                    "ignore:The Pallas Triton backend is deprecated")])]
+IDS = ["reference", "xla", "pallas_tpu", "pallas_triton"]
 
 counts_strategy = st.lists(st.integers(0, R), min_size=G, max_size=G)
 
@@ -157,13 +161,17 @@ def test_traced_counts_past_max_rows_are_clipped():
                              **tolerances(np.float32, k=K))
 
 
-@pytest.mark.parametrize("activation", [None, "silu"])
-def test_gmm_masked_vjp_matches_oracle(activation):
+@pytest.mark.parametrize("activation,options", [
+    (None, dict(implementation="xla")), ("silu", dict(implementation="xla")),
+    pytest.param("silu", IMPLEMENTATIONS[2], marks=pytest.mark.slow, id="silu-pallas_tpu"),
+    pytest.param("silu", IMPLEMENTATIONS[3].values[0], marks=IMPLEMENTATIONS[3].marks,
+                 id="silu-pallas_triton")])
+def test_gmm_masked_vjp_matches_oracle(activation, options):
   values, rhs, rng = _problem(6)
   counts = np.array([3, 0, 1, 2], np.int32)
   cot = rng.normal(size=(G, R, N)).astype(np.float32)  # nonzero on padding rows too
   f = lambda v, w: gmm_jax.gmm(gmm_jax.MaskedArray(v, counts), w, activation=activation,
-                               implementation="xla").values
+                               **options).values
   dvalues, drhs = jax.jit(lambda v, w, ct: jax.vjp(f, v, w)[1](ct))(values, rhs, cot)
   for g, c in enumerate(counts):
     dlhs, drhs_g, _ = gmm_oracle_vjp(values[g, :c], rhs[g:g + 1], [c], "m", cot[g, :c],
