@@ -137,6 +137,16 @@ def test_gmm_masked_matches_oracle(options):
     assert (padding == 0).all()
 
 
+def test_gmm_masked_weight_only_quantized_rhs():
+  values, rhs, _ = _problem(10)
+  counts = np.array([3, 1, 0, 2], np.int32)
+  q = gmm_jax.quantize(rhs, "int8", channelwise_axes=(0, 2))
+  out = jax.jit(lambda v, c, w: gmm_jax.gmm(gmm_jax.MaskedArray(v, c), w,
+                                            implementation="xla").values)(values, counts, q)
+  expected = _masked_oracle(f64(values), f64(gmm_jax.dequantize(q)), counts)
+  np.testing.assert_allclose(np.asarray(out), expected, **tolerances(np.float32, k=K))
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted_masked_gmm(implementation):
   return jax.jit(lambda v, c, w: gmm_jax.gmm(gmm_jax.MaskedArray(v, c), w,
