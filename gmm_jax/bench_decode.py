@@ -5,6 +5,7 @@ batched matmul over the padded slots costs).
 
     python -m gmm_jax.bench_decode                    # T 1, 8, 64; E 64, 256; k=8; D=F=512
     python -m gmm_jax.bench_decode --tokens 1 16 --experts 128 --dim 1024
+    python -m gmm_jax.bench_decode --moe              # a decode MoE FFN, masked vs ragged
 
 Each of T tokens picks k distinct experts at random (a fixed seed); the ragged form is the
 ``[T*k, D]`` rows sorted by expert with counts ``[E]``, the masked form ``[E, T, D]`` (T is
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import re
 import time
 
@@ -109,11 +111,15 @@ def run(tokens: int, experts: int, top_k: int, dim: int, mlp: int, *, number: in
         rounds: int = 5, methods=METHODS, dtype=jnp.float32) -> list[Row]:
   """Compiles and times each method on one decode shape; checks they agree."""
   args = decode_problem(tokens, experts, top_k, dim, mlp, dtype=dtype)
+  fns = {name: fn for name, fn in _methods().items() if name in methods}
+  return _time(fns, args, tokens, experts, top_k, dim, number, rounds,
+               ragged_rows=tokens * top_k)
+
+
+def _time(fns, args, tokens, experts, top_k, dim, number, rounds, ragged_rows):
   compiled, counts = {}, {}
-  fns = _methods()
-  for name in methods:
-    lowered = jax.jit(fns[name]).lower(*args)
-    compiled[name] = lowered.compile()
+  for name, fn in fns.items():
+    compiled[name] = jax.jit(fn).lower(*args).compile()
     counts[name] = hlo_op_counts(compiled[name].as_text())
   # The methods compute the same products: the ragged ones on the sorted rows, the masked
   # ones in the slots; compare them in the ragged form.
@@ -122,8 +128,7 @@ def run(tokens: int, experts: int, top_k: int, dim: int, mlp: int, *, number: in
   for name, out in results.items():
     out = np.asarray(out, np.float32)
     if out.ndim == 3:
-      out = np.asarray(gmm_jax.to_ragged(gmm_jax.MaskedArray(out, args[1]),
-                                         tokens * top_k)[0])
+      out = np.asarray(gmm_jax.to_ragged(gmm_jax.MaskedArray(out, args[1]), ragged_rows)[0])
     if reference is None:
       reference = out
     elif not np.allclose(out, reference, rtol=2e-2, atol=2e-2):
@@ -145,10 +150,84 @@ def run(tokens: int, experts: int, top_k: int, dim: int, mlp: int, *, number: in
           for name in compiled]
 
 
+# ------------------------------------------------------------------ an MoE layer's decode
+
+
+def moe_decode_masked(x, gate_up, down, top_e, top_p, max_rows: int):
+  """An MoE expert FFN (SwiGLU) for a decode step, in the masked layout.
+
+  x ``[T, D]``, gate_up ``[E, D, 2F]`` (gate half, then up half), down ``[E, F, D]``,
+  top_e/top_p ``[T, k]`` -> ``[T, D]``. The routed rows become ``[E, max_rows, D]`` slots
+  (`gmm_jax.from_ragged`; `max_rows` static: T is exact when each token picks k distinct
+  experts, a smaller bound drops an expert's later tokens as a capacity does), both gmms
+  run on the masked form (the router weight as the down gmm's ``row_weights [E,
+  max_rows]``), and the result goes back through `gmm_jax.to_ragged` and the routing's
+  combine. Every shape depends on (T, E, max_rows) only.
+  """
+  experts = gate_up.shape[0]
+  routing = gmm_jax.route(top_e, experts, weights=top_p, capacity=max_rows)
+  rows = jnp.take(x, routing.lhs_indices, axis=0, mode="fill", fill_value=0)
+  masked = gmm_jax.from_ragged(rows, routing.group_sizes, max_rows)
+  weights = gmm_jax.from_ragged(routing.row_weights[:, None], routing.group_sizes,
+                                max_rows).values[..., 0]
+  h = gmm_jax.gmm(masked, gate_up, activation="swiglu")
+  y = gmm_jax.gmm(h, down, row_weights=weights)
+  y_rows, _ = gmm_jax.to_ragged(y, routing.num_rows)
+  slots = jnp.zeros((routing.num_slots, y_rows.shape[-1]), y_rows.dtype)
+  slots = slots.at[routing.out_indices].set(y_rows, mode="drop")
+  return routing.combine(slots)
+
+
+def moe_decode_ragged(x, gate_up, down, top_e, top_p, max_rows: int):
+  """The same FFN with the fused ragged gmms (rows gathered and scattered inside gmm)."""
+  routing = gmm_jax.route(top_e, gate_up.shape[0], weights=top_p, capacity=max_rows)
+  h = gmm_jax.gmm(x, gate_up, routing.group_sizes, lhs_indices=routing.lhs_indices,
+                  activation="swiglu")
+  y = gmm_jax.gmm(h, down, routing.group_sizes, row_weights=routing.row_weights,
+                  out_indices=routing.out_indices, out_rows=routing.num_slots)
+  return routing.combine(y)
+
+
+def moe_decode_ragged_dot(x, gate_up, down, top_e, top_p, max_rows: int):
+  """The same FFN on `jax.lax.ragged_dot` (sorted copies of the rows around it)."""
+  routing = gmm_jax.route(top_e, gate_up.shape[0], weights=top_p, capacity=max_rows)
+  rows = jnp.take(x, routing.lhs_indices, axis=0, mode="fill", fill_value=0)
+  z = jax.lax.ragged_dot(rows, gate_up, routing.group_sizes)
+  half = z.shape[-1] // 2
+  h = jax.nn.silu(z[:, :half]) * z[:, half:]
+  y = jax.lax.ragged_dot(h, down, routing.group_sizes) * routing.row_weights[:, None]
+  slots = jnp.zeros((routing.num_slots, y.shape[-1]), y.dtype)
+  return routing.combine(slots.at[routing.out_indices].set(y, mode="drop"))
+
+
+MOE_METHODS = dict(moe_masked=moe_decode_masked, moe_ragged=moe_decode_ragged,
+                   moe_ragged_dot=moe_decode_ragged_dot)
+
+
+def moe_problem(tokens: int, experts: int, top_k: int, dim: int, mlp: int, seed: int = 0):
+  """(x [T, D], gate_up [E, D, 2F], down [E, F, D], top_e [T, k], top_p [T, k])."""
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(tokens, dim)).astype(np.float32)
+  gate_up = (rng.normal(size=(experts, dim, 2 * mlp)) / np.sqrt(dim)).astype(np.float32)
+  down = (rng.normal(size=(experts, mlp, dim)) / np.sqrt(mlp)).astype(np.float32)
+  top_e = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k].astype(np.int32)
+  top_p = rng.random((tokens, top_k)).astype(np.float32)
+  return tuple(jnp.asarray(a) for a in (x, gate_up, down, top_e, top_p))
+
+
+def run_moe(tokens: int, experts: int, top_k: int, dim: int, mlp: int, *, number: int = 20,
+            rounds: int = 5) -> list[Row]:
+  """The decode MoE FFN three ways on one shape (max_rows = T), checked to agree."""
+  args = moe_problem(tokens, experts, top_k, dim, mlp)
+  fns = {name: functools.partial(fn, max_rows=tokens) for name, fn in MOE_METHODS.items()}
+  return _time(fns, args, tokens, experts, top_k, dim, number, rounds, ragged_rows=None)
+
+
 def table(rows: list[Row]) -> str:
   lines = ["| T | E | k | D=F | method | HLO ops (all / entry) | us per call | vs ragged_dot |",
            "|---|---|---|---|---|---|---|---|"]
-  base = {(r.tokens, r.experts, r.dim): r.us_per_call for r in rows if r.method == "ragged_dot"}
+  base = {(r.tokens, r.experts, r.dim): r.us_per_call for r in rows
+          if r.method in ("ragged_dot", "moe_ragged_dot")}
   for r in rows:
     ratio = r.us_per_call / base[(r.tokens, r.experts, r.dim)] if (
         (r.tokens, r.experts, r.dim) in base) else float("nan")
@@ -167,14 +246,21 @@ def main(argv=None) -> list[Row]:
   parser.add_argument("--number", type=int, default=20, help="calls per round")
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+  parser.add_argument("--moe", action="store_true",
+                      help="time an MoE layer's decode FFN (SwiGLU, F=D) instead: masked, "
+                           "fused ragged gmm, ragged_dot")
   args = parser.parse_args(argv)
   rows = []
   for dim in args.dim:
     for experts in args.experts:
       for tokens in args.tokens:
-        rows += run(tokens, experts, args.top_k, dim, dim, number=args.number,
-                    rounds=args.rounds, methods=tuple(args.methods),
-                    dtype=jnp.dtype(args.dtype))
+        if args.moe:
+          rows += run_moe(tokens, experts, args.top_k, dim, dim, number=args.number,
+                          rounds=args.rounds)
+        else:
+          rows += run(tokens, experts, args.top_k, dim, dim, number=args.number,
+                      rounds=args.rounds, methods=tuple(args.methods),
+                      dtype=jnp.dtype(args.dtype))
   print(f"jax {jax.__version__}, {jax.default_backend()}, {jax.devices()[0].device_kind}")
   print(table(rows))
   return rows

@@ -282,3 +282,22 @@ def test_bench_decode_runs_and_counts_ops():
   assert all(r.hlo_ops >= r.entry_ops > 0 and r.us_per_call > 0 for r in rows)
   text = "ENTRY %main {\n  %p = f32[2] parameter(0)\n  ROOT %n = f32[2] negate(%p)\n}\n"
   assert bench_decode.hlo_op_counts(text) == (2, 2)
+
+
+@pytest.mark.parametrize("max_rows", [5, 2])
+def test_moe_decode_masked_matches_dense_oracle(max_rows):
+  from gmm_jax import bench_decode
+
+  x, gate_up, down, top_e, top_p = bench_decode.moe_problem(5, 4, 2, 8, 4, seed=11)
+  got = jax.jit(functools.partial(bench_decode.moe_decode_masked, max_rows=max_rows))(
+      x, gate_up, down, top_e, top_p)
+  xs, wu, wd, ids, probs = (f64(a) for a in (x, gate_up, down, top_e, top_p))
+  want = np.zeros_like(xs)
+  taken = np.zeros(4, int)
+  for t in range(5):  # an expert takes its first max_rows tokens (capacity)
+    for j in range(2):
+      e = int(ids[t, j])
+      taken[e] += 1
+      if taken[e] <= max_rows:
+        want[t] += probs[t, j] * (GATED["swiglu"](xs[t] @ wu[e]) @ wd[e])
+  np.testing.assert_allclose(np.asarray(got), want, **tolerances(np.float32, k=8, scale=4.0))
