@@ -137,6 +137,29 @@ def test_gmm_masked_matches_oracle(options):
     assert (padding == 0).all()
 
 
+def test_num_rows_bound():
+  values, rhs, _ = _problem(12)
+  counts = np.array([3, 1, 0, 2], np.int32)
+  f = jax.jit(lambda v, c, w: gmm_jax.gmm(gmm_jax.MaskedArray(v, c, num_rows=6), w,
+                                          implementation="xla"))
+  out = f(values, counts, rhs)
+  assert out.num_rows == 6
+  np.testing.assert_allclose(np.asarray(out.values),
+                             _masked_oracle(f64(values), f64(rhs), counts),
+                             **tolerances(np.float32, k=K))
+  # Traced counts past the bound keep the first num_rows rows in group order.
+  out = f(values, np.array([3, 3, 1, 2], np.int32), rhs)
+  np.testing.assert_allclose(np.asarray(out.values),
+                             _masked_oracle(f64(values), f64(rhs), [3, 3, 0, 0]),
+                             **tolerances(np.float32, k=K))
+  np.testing.assert_array_equal(np.asarray(out.counts), [3, 3, 0, 0])
+  with pytest.raises(ValueError, match="counts sum to 9, past num_rows=6"):
+    gmm_jax.MaskedArray(values, np.array([3, 3, 1, 2]), num_rows=6)
+  with pytest.raises(ValueError, match=r"num_rows must be an int in \[0, G \* max_rows = 12\]"):
+    gmm_jax.MaskedArray(values, counts, num_rows=13)
+  assert gmm_jax.from_ragged(values.reshape(G * R, K)[:7], counts, R).num_rows == 7
+
+
 def test_gmm_masked_weight_only_quantized_rhs():
   values, rhs, _ = _problem(10)
   counts = np.array([3, 1, 0, 2], np.int32)
@@ -200,7 +223,8 @@ def test_gmm_masked_check_grads_and_jvp():
   f = lambda v, w, b, p: gmm_jax.gmm(gmm_jax.MaskedArray(v, counts), w, bias=b,
                                      row_weights=p, activation="gelu_tanh",
                                      implementation="xla").values
-  check_grads(lambda v, w: f(v, w, bias, weights), (values, rhs), order=1, modes=("rev",),
+  check_grads(jax.jit(lambda v, w: f(v, w, bias, weights)), (values, rhs), order=1,
+              modes=("rev",),
               atol=5e-2, rtol=5e-2)
   # A tangent on a padding row changes nothing.
   tangent = np.zeros_like(values)
@@ -276,15 +300,16 @@ def test_bad_masked_inputs():
 def test_bench_decode_runs_and_counts_ops():
   from gmm_jax import bench_decode
 
+  methods = ["gmm_masked", "ragged_dot"]
   rows = bench_decode.main(["--tokens", "2", "--experts", "8", "--top-k", "2", "--dim", "16",
-                            "--number", "1", "--rounds", "1"])
-  assert [r.method for r in rows] == list(bench_decode.METHODS)
+                            "--number", "1", "--rounds", "1", "--methods", *methods])
+  assert [r.method for r in rows] == methods
   assert all(r.hlo_ops >= r.entry_ops > 0 and r.us_per_call > 0 for r in rows)
   text = "ENTRY %main {\n  %p = f32[2] parameter(0)\n  ROOT %n = f32[2] negate(%p)\n}\n"
   assert bench_decode.hlo_op_counts(text) == (2, 2)
 
 
-@pytest.mark.parametrize("max_rows", [5, 2])
+@pytest.mark.parametrize("max_rows", [5, pytest.param(2, marks=pytest.mark.slow)])
 def test_moe_decode_masked_matches_dense_oracle(max_rows):
   from gmm_jax import bench_decode
 

@@ -513,10 +513,12 @@ _MASKED_UNSUPPORTED = ("group_list_type", "num_groups", "transpose_lhs", "group_
 
 def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray:
   """gmm of a masked lhs ``[G, R, K]`` (counts ``[G]``) and rhs ``[G, K, N]`` -> masked
-  ``[G, R, N]`` with the same counts.
+  ``[G, R, N]`` with the same counts (and num_rows bound).
 
-  It is the m-grouped gmm of the ``[G*R, K]`` slots read through row operands: row r of
-  the grouped problem reads slot ``lhs_indices[r]`` and is written back to the same slot
+  It is the m-grouped gmm of the ``[G*R, K]`` slots read through row operands, with a
+  grouped problem of ``lhs.num_rows`` rows (not G*R: a decode step's T*k rows, when the
+  bound is set, rather than E*T slots): row r of the grouped problem reads slot
+  ``lhs_indices[r]`` and is written back to the same slot
   (``out_indices``), so every implementation that serves row operands (the reference, the
   XLA path, the Pallas kernels) serves the masked layout with no copy of the activations,
   padding slots are never read (no gradient to them), never written (exactly 0), and the
@@ -546,8 +548,9 @@ def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray
         f"a MaskedArray lhs {lhs.shape} ([G, max_rows, K]) needs rhs [G, K, N] with G={g}, "
         f"K={k} ([G, N, K] with transpose_rhs), got rhs {_describe(rhs)} (transpose_rhs="
         f"{options['transpose_rhs']})")
-  total = g * max_rows
-  slots = grouped_array.ragged_slots(lhs.counts, max_rows, total)
+  total, num_rows = g * max_rows, lhs.num_rows
+  counts = metadata.counts_in_range(jnp.clip(lhs.counts, 0, max_rows), 0, num_rows)
+  slots = grouped_array.ragged_slots(counts, max_rows, num_rows)
   row_weights = options.pop("row_weights")
   if row_weights is not None:
     row_weights = jnp.asarray(row_weights)
@@ -558,10 +561,9 @@ def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray
     row_weights = jnp.take(row_weights.reshape(total), slots, mode="fill", fill_value=0)
   for name in _MASKED_UNSUPPORTED + ("group_type",):
     options.pop(name)
-  counts = jnp.clip(lhs.counts, 0, max_rows)
   out = gmm(jnp.reshape(values, (total, k)), rhs, counts, lhs_indices=slots,
             out_indices=slots, out_rows=total, row_weights=row_weights, **options)
-  return MaskedArray(out.reshape(g, max_rows, out.shape[-1]), counts)
+  return MaskedArray(out.reshape(g, max_rows, out.shape[-1]), counts, lhs.num_rows)
 
 
 def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray, rhs: jax.typing.ArrayLike | QArray,

@@ -198,9 +198,15 @@ class MaskedArray:
   (`from_ragged` and gmm write them as exactly 0, and gmm neither reads them nor gives them
   a gradient). A registered pytree (jit, grad, vmap); counts may be traced, and traced
   counts outside ``[0, max_rows]`` are clipped to it.
+
+  ``num_rows`` (static, default ``G * max_rows``) bounds the rows all groups hold together
+  (a decode step's ``tokens * top_k``; `from_ragged` sets it to the ragged form's rows): gmm
+  runs a grouped problem of that many rows, so a tight bound saves work when most slots
+  are padding. Concrete counts summing past it raise ValueError; traced ones keep the
+  first num_rows rows (in group order).
   """
 
-  def __init__(self, values, counts):
+  def __init__(self, values, counts, num_rows: int | None = None):
     if np.ndim(values) != 3:
       raise ValueError(f"MaskedArray values must be 3-D [G, max_rows, K], got shape "
                        f"{np.shape(values)}")
@@ -209,18 +215,36 @@ class MaskedArray:
                        f"{np.shape(values)}, got shape {np.shape(counts)}")
     if not jnp.issubdtype(jnp.result_type(counts), jnp.integer):
       raise ValueError(f"MaskedArray counts must be integer, got {jnp.result_type(counts)}")
-    check_counts(counts, int(np.shape(values)[1]))
+    groups, max_rows = (int(d) for d in np.shape(values)[:2])
+    check_counts(counts, max_rows)
+    if num_rows is not None:
+      if not _is_int(num_rows) or not 0 <= num_rows <= groups * max_rows:
+        raise ValueError(f"num_rows must be an int in [0, G * max_rows = {groups * max_rows}] "
+                         f"for values {np.shape(values)}, got {num_rows!r}")
+      num_rows = int(num_rows)
+      if _is_concrete(counts) and int(np.sum(np.asarray(counts, np.int64))) > num_rows:
+        raise ValueError(f"counts sum to {int(np.sum(np.asarray(counts, np.int64)))}, past "
+                         f"num_rows={num_rows}")
     self.values = values
     self.counts = jnp.asarray(counts, jnp.int32)
+    self._num_rows = num_rows
 
   def tree_flatten(self):
-    return (self.values, self.counts), None
+    return (self.values, self.counts), self._num_rows
 
   @classmethod
-  def tree_unflatten(cls, _, children):
+  def tree_unflatten(cls, num_rows, children):
     obj = object.__new__(cls)
     obj.values, obj.counts = children
+    obj._num_rows = num_rows
     return obj
+
+  @property
+  def num_rows(self) -> int:
+    """The static bound on the rows of all groups together (default G * max_rows)."""
+    if self._num_rows is None:
+      return self.num_groups * self.max_rows
+    return self._num_rows
 
   @property
   def num_groups(self) -> int:
@@ -272,14 +296,15 @@ def to_ragged(masked: MaskedArray, num_rows: int | None = None):
 
   ``rows`` holds each group's first ``counts[g]`` rows, sorted by group (what gmm's
   m-grouping takes with ``group_list=counts``); rows past the total are 0. `num_rows`
-  (static) defaults to ``G * max_rows``, which always fits; a smaller one keeps the first
-  `num_rows` rows and the counts are cut to match. Differentiable in the values.
+  (static) defaults to the masked array's `num_rows` bound (``G * max_rows`` unless set),
+  which always fits; a smaller one keeps the first `num_rows` rows and the counts are cut
+  to match. Differentiable in the values.
   """
   if not isinstance(masked, MaskedArray):
     raise ValueError(f"to_ragged needs a gmm_jax.MaskedArray, got {type(masked).__name__}")
   g, max_rows, k = masked.shape
   total = g * max_rows
-  num_rows = total if num_rows is None else num_rows
+  num_rows = masked.num_rows if num_rows is None else num_rows
   if not _is_int(num_rows) or num_rows < 0:
     raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
   counts = _clipped(masked.counts, max_rows)
@@ -296,7 +321,8 @@ def from_ragged(rows, group_sizes=None, max_rows: int | None = None) -> MaskedAr
   Slot ``[g, j]`` holds row ``start_g + j`` for ``j < group_sizes[g]`` and is exactly 0
   past it. `max_rows` (static) is the slot count per group. Concrete sizes above max_rows
   (or summing past M) raise ValueError; traced ones are cut to fit. Differentiable in the
-  rows (padding slots get no gradient to give).
+  rows (padding slots get no gradient to give). The result's `num_rows` bound is M (at
+  most ``G * max_rows``).
   """
   if isinstance(rows, GroupedArray):
     if group_sizes is not None:
@@ -328,4 +354,5 @@ def from_ragged(rows, group_sizes=None, max_rows: int | None = None) -> MaskedAr
   slot = jnp.arange(max_rows, dtype=jnp.int32)
   source = jnp.where(slot[None, :] < counts[:, None], starts[:, None] + slot[None, :], m)
   values = jnp.take(jnp.asarray(rows), source.reshape(-1), axis=0, mode="fill", fill_value=0)
-  return MaskedArray(values.reshape(num_groups, max_rows, k), counts)
+  return MaskedArray(values.reshape(num_groups, max_rows, k), counts,
+                     min(m, num_groups * max_rows))
