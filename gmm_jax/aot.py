@@ -2,7 +2,8 @@
 
 ``python -m gmm_jax.aot`` lowers and fully compiles (deviceless, ahead of time) the gmms of
 MoE-shaped forward and training-step programs for NVIDIA H100 and H200 (sm_90a) and TPU v5e
-and v6e, on a CPU host. gmm picks its kernels itself: each program is traced under
+and v6e, on a CPU host (and, when named with ``--targets``, NVIDIA B200 (sm_100a) and
+TPU7x). gmm picks its kernels itself: each program is traced under
 ``jax.default_device(<target device>)``, so the dispatcher serves the target's platform and
 the tile tables its device kind. It prints one row per kernel launch: the implementation,
 the tiles and where they came from, the grid, and (GPU) registers, spills and shared memory
@@ -16,7 +17,8 @@ environment. Targets whose compiler this jax lacks are reported as skipped (or f
 
 Usage::
 
-  python -m gmm_jax.aot                       # every target, every case
+  python -m gmm_jax.aot                       # the default targets, every case
+  python -m gmm_jax.aot --targets b200 tpu7x  # B200 and TPU7x (not in the default)
   python -m gmm_jax.aot --targets h200 v5e --cases mixtral-train
   python -m gmm_jax.aot --list                # the cases
   python -m gmm_jax.aot --json out.json --markdown table.md
@@ -43,6 +45,7 @@ import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import flags
 from jax.experimental import topologies
 
@@ -51,13 +54,20 @@ from gmm_jax._src import cli, dispatch, tuning
 from gmm_jax._src.config import is_gated
 
 TARGET_DIR = pathlib.Path(__file__).with_name("targets")
-# name -> (platform, topology, target config file (GPU))
+# name -> (platform, topology, target config file (GPU)). A program is compiled for the
+# topology's first device (one chip; a TPU7x chip shows its two TensorCores as two devices).
 TARGETS = {
     "h100": ("gpu", "1x1x1", "nvidia_h100.txtpb"),
     "h200": ("gpu", "1x1x1", "nvidia_h200.txtpb"),
     "v5e": ("tpu", "v5e:1x1", None),
     "v6e": ("tpu", "v6e:1x1", None),
+    # Compiled on request (``--targets b200 tpu7x``), not by default: B200 (sm_100a, Triton
+    # only: the Mosaic GPU kernel is Hopper's) and TPU7x (no int8 MXU) add minutes.
+    "b200": ("gpu", "1x1x1", "nvidia_b200.txtpb"),
+    "tpu7x": ("tpu", "tpu7x:1x1x1", None),
 }
+# What ``--targets`` defaults to (and so what ``--require`` requires without it).
+DEFAULT_TARGETS = ("h100", "h200", "v5e", "v6e")
 # MoE shapes: (M, K, N, G).
 SHAPES = {
     "mixtral": (16384, 4096, 14336, 8),   # Mixtral-8x7B-like expert FFN, 16k tokens
@@ -343,7 +353,7 @@ def compile_case(target: str, case: Case) -> list[Row]:
 
   platform = TARGETS[target][0]
   topology = topology_of(target)
-  mesh = topologies.make_mesh(topology, (1,), ("x",))
+  mesh = jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   start = time.perf_counter()
   fn, args = build(case, sharding)
@@ -472,7 +482,8 @@ def _child_env() -> dict[str, str]:
 def _define_flags() -> flags.FlagValues:
   """This command's flags, in a FlagValues of their own (none are registered globally)."""
   fv = cli.flag_values()
-  flags.DEFINE_multi_enum("targets", list(TARGETS), list(TARGETS), "the targets to compile for",
+  flags.DEFINE_multi_enum("targets", list(DEFAULT_TARGETS), list(TARGETS),
+                          "the targets to compile for (b200, tpu7x: only when named)",
                           flag_values=fv)
   flags.DEFINE_multi_enum("cases", [c.name for c in CASES], [c.name for c in CASES],
                           "the programs to compile (--list describes them)", flag_values=fv)
