@@ -1,15 +1,20 @@
 """Registers the gmm implementations with the dispatcher, and each platform's chain.
 
 Floor 3. The Pallas kernels register where this jax can import their backend (else the
-chains fall through to "xla").
+chains fall through to "xla"), each behind a check of the target chip: a GPU kernel only for
+the compute capabilities it compiles for (`GPU_ARCHS`: Mosaic GPU is Hopper's), the TPU
+kernel's integer products only on chips with an int8 MXU (not TPU7x).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from gmm_jax._src import dispatch
+import jax.numpy as jnp
+
+from gmm_jax._src import cost_models, dispatch
 from gmm_jax._src import lax_ragged, reference, xla
+from gmm_jax._src.qarray import QArray
 
 # Preference order per platform; names that did not register are skipped.
 CHAINS = {
@@ -30,6 +35,75 @@ KERNELS = (
     ("pallas_triton", "gmm_jax.pallas.gpu", "gmm_triton", "gpu"),
 )
 
+# The compute capability majors each GPU kernel compiles for (absent: any). The Mosaic GPU
+# gmm is built on wgmma, which only sm_90a (Hopper) has: on Blackwell (sm_100a, 10.x) and
+# older GPUs it is skipped up front and Triton serves.
+GPU_ARCHS = {"pallas_mosaic_gpu": (9,)}
+
+
+def gpu_chain(chain: tuple[str, ...], capability: tuple[int, int] | None) -> tuple[str, ...]:
+  """The names of a GPU `chain` that compile for a GPU of `capability` (None: unknown, all
+  of them; the kernels then check the target themselves)."""
+  if capability is None:
+    return tuple(chain)
+  return tuple(name for name in chain
+               if capability[0] in GPU_ARCHS.get(name, (capability[0],)))
+
+
+def _check_arch(name: str, cfg) -> None:
+  """NotImplementedError when the target GPU's compute capability is not one `name` compiles
+  for (`GPU_ARCHS`); interpret mode runs anywhere."""
+  if cfg.interpret or name not in GPU_ARCHS:
+    return
+  capability = cost_models.gpu_capability()
+  if capability is not None and not gpu_chain((name,), capability):
+    majors = ", ".join(f"{m}.x" for m in GPU_ARCHS[name])
+    raise NotImplementedError(
+        f"{name} compiles for compute capability {majors} only; the target GPU is "
+        f"{capability[0]}.{capability[1]}")
+
+
+def _integer_product(lhs, rhs) -> bool:
+  values = lambda x: x.qvalue if isinstance(x, QArray) else x  # noqa: E731
+  lhs, rhs = values(lhs), values(rhs)
+  return jnp.issubdtype(lhs.dtype, jnp.integer) and jnp.issubdtype(rhs.dtype, jnp.integer)
+
+
+def _check_tpu_chip(lhs, rhs, cfg) -> None:
+  """NotImplementedError for integer x integer products (plain int8 operands or the scaled
+  int8 x int8 mode) on a TPU without an int8 MXU path (TPU7x: `cost_models.TPU_CHIPS`): the
+  kernel's dot would ask for int8 MXU passes the chip does not have. Plain integer gmms go
+  to the next implementation (XLA's, exact int32); `quantized` composes the scaled mode from
+  a bf16 gmm of the values (exact in bf16) instead."""
+  del cfg  # the chip, not the call's options, decides (interpret mode included)
+  if not _integer_product(lhs, rhs):
+    return
+  kind = cost_models.tpu_kind()
+  if not cost_models.int8_mxu(kind):
+    raise NotImplementedError(
+        f"{kind} has no int8 MXU path (integer x integer products are not the TPU "
+        "kernel's there)")
+
+
+def _guarded(name: str, module, function: str, platform: str):
+  """(fn, check) of kernel `name`: the module's, behind the target-chip check of its
+  platform (run before the module's own static check and before the kernel)."""
+  inner = getattr(module, function)
+  if platform == "tpu":
+    chip_check = _check_tpu_chip
+  else:
+    chip_check = lambda lhs, rhs, cfg: _check_arch(name, cfg)  # noqa: E731
+
+  def check(lhs, rhs, cfg):
+    chip_check(lhs, rhs, cfg)
+    module.check_operands(lhs, rhs, cfg)
+
+  def fn(lhs, rhs, counts, group_offset, bias, cfg, **kw):
+    chip_check(lhs, rhs, cfg)
+    return inner(lhs, rhs, counts, group_offset, bias, cfg, **kw)
+
+  return fn, check
+
 
 def _register() -> None:
   every_platform = tuple(CHAINS)
@@ -45,11 +119,10 @@ def _register() -> None:
       module = importlib.import_module(module_name)
     except ImportError:
       continue
-    fn = getattr(module, function)
-    dispatch.register(dispatch.Backend(name, lambda *args, fn=fn, **kw: fn(*args, **kw),
-                                       platforms=(platform,),
+    fn, check = _guarded(name, module, function, platform)
+    dispatch.register(dispatch.Backend(name, fn, platforms=(platform,),
                                        quant_modes=("none", "weight_only", "scaled"),
-                                       check=module.check_operands,
+                                       check=check,
                                        features=getattr(module, "FEATURES", ()),
                                        atomics=getattr(module, "ATOMICS", False)))
   for platform, chain in CHAINS.items():

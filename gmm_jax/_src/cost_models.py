@@ -11,11 +11,15 @@ without building a kernel.
 * Mosaic TPU (`gmm_jax.pallas.tpu.gmm`): the VMEM footprint of a tiling (`vmem_bytes`,
   `vmem_limit`), a roofline time (`modelled_seconds`), the kernels' work items (`m_items`,
   `k_items`) and `tpu_static_cost`, a model of the DMAs a grid order implies.
+* The chips: `GPU_KINDS` (compute capability and SMs by kind, B200 included) and
+  `gpu_capability`; `TPU_CHIPS` (VMEM, MXU, peak rates, HBM per jax device, by device kind,
+  TPU7x included: no int8 MXU, two devices per chip) and `int8_mxu`.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 
 import jax
@@ -71,6 +75,63 @@ def gpu_sm_count(device=None) -> int:
     if cores:
       return cores
   return DEFAULT_NUM_SMS
+
+
+# Compute capability and SMs of the GPU kinds gmm_jax has target descriptions for
+# (`gmm_jax/targets`), for a target that names only its kind (an abstract device); a jax
+# Device says both itself (``compute_capability``, ``core_count``).
+GPU_KINDS = {
+    "NVIDIA H100": ((9, 0), 132),
+    "NVIDIA H200": ((9, 0), 132),
+    "NVIDIA GH200": ((9, 0), 132),
+    "NVIDIA B200": ((10, 0), 148),
+}
+
+
+def _gpu_kind_entry(kind) -> tuple[tuple[int, int], int] | None:
+  """The `GPU_KINDS` entry whose name is in `kind` ("NVIDIA H100 80GB HBM3"), longest first."""
+  kind = str(kind or "")
+  for name in sorted(GPU_KINDS, key=len, reverse=True):
+    if name in kind:
+      return GPU_KINDS[name]
+  return None
+
+
+def _parse_capability(value) -> tuple[int, int] | None:
+  if value is None:
+    return None
+  major, _, minor = str(value).partition(".")
+  try:
+    return int(major), int(minor or 0)
+  except ValueError:
+    return None
+
+
+def gpu_capability(device=None) -> tuple[int, int] | None:
+  """(major, minor) compute capability of the GPU a kernel is compiled for, None when no
+  GPU is in sight (interpret mode on a CPU). Looked up like `gpu_sm_count`: `device`, else
+  jax's default device (a deviceless compile's target: ``compute_capability`` from the target
+  config), the abstract mesh's device (its kind in `GPU_KINDS`), the first local GPU."""
+  candidates = [device] if device is not None else [jax.config.jax_default_device]
+  if device is None:
+    try:
+      candidates.append(jax.sharding.get_abstract_mesh().abstract_device)
+    except Exception:  # noqa: BLE001  (older jax: no abstract device)
+      pass
+    try:
+      candidates.extend(jax.devices("gpu")[:1])
+    except RuntimeError:  # no GPU backend in this process
+      pass
+  for candidate in candidates:
+    if candidate is None or getattr(candidate, "platform", None) not in _GPU_PLATFORMS:
+      continue
+    capability = _parse_capability(getattr(candidate, "compute_capability", None))
+    entry = _gpu_kind_entry(getattr(candidate, "device_kind", None))
+    if capability is None and entry is not None:
+      capability = entry[0]
+    if capability is not None:
+      return capability
+  return None
 
 
 # ----------------------------------------------------------------- Triton: schedule
@@ -305,13 +366,87 @@ def triton_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: T
 TPU_ALIGN = "tile"  # the TPU kernels' BlockSpec index maps address whole tiles
 LANE = 128
 MIB = 2**20
-# When the device cannot be asked (CPU interpret mode, cross-lowering): v5e/v6e values.
+# When neither jax's TPU info nor `TPU_CHIPS` knows the target (CPU interpret mode): v5e's.
 DEFAULT_VMEM_CAPACITY = 128 * MIB
 DEFAULT_MXU_ROWS = 128
 VMEM_RESERVE = 8 * MIB  # left to Mosaic's internal scratch
 VMEM_HEADROOM = 4 * MIB
 DEQUANT_ROWS = 256  # stored weight rows dequantized at a time into the VMEM cache
 STEP_OVERHEAD_S = 0.35e-6  # per grid step (pipeline bookkeeping), the usual Pallas TPU figure
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuChip:
+  """One TPU generation as gmm_jax plans for it, per jax device (a TensorCore on chips
+  whose cores are separate devices, the whole chip on single-core and megacore chips).
+
+  Fields: ``vmem_bytes`` per core; ``mxu`` the systolic array's side (rows = columns);
+  ``bf16_flops``, ``int8_ops``, ``fp8_flops`` dense peak per device (0: the MXU has no
+  such path); ``hbm_bandwidth`` bytes/s and ``hbm_bytes`` per device; ``devices_per_chip``
+  the jax devices one chip shows.
+  """
+
+  name: str
+  vmem_bytes: int
+  mxu: int
+  bf16_flops: float
+  int8_ops: float
+  fp8_flops: float
+  hbm_bandwidth: float
+  hbm_bytes: int
+  devices_per_chip: int = 1
+
+  @property
+  def int8_mxu(self) -> bool:
+    """Whether int8 x int8 products run on the MXU (into int32)."""
+    return self.int8_ops > 0
+
+
+GIB = 2**30
+_V5E = TpuChip("v5e", 128 * MIB, 128, 197e12, 394e12, 0, 819e9, 16 * GIB)
+_V5P = TpuChip("v5p", 64 * MIB, 128, 459e12, 918e12, 0, 2765e9, 95 * GIB)
+_V6E = TpuChip("v6e", 128 * MIB, 256, 918e12, 1836e12, 0, 1640e9, 32 * GIB)
+# TPU7x (Ironwood): per chip 2.31 PFLOP/s bf16, 4.61 PFLOP/s fp8, no int8 MXU path, 192 GiB
+# HBM at 7.37 TB/s; its two TensorCores are two jax devices, so each gets half of those.
+_TPU7X = TpuChip("TPU7x", 64 * MIB, 256, 2.31e15 / 2, 0, 4.61e15 / 2, 7.37e12 / 2,
+                 96 * GIB, devices_per_chip=2)
+# device_kind (as jax reports it) -> chip.
+TPU_CHIPS = {
+    "TPU v5 lite": _V5E, "TPU v5e": _V5E,
+    "TPU v5": _V5P, "TPU v5p": _V5P,
+    "TPU v6 lite": _V6E, "TPU v6e": _V6E,
+    "TPU7x": _TPU7X,
+}
+
+
+def tpu_kind() -> str | None:
+  """The device kind of the TPU a kernel is compiled for (the default device, else the
+  abstract mesh's device, else the first local TPU), None when none is in sight."""
+  candidates = [jax.config.jax_default_device]
+  try:
+    candidates.append(jax.sharding.get_abstract_mesh().abstract_device)
+  except Exception:  # noqa: BLE001  (older jax: no abstract device)
+    pass
+  for candidate in candidates:
+    if candidate is not None and getattr(candidate, "platform", None) == "tpu":
+      return str(candidate.device_kind)
+  try:
+    return str(jax.devices("tpu")[0].device_kind)
+  except RuntimeError:  # no TPU backend in this process
+    return None
+
+
+def tpu_chip(kind: str | None = None) -> TpuChip | None:
+  """The `TPU_CHIPS` entry of device kind `kind` (default: the target's, `tpu_kind`)."""
+  kind = tpu_kind() if kind is None else kind
+  return TPU_CHIPS.get(kind) if kind is not None else None
+
+
+def int8_mxu(kind: str | None = None) -> bool:
+  """Whether the target TPU (or device kind `kind`) multiplies int8 x int8 on its MXU.
+  False for TPU7x (fp8 instead); True for kinds gmm_jax does not know (as before)."""
+  chip = tpu_chip(kind)
+  return True if chip is None else chip.int8_mxu
 
 
 def fit_tile(tile: int, dim: int) -> int:
@@ -329,15 +464,17 @@ def _tpu_info():
 
 
 def vmem_capacity() -> int:
-  """Bytes of VMEM of the target TPU core (128 MiB on v5e/v6e when it cannot be asked)."""
-  info = _tpu_info()
-  return int(getattr(info, "vmem_capacity_bytes", 0) or DEFAULT_VMEM_CAPACITY)
+  """Bytes of VMEM of the target TPU core: jax's TPU info, else `TPU_CHIPS` (64 MiB on
+  TPU7x), else 128 MiB (v5e/v6e) when neither can say."""
+  return int(getattr(_tpu_info(), "vmem_capacity_bytes", 0)
+             or getattr(tpu_chip(), "vmem_bytes", 0) or DEFAULT_VMEM_CAPACITY)
 
 
 def mxu_rows() -> int:
-  """Rows of the MXU (128 on v5e, 256 on v6e): the row slice a partial item computes."""
-  info = _tpu_info()
-  return int(getattr(info, "mxu_column_size", 0) or DEFAULT_MXU_ROWS)
+  """Rows of the MXU (128 on v5e, 256 on v6e and TPU7x): the row slice a partial item
+  computes (jax's TPU info, else `TPU_CHIPS`, else 128)."""
+  return int(getattr(_tpu_info(), "mxu_column_size", 0) or getattr(tpu_chip(), "mxu", 0)
+             or DEFAULT_MXU_ROWS)
 
 
 def vmem_bytes(tiling: Tiling, group_type: str, *, lhs_itemsize: int, rhs_itemsize: int,
@@ -389,10 +526,13 @@ def vmem_limit(needed: int, capacity: int | None = None) -> int:
 
 
 def _device_rates() -> tuple[float, float]:
-  """(bf16 MXU flop/s, HBM bytes/s) of the target TPU (v5e's when it cannot be asked)."""
+  """(bf16 MXU flop/s, HBM bytes/s) of the target TPU, per jax device: jax's TPU info, else
+  `TPU_CHIPS`, else v5e's."""
   info = _tpu_info()
-  flops = float(getattr(info, "bf16_ops_per_second", 0) or 197e12)
-  bandwidth = float(getattr(info, "mem_bw_bytes_per_second", 0) or 820e9)
+  flops = float(getattr(info, "bf16_ops_per_second", 0)
+                or getattr(tpu_chip(), "bf16_flops", 0) or 197e12)
+  bandwidth = float(getattr(info, "mem_bw_bytes_per_second", 0)
+                    or getattr(tpu_chip(), "hbm_bandwidth", 0) or 820e9)
   return flops, bandwidth
 
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import dispatch, metadata, op
+from gmm_jax._src import cost_models, dispatch, metadata, op
 from gmm_jax._src.config import PLATFORMS, GmmConfig, problem_dims
 from gmm_jax._src.epilogue import NO_ROWS, Rows
 from gmm_jax._src.epilogue import finish
@@ -111,13 +111,20 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
   int_bias = bias is not None and _is_int(bias.dtype)
   platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
   served = {p: not int_bias and dispatch.serves(lhs, rhs, cfg, p) for p in platforms}
+  # A TPU without an int8 MXU path (TPU7x) multiplies integer values in bf16 (exact).
+  no_int8 = {p: p == "tpu" and not cost_models.int8_mxu() for p in platforms}
+  plan = {p: (served[p], no_int8[p]) for p in platforms}
   operands = (lhs, rhs, counts, group_offset, bias, output_scale, output_offset)
-  if len(set(served.values())) == 1:  # the same on every platform: no per-platform branch
-    kernel = next(iter(served.values()))
-    return (_in_kernel if kernel else _composed)(*operands, cfg)
-  return dispatch.on_lowering_platform(
-      lambda platform, *args: (_in_kernel if served[platform] else _composed)(*args, cfg),
-      None, *operands)
+
+  def one(platform, *args):
+    kernel, bf16_values = plan[platform]
+    if kernel:
+      return _in_kernel(*args, cfg)
+    return _composed(*args, cfg, bf16_values=bf16_values)
+
+  if len(set(plan.values())) == 1:  # the same on every platform: no per-platform branch
+    return one(platforms[0], *operands)
+  return dispatch.on_lowering_platform(one, None, *operands)
 
 
 def _in_kernel(lhs, rhs, counts, group_offset, bias, output_scale, output_offset,
@@ -131,8 +138,11 @@ def _in_kernel(lhs, rhs, counts, group_offset, bias, output_scale, output_offset
 
 
 def _composed(lhs, rhs, counts, group_offset, bias, output_scale, output_offset,
-              cfg: GmmConfig):
-  """The quantized mode composed from float/int gmms and elementwise work."""
+              cfg: GmmConfig, bf16_values: bool = False):
+  """The quantized mode composed from float/int gmms and elementwise work. `bf16_values`:
+  integer x integer values are multiplied as bf16 (every 8- and 4-bit integer, and their
+  differences with a zero point, are exact in bf16) with f32 sums, for a chip without an
+  int8 MXU path (TPU7x); the sums are exact up to 2**24 (K * 127 * 127 below it)."""
   mode = quant_mode(lhs, rhs, cfg)
   m, _, n = problem_dims(lhs.shape, rhs.shape, cfg)
   int_bias = bias is not None and _is_int(bias.dtype)
@@ -168,9 +178,19 @@ def _composed(lhs, rhs, counts, group_offset, bias, output_scale, output_offset,
     raise NotImplementedError("an int32 bias needs integer quantized values")
   value_dtype = np.promote_types(compute_dtype(lhs), compute_dtype(rhs))
   acc_dtype = np.dtype(jnp.int32) if integer else _F32
-  acc = op.gmm(_values(lhs, value_dtype), _values(rhs, value_dtype), counts, group_offset,
-               bias if int_bias else None, cfg.replace(activation=None, out_dtype=acc_dtype))
+  in_bf16 = integer and bf16_values
+  if in_bf16:
+    value_dtype, acc_dtype = np.dtype(jnp.bfloat16), _F32
+  cast = (lambda v: v.astype(jnp.bfloat16)) if in_bf16 else (lambda v: v)  # noqa: E731
+  acc = op.gmm(cast(_values(lhs, value_dtype)), cast(_values(rhs, value_dtype)), counts,
+               group_offset,
+               bias if int_bias and not in_bf16 else None,
+               cfg.replace(activation=None, out_dtype=acc_dtype))
   z = acc.astype(_F32)
+  if int_bias and in_bf16:  # in accumulator units, before the scales
+    int_term = bias.astype(_F32)
+    z = z + (_per_row(int_term, counts, group_offset, cfg, m) if cfg.group_type == "m"
+             else int_term[:, None, :])
   row = _row_scale(lhs, cfg, m)  # [M, 1]
   col = _col_scale(rhs, cfg, n)  # m: [L or 1, 1, N or 1]; k: [1, N or 1]
   float_bias = None if (bias is None or int_bias) else bias.astype(_F32)
