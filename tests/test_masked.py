@@ -160,7 +160,7 @@ def test_num_rows_bound():
   assert gmm_jax.from_ragged(values.reshape(G * R, K)[:7], counts, R).num_rows == 7
 
 
-def test_gmm_masked_weight_only_quantized_rhs():
+def test_gmm_masked_weight_only_quantized_and_transposed_rhs():
   values, rhs, _ = _problem(10)
   counts = np.array([3, 1, 0, 2], np.int32)
   q = gmm_jax.quantize(rhs, "int8", channelwise_axes=(0, 2))
@@ -168,6 +168,11 @@ def test_gmm_masked_weight_only_quantized_rhs():
                                             implementation="xla").values)(values, counts, q)
   expected = _masked_oracle(f64(values), f64(gmm_jax.dequantize(q)), counts)
   np.testing.assert_allclose(np.asarray(out), expected, **tolerances(np.float32, k=K))
+  out = jax.jit(lambda v, c, w: gmm_jax.gmm(gmm_jax.MaskedArray(v, c), w, transpose_rhs=True,
+                                            implementation="xla").values)(
+                                                values, counts, np.swapaxes(rhs, 1, 2))
+  np.testing.assert_allclose(np.asarray(out), _masked_oracle(f64(values), f64(rhs), counts),
+                             **tolerances(np.float32, k=K))
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,6 +287,12 @@ def test_bad_masked_inputs():
     gmm_jax.gmm(masked, rhs, group_type="k")
   with pytest.raises(NotImplementedError, match="quantize_lhs"):
     gmm_jax.gmm(masked, rhs, quantize_lhs=gmm_jax.QuantSpec(jnp.int8))
+  with pytest.raises(NotImplementedError, match="got transpose_lhs, group_offset"):
+    gmm_jax.gmm(masked, rhs, transpose_lhs=True, group_offset=0)
+  with pytest.raises(NotImplementedError, match="got group_list_type"):
+    gmm_jax.gmm(masked, rhs, group_list_type="cumsum")
+  with pytest.raises(gmm_jax.GmmShapeError, match="transpose_rhs=True"):
+    gmm_jax.gmm(masked, rhs, transpose_rhs=True)
   with pytest.raises(NotImplementedError, match="lhs_indices"):
     gmm_jax.gmm(masked, rhs, lhs_indices=np.arange(G * R))
   with pytest.raises(ValueError, match=r"row_weights .* \[4, 3\]"):

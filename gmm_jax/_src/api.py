@@ -505,7 +505,7 @@ def _route(call: _Call):
   return op.gmm(*args, rows=call.rows)
 
 
-# The options a masked lhs does not take (each unset: None, or False for transpose_lhs).
+# The options a masked lhs does not take (unset: None, "counts" or False).
 _MASKED_UNSUPPORTED = ("group_list_type", "num_groups", "transpose_lhs", "group_offset",
                        "quantize_lhs", "quantize_rhs", "sharding", "lhs_indices",
                        "out_indices", "out_rows")
@@ -532,18 +532,19 @@ def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray
     raise ValueError("a MaskedArray lhs carries its own counts; pass no group_list")
   if options.get("group_type") not in (None, "m"):
     raise NotImplementedError(f"{supported}; got group_type={options['group_type']!r}")
-  options["group_list_type"] = None if options["group_list_type"] == "counts" else 0
-  given = [name for name in _MASKED_UNSUPPORTED
-           if options[name] is not None and options[name] is not False]
+  defaults = {"group_list_type": "counts", "transpose_lhs": False}
+  given = [name for name in _MASKED_UNSUPPORTED if options[name] is not None and not (
+      isinstance(options[name], (str, bool)) and options[name] == defaults.get(name))]
   if given:
     raise NotImplementedError(f"{supported}; got {', '.join(given)}")
   values = lhs.values
   if isinstance(values, QArray) or as_qarray(values) is not None:
     raise NotImplementedError(f"{supported}; got a quantized lhs {_describe(values)}")
   g, max_rows, k = lhs.shape
-  rhs_shape = tuple(np.shape(rhs.qvalue if isinstance(rhs, QArray) else rhs))
-  rhs_k = rhs_shape[-1] if options["transpose_rhs"] else rhs_shape[-2] if len(rhs_shape) > 1 else None
-  if len(rhs_shape) != 3 or rhs_shape[0] != g or rhs_k != k:
+  rhs_q = as_qarray(rhs)
+  rhs_shape = tuple(np.shape(rhs if rhs_q is None else rhs_q.qvalue))
+  rhs_k = rhs_shape[2 if options["transpose_rhs"] else 1] if len(rhs_shape) == 3 else None
+  if rhs_k is None or rhs_shape[0] != g or rhs_k != k:
     raise GmmShapeError(
         f"a MaskedArray lhs {lhs.shape} ([G, max_rows, K]) needs rhs [G, K, N] with G={g}, "
         f"K={k} ([G, N, K] with transpose_rhs), got rhs {_describe(rhs)} (transpose_rhs="
@@ -566,7 +567,8 @@ def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray
   return MaskedArray(out.reshape(g, max_rows, out.shape[-1]), counts, lhs.num_rows)
 
 
-def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray, rhs: jax.typing.ArrayLike | QArray,
+def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray,
+        rhs: jax.typing.ArrayLike | QArray,
         group_list: jax.typing.ArrayLike | None = None, *, group_type: str | None = None,
         group_list_type: str = "counts", num_groups: int | None = None, bias=None,
         activation: str | Callable[[Array], Array] | None = None, transpose_lhs: bool = False,

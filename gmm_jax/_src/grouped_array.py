@@ -263,7 +263,7 @@ class MaskedArray:
     return jnp.result_type(self.values)
 
   def to_ragged(self, num_rows: int | None = None):
-    """`to_ragged(self, num_rows)`."""
+    """The ragged form ``(rows [num_rows, K], counts [G])``: see `gmm_jax.to_ragged`."""
     return to_ragged(self, num_rows)
 
   def __repr__(self):
