@@ -308,6 +308,7 @@ def test_bad_masked_inputs():
 # ------------------------------------------------------------------------ decode benchmark
 
 
+@pytest.mark.slow
 def test_bench_decode_runs_and_counts_ops():
   from gmm_jax import bench_decode
 
