@@ -421,3 +421,59 @@ def test_eager_sharding_under_set_mesh_and_out_sharding():
     x = jax.random.normal(jax.random.key(11), (8, D))
     y, _ = nnx.jit(lambda m, x: m(x, out_sharding=P("expert")))(model, x)
     assert y.sharding.spec == P("expert", None)
+
+
+@pytest.mark.parametrize("options, max_rows", [
+    (dict(), None),  # dropless: T slots per expert
+    # gpt-oss-like, input weights and biases, with fewer slots than the hot experts need:
+    # max_rows acts as a capacity (earlier tokens first), together with capacity_factor.
+    (dict(activation="swiglu_clamped", use_bias=True, router_weight_on="input",
+          capacity_factor=0.75), 2),
+])
+def test_masked_layout_matches_per_token_loop(options, max_rows):
+  # The decode layout (`layout="masked"`, `[E, max_rows, D]` slots): forward, gradients and
+  # the dropped fraction against the per-token loop with the kept assignments counted here.
+  model, x = build(dict(options, layout="masked", max_rows=max_rows))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  pure = nnx.to_pure_dict(params)
+  chosen = choose(model, pure, x)
+  limit = max_rows
+  if model.capacity_factor is not None:
+    capacity = math.ceil(model.capacity_factor * x.shape[0] * model.top_k / E)
+    limit = capacity if limit is None else min(limit, capacity)
+  kept = kept_of(chosen, limit)
+
+  @jax.jit
+  def run(params, x):
+    def loss(params):
+      y, aux = nnx.merge(graphdef, params, rest)(x)
+      return loss_of(y), (y, aux)
+    return jax.grad(loss, has_aux=True)(params)
+
+  @jax.jit
+  def run_reference(pure):
+    def loss(p):
+      y = reference(model, p, x, chosen, kept)
+      return loss_of(y), y
+    return jax.grad(loss, has_aux=True)(pure)
+
+  grads, (y, aux) = run(params, x)
+  want_grads, want = run_reference(pure)
+  np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-5)
+  got = nnx.to_pure_dict(grads)
+  for path, g in jax.tree_util.tree_leaves_with_path(want_grads):
+    np.testing.assert_allclose(leaf(got, path), g, rtol=2e-3, atol=1e-5,
+                               err_msg=jax.tree_util.keystr(path))
+  assert (limit is None) == bool(kept.all())
+  np.testing.assert_allclose(aux["dropped_fraction"], 1.0 - kept.mean(), rtol=1e-6, atol=1e-7)
+
+
+def test_masked_layout_refuses_meshes_and_bad_rows():
+  with pytest.raises(NotImplementedError, match="layout='ragged'"):
+    nn.MoE(E, D, F, layout="masked", partitionable=True, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="layout must be one of"):
+    nn.MoE(E, D, F, layout="dense", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="max_rows"):
+    nn.MoE(E, D, F, max_rows=4, rngs=nnx.Rngs(0))  # without layout="masked"
+  with pytest.raises(ValueError, match="max_rows"):
+    nn.MoE(E, D, F, layout="masked", max_rows=0, rngs=nnx.Rngs(0))

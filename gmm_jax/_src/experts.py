@@ -39,6 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src.api import gmm
 from gmm_jax._src.dispatch import mesh_platform, on_lowering_platform
+from gmm_jax._src.grouped_array import from_ragged, to_ragged
 from gmm_jax._src.epilogue import (GATED_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gather_rows,
                                     swiglu_clamped)
 from gmm_jax._src.op.primitive import PREACTIVATION
@@ -186,6 +187,44 @@ def ffn_routed(spec: ExpertFFN, x, top_e, top_p, params, *, capacity=None):
   # Keeps only the two gmms' pre-activations for a backward; the routing and the rows
   # between the gmms are recomputed.
   return jax.checkpoint(body, policy=FFN_POLICY)(x, top_e, top_p, params)
+
+
+def ffn_masked(spec: ExpertFFN, x, top_e, top_p, params, *, max_rows: int,
+               capacity=None):
+  """The expert FFN in the masked layout (decode): `route` -> the routed rows as
+  ``[E, max_rows, D]`` slots (`from_ragged`) -> the gate|up gmm and the down gmm on the
+  masked form (the router weights as the down gmm's ``row_weights [E, max_rows]``, or on
+  the input rows with ``weight_on="input"``) -> `to_ragged`, each row to its (token, k)
+  slot, each token's slots summed. Every shape depends on (T, E, max_rows) only, whatever
+  the routing. Each expert takes at most ``min(max_rows, capacity)`` assignments (earlier
+  tokens first); the rest give 0 and count as dropped. The gate and up halves are one gmm
+  (the gated activation in its epilogue) whatever ``spec.fused`` says.
+  Returns (y ``[T, D]`` f32, kept ``[T, k]`` bool)."""
+  if not isinstance(max_rows, int) or max_rows < 1:
+    raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
+  num_local = params["w_in"].shape[0]
+  options = spec.gmm_options
+  limit = max_rows if capacity is None else min(max_rows, capacity)
+  r = route(top_e, num_local, weights=top_p, capacity=limit)
+  w_in, w_down = params["w_in"], params["w_down"]
+  b_in, b_down = params.get("b_in"), params.get("b_down")
+  rows = gather_rows(x, r.lhs_indices)
+  out_weights = None
+  if spec.weight_on == "input":
+    rows = _input_weighted(rows, r.row_weights)
+  else:
+    out_weights = from_ragged(r.row_weights[:, None], r.group_sizes, max_rows).values[..., 0]
+  masked = from_ragged(rows, r.group_sizes, max_rows)
+  h = gmm(masked, w_in, bias=b_in, activation=spec.epilogue_activation, **options)
+  values = h.values
+  if spec.after_gmm is not None:  # the gated activation the epilogue cannot apply
+    values = spec.after_gmm(values)
+  h = type(h)(values.astype(x.dtype), h.counts, h.num_rows)
+  y = gmm(h, w_down, bias=b_down, row_weights=out_weights, **options)
+  y_rows, _ = to_ragged(y, r.num_rows)
+  slots = jnp.zeros((r.num_slots, y_rows.shape[-1]), y_rows.dtype)
+  slots = slots.at[r.out_indices].set(y_rows, mode="drop")
+  return r.combine(slots).astype(jnp.float32), r.kept
 
 
 def ffn_sorted(spec: ExpertFFN, x, top_e, top_p, params, *, capacity=None):

@@ -61,11 +61,12 @@ def first_come(top_e, blocks: int, num_experts: int, capacity: int):
 def run_experts(spec: ExpertFFN, rows, top_e, top_p, params, *, mesh, axis, token_axes,
                 partitionable: bool | None, capacity_factor: float | None,
                 buffer_factor: float | None, transport: str,
-                sequence_length: int | None = None):
+                sequence_length: int | None = None, masked_rows: int | None = None):
   """The routed experts of rows ``[T, D]`` (see `MoE` for the options): one device's fused
   path or unfused baseline, the partitionable op under plain jit, or `routed_apply` on a
   mesh. `sequence_length` S: the capacity is per sequence of S rows (None: per call, or
-  per token shard on a mesh). Returns (y ``[T, D]`` f32, kept ``[T, k]`` or None when
+  per token shard on a mesh). `masked_rows`: the masked layout (decode) with that many
+  slots per expert, on one device's view (`experts.ffn_masked`). Returns (y ``[T, D]`` f32, kept ``[T, k]`` or None when
   nothing can be dropped)."""
   num_tokens, k = top_e.shape
   num_experts = spec.num_experts
@@ -80,6 +81,15 @@ def run_experts(spec: ExpertFFN, rows, top_e, top_p, params, *, mesh, axis, toke
     keep = first_come(top_e, sequences, num_experts, per_sequence)
     top_e = jnp.where(keep, top_e, -1)
     capacity_factor, bound = None, per_sequence * sequences
+  if masked_rows is not None:
+    if mesh is not None:
+      raise NotImplementedError("the masked layout runs on one device's view; tokens or "
+                                "experts on a mesh need layout='ragged'")
+    capacity = (bound if capacity_factor is None else
+                math.ceil(capacity_factor * num_tokens * k / num_experts))
+    y, kept = experts.ffn_masked(spec, rows, top_e, top_p, params, max_rows=masked_rows,
+                                 capacity=capacity)
+    return y, kept
   if partitionable is None:
     partitionable = may_be_partitioned()
   if mesh is None and not partitionable:

@@ -29,6 +29,7 @@ _ROUTER_DEFAULTS = dict(score="softmax", normalize_top_k=None, routing_bias=Fals
                         routed_scaling_factor=1.0, router_bias=False,
                         load_balancing_convention="gmm_jax")
 CAPACITY_PER = ("call", "sequence")
+LAYOUTS = ("ragged", "masked")
 
 
 class MoE(nnx.Module):
@@ -102,6 +103,17 @@ class MoE(nnx.Module):
       assignments ranked on their own, ``ceil(c * S * top_k / E)`` per expert and
       sequence (Switch Transformer in transformers: its ``expert_capacity`` is this
       number, ``c = expert_capacity * E / (S * top_k)``).
+    layout: "ragged" (default: the routed rows as one grouped gmm of T * top_k rows) or
+      "masked" (decode: the rows as ``[E, max_rows, D]`` slots, `gmm_jax.MaskedArray`,
+      every shape independent of the routing, as vLLM's and DeepGEMM's masked grouped
+      GEMMs; `gmm_jax._src.experts.ffn_masked`). Masked runs on one device's view (plain
+      jit: its gmms partition by their rule) and not with `expert_parallel` /
+      `data_parallel` / `partitionable=True`. On the CPU it is 1.0-4.4x slower than the
+      ragged path (BENCHMARKS.md, decode-shaped calls): it is for accelerators' fixed
+      decode shapes.
+    max_rows: the masked layout's slots per expert (default: T, exact when each token
+      picks top_k distinct experts); an expert's assignments past it give 0 and count in
+      ``aux["dropped_fraction"]``, as a capacity does.
     buffer_factor: None (dropless: receive buffers sized for the worst case, every
       assignment of a token shard sent to one device) or b: under expert parallelism with
       the tokens sharded over the expert axis, each device receives at most
@@ -168,7 +180,8 @@ class MoE(nnx.Module):
                use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
                swiglu_alpha: float = SWIGLU_ALPHA,
                capacity_factor: float | None = None, capacity_per: str = "call",
-               buffer_factor: float | None = None,
+               buffer_factor: float | None = None, layout: str = "ragged",
+               max_rows: int | None = None,
                partitionable: bool | None = None, transport: str = "auto",
                expert_parallel=None,
                data_parallel=None, dtype: Any = None, param_dtype: Any = jnp.float32,
@@ -187,6 +200,17 @@ class MoE(nnx.Module):
     if shared_gate and not num_shared_experts:
       raise ValueError("shared_gate=True gates the shared experts: it needs "
                        "num_shared_experts >= 1")
+    if layout not in LAYOUTS:
+      raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if max_rows is not None and (layout != "masked" or not isinstance(max_rows, int)
+                                 or max_rows < 1):
+      raise ValueError(f"max_rows is a positive int for layout='masked', got {max_rows!r} "
+                       f"with layout={layout!r}")
+    if layout == "masked" and (expert_parallel is not None or data_parallel is not None
+                               or partitionable):
+      raise NotImplementedError(
+          "layout='masked' runs on one device's view (plain jit partitions its gmms); "
+          "expert_parallel, data_parallel and partitionable=True need layout='ragged'")
     if buffer_factor is not None and buffer_factor <= 0:
       raise ValueError(f"buffer_factor must be positive, got {buffer_factor}")
     if transport not in experts.TRANSPORTS:
@@ -215,6 +239,7 @@ class MoE(nnx.Module):
     self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
     self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
     self.capacity_per = capacity_per
+    self.layout, self.max_rows = layout, max_rows
     self.partitionable, self.transport = partitionable, transport
     self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
     self.dtype, self.out_sharding = dtype, out_sharding
@@ -311,7 +336,8 @@ class MoE(nnx.Module):
         expert_params(self._in_layer(), self.down, dtype), mesh=mesh, axis=axis,
         token_axes=token_axes, partitionable=self.partitionable,
         capacity_factor=self.capacity_factor, buffer_factor=self.buffer_factor,
-        transport=self.transport, sequence_length=sequence_length)
+        transport=self.transport, sequence_length=sequence_length,
+        masked_rows=(self.max_rows or tokens.shape[0]) if self.layout == "masked" else None)
     if self.shared is not None:
       y = y + self.shared(tokens).astype(jnp.float32)
     aux = dict(routing.aux)
