@@ -131,6 +131,7 @@ def test_only_expert_weights_are_sharded():
       (num_experts, embed, 2 * mlp), (num_experts, embed, mlp), (num_experts, mlp, embed)]
 
 
+@pytest.mark.slow  # ~50 s: two whole MoE steps traced and run on the CPU
 def test_ragged_dot_baseline_is_the_same_moe():
   """The baseline's loss and gradients equal nn.MoE's (Mixtral routing: softmax top-2,
   renormalized) for the same parameters (f32): it compiles the same math."""

@@ -45,6 +45,7 @@ def test_gpu_table_in_interpret_mode(capsys):
   assert np.isfinite(float(rows[0][11]))  # gmm % of dense
 
 
+@pytest.mark.slow  # ~40 s: every quantization mode, forward and backward, compiled
 def test_quant_table(capsys):
   bench.main(["--platform", "cpu", "--quant", "--m", "64", "--kn", "128", "--groups", "2",
               "--sizes", "skewed", "--modes", "fwd", "fwd+bwd", "--repeats", "1"])
