@@ -52,14 +52,9 @@ def _device_sm_count(device) -> int | None:
   return int(cores) if cores else None
 
 
-def gpu_sm_count(device=None) -> int:
-  """Streaming multiprocessors of the GPU a kernel is compiled for.
-
-  `device` if given, else (as `gmm_jax.pallas.gpu.mosaic.target_gpu` looks) jax's default
-  device (a deviceless compile names its target so: the target config's ``core_count``),
-  the abstract mesh's device, the first local GPU; `DEFAULT_NUM_SMS` (H100/H200) when none
-  of them is a GPU that says (interpret mode on a CPU).
-  """
+def _gpu_candidates(device) -> list:
+  """Where a GPU's description is looked up: `device`, else jax's default device, the
+  abstract mesh's device and the first local GPU."""
   candidates = [device] if device is not None else [jax.config.jax_default_device]
   if device is None:
     try:
@@ -70,6 +65,18 @@ def gpu_sm_count(device=None) -> int:
       candidates.extend(jax.devices("gpu")[:1])
     except RuntimeError:  # no GPU backend in this process
       pass
+  return candidates
+
+
+def gpu_sm_count(device=None) -> int:
+  """Streaming multiprocessors of the GPU a kernel is compiled for.
+
+  `device` if given, else (as `gmm_jax.pallas.gpu.mosaic.target_gpu` looks) jax's default
+  device (a deviceless compile names its target so: the target config's ``core_count``),
+  the abstract mesh's device, the first local GPU; `DEFAULT_NUM_SMS` (H100/H200) when none
+  of them is a GPU that says (interpret mode on a CPU).
+  """
+  candidates = _gpu_candidates(device)
   for candidate in candidates:
     cores = _device_sm_count(candidate)
     if cores:
@@ -112,16 +119,7 @@ def gpu_capability(device=None) -> tuple[int, int] | None:
   GPU is in sight (interpret mode on a CPU). Looked up like `gpu_sm_count`: `device`, else
   jax's default device (a deviceless compile's target: ``compute_capability`` from the target
   config), the abstract mesh's device (its kind in `GPU_KINDS`), the first local GPU."""
-  candidates = [device] if device is not None else [jax.config.jax_default_device]
-  if device is None:
-    try:
-      candidates.append(jax.sharding.get_abstract_mesh().abstract_device)
-    except Exception:  # noqa: BLE001  (older jax: no abstract device)
-      pass
-    try:
-      candidates.extend(jax.devices("gpu")[:1])
-    except RuntimeError:  # no GPU backend in this process
-      pass
+  candidates = _gpu_candidates(device)
   for candidate in candidates:
     if candidate is None or getattr(candidate, "platform", None) not in _GPU_PLATFORMS:
       continue
