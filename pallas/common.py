@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from gmm_jax._src import tuning
 from gmm_jax._src.config import GmmConfig, Problem, Tiling, accumulator_dtype, problem_dims
-from gmm_jax._src.qarray import QArray, quant_mode
+from gmm_jax._src.qarray import QArray, broadcast_scale, quant_mode
 
 
 def next_power_of_2(x: int) -> int:
@@ -73,12 +73,21 @@ class QuantOperands(NamedTuple):
   """What a kernel needs to dequantize in-kernel (see `prepare_quant`).
 
   Fields:
-    mode: "weight_only" or "scaled".
+    mode: "weight_only", "scaled" or "blocked".
     rhs_scale: f32 ``[L, Kb, N]``: one row of N scales per K block of `k_block` rows
-      (Kb = 1: per-channel or per-tensor, broadcast to N).
+      (Kb = 1: per-channel or per-tensor, broadcast to N). k-grouping ("blocked" only):
+      ``[1, Kb, N]`` (its rhs has no group dim).
     rhs_zero: None or f32 like rhs_scale (weight-only zero points).
     k_block: rows of K sharing a scale row (K itself when Kb == 1).
-    lhs_scale: "scaled" only: f32 ``[M, 1]`` per-token (or per-tensor, broadcast) scale.
+    lhs_scale: "scaled": f32 ``[M, 1]`` per-token (or per-tensor, broadcast) scale.
+      "blocked": f32 ``[M, Kb]``: row i's scale in contraction block j (K blocks of
+      `k_block`, counted from K = 0 for both group types: a k-grouped kernel's contraction
+      tiles are aligned to multiples of `k_block`, so each tile lies in one block).
+
+  "blocked" (fp8 training's blockwise scales: 1 x 128 activations, 128 x 128 weights, and
+  the 128 x 1 blocks of the weight gradient's operands) is, per contraction block j,
+  ``acc += dot(lhs_values[:, j], rhs_values[j, :]) * lhs_scale[:, j:j+1] *
+  rhs_scale[g, j:j+1, :]`` with f32 accumulation; the kernels take ``tile_k = k_block``.
   """
 
   mode: str
@@ -110,6 +119,9 @@ _FP8_TYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 # multiplies 8-bit floats declares FP8_SCALED too (see `check_quant`).
 INT8_SCALED = ((np.dtype(jnp.int8), np.dtype(jnp.int8)),)
 FP8_SCALED = tuple((a, b) for a in _FP8_TYPES for b in _FP8_TYPES)
+# (lhs values, rhs values) pairs of "blocked" mode (scales varying along K; both group
+# types) a kernel may declare (see `check_quant`); none by default.
+FP8_BLOCKED = FP8_SCALED
 
 
 def _supported(scaled_types) -> str:
@@ -129,19 +141,50 @@ def _rhs_scale_layout(rhs: QArray, cfg):
   return scale, zero, tile
 
 
-def check_quant(lhs, rhs, cfg, *, scaled_types=INT8_SCALED) -> None:
+def _blocked_k_block(lhs: QArray, rhs: QArray, cfg) -> int | None:
+  """The contraction block of a "blocked" pair (the K tile of the side(s) whose scale
+  varies along K), or None when both vary with different tiles."""
+  tiles = []
+  lhs_axis = 0 if cfg.transpose_lhs else 1
+  if lhs.scale_varies_along(lhs_axis):
+    tiles.append(lhs.tile[lhs_axis])
+  rhs_axis = rhs.ndim + (-1 if cfg.transpose_rhs else -2)
+  if rhs.scale_varies_along(rhs_axis):
+    tiles.append(rhs.tile[rhs_axis])
+  return tiles[0] if len(set(tiles)) == 1 else None
+
+
+def _check_blocked(lhs, rhs, cfg, blocked_types) -> None:
+  pairs = ", ".join(f"{a.name} x {b.name}" for a, b in blocked_types) or "none"
+  supported = (f"blocked scales (varying along K) in-kernel: {pairs}, no zero points, "
+               "one contraction block size for both sides")
+  if ((np.dtype(lhs.qtype), np.dtype(rhs.qtype)) not in
+      {(np.dtype(a), np.dtype(b)) for a, b in blocked_types}
+      or lhs.zero_point is not None or rhs.zero_point is not None):
+    raise NotImplementedError(f"{supported}; got {lhs.qtype} x {rhs.qtype} (zero points: "
+                              f"{lhs.zero_point is not None}, {rhs.zero_point is not None})")
+  if _blocked_k_block(lhs, rhs, cfg) is None:
+    raise NotImplementedError(f"{supported}; got lhs tile {lhs.tile}, rhs tile {rhs.tile}")
+
+
+def check_quant(lhs, rhs, cfg, *, scaled_types=INT8_SCALED, blocked_types=()) -> None:
   """Raises NotImplementedError for quantized operands the kernels cannot dequantize
   in-kernel (shapes and dtypes only: it runs on abstract values too). Plain operands pass.
 
   Args:
     scaled_types: the (lhs values, rhs values) dtype pairs whose "scaled" mode the kernel
       multiplies in-kernel (`INT8_SCALED`, optionally `FP8_SCALED`).
+    blocked_types: the pairs whose "blocked" mode (either group type) the kernel serves
+      (`FP8_BLOCKED`); none by default.
   """
   lq, rq = isinstance(lhs, QArray), isinstance(rhs, QArray)
   if not lq and not rq:
     return
   supported = _supported(scaled_types)
   mode = quant_mode(lhs, rhs, cfg)
+  if mode == "blocked" and blocked_types:
+    _check_blocked(lhs, rhs, cfg, blocked_types)
+    return
   if cfg.group_type != "m" or mode not in ("weight_only", "scaled"):
     raise NotImplementedError(f"{supported}; got group_type={cfg.group_type!r}, mode {mode}")
   if rhs.qtype not in _WEIGHT_TYPES:
@@ -164,18 +207,40 @@ def check_quant(lhs, rhs, cfg, *, scaled_types=INT8_SCALED) -> None:
     raise NotImplementedError(f"{supported}; got lhs scales {lhs.scale.shape}")
 
 
-def prepare_quant(lhs, rhs, cfg, m: int, k: int, n: int, *, scaled_types=INT8_SCALED):
+def _blocked_operands(lhs: QArray, rhs: QArray, cfg, m: int, k: int, n: int):
+  """`QuantOperands` of "blocked" mode: scales as ``[M, Kb]`` and ``[L or 1, Kb, N]``."""
+  k_block = _blocked_k_block(lhs, rhs, cfg)
+  num_kb = -(-k // k_block)
+  scale, tile = lhs.scale.astype(jnp.float32), lhs.tile
+  if cfg.transpose_lhs:
+    scale, tile = scale.T, tile[::-1]
+  scale = broadcast_scale(scale, (m, scale.shape[1]), (tile[0], 1))
+  lhs_scale = jnp.broadcast_to(scale, (m, num_kb))
+  scale, _, tile = _rhs_scale_layout(rhs, cfg)
+  scale = scale.astype(jnp.float32)
+  scale = broadcast_scale(scale, scale.shape[:-1] + (n,), (1,) * (scale.ndim - 1) + tile[-1:])
+  if scale.ndim == 2:  # k-grouping: [Kb, N]
+    scale = scale[None]
+  groups = cfg.num_local if cfg.group_type == "m" else 1
+  rhs_scale = jnp.broadcast_to(scale, (groups, num_kb, n))
+  return QuantOperands("blocked", rhs_scale, None, k_block, lhs_scale)
+
+
+def prepare_quant(lhs, rhs, cfg, m: int, k: int, n: int, *, scaled_types=INT8_SCALED,
+                  blocked_types=()):
   """Splits QArray operands into plain values + `QuantOperands` for an in-kernel
   dequantizing gmm (NotImplementedError from `check_quant` for what the kernels cannot
-  serve; `scaled_types` as there).
+  serve; `scaled_types` and `blocked_types` as there).
 
   Returns:
     (lhs values, rhs values, QuantOperands or None when neither operand is quantized).
   """
-  check_quant(lhs, rhs, cfg, scaled_types=scaled_types)
+  check_quant(lhs, rhs, cfg, scaled_types=scaled_types, blocked_types=blocked_types)
   if not isinstance(rhs, QArray):
     return lhs, rhs, None
   mode = quant_mode(lhs, rhs, cfg)
+  if mode == "blocked":
+    return lhs.qvalue, rhs.qvalue, _blocked_operands(lhs, rhs, cfg, m, k, n)
   # rhs scale as [L or 1, Kb, N or 1] in the canonical [K, N] orientation.
   scale, zero, tile = _rhs_scale_layout(rhs, cfg)
   num_kb = scale.shape[1]
@@ -259,7 +324,7 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
              default_tiling: Callable[..., Tiling], check_tiling: Callable[..., None],
              unsupported: Callable[[object], set], backend: str,
              implementation: str | None = None, platform: str | None = None,
-             scaled_types=INT8_SCALED) -> Prepared:
+             scaled_types=INT8_SCALED, blocked_types=()) -> Prepared:
   """The steps every kernel entry point takes before its pallas_call.
 
   Args:
@@ -275,6 +340,7 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
     implementation, platform: the registered name and platform of the kernel (the keys of
       the tile tables and the autotune cache).
     scaled_types: the "scaled" dtype pairs the kernel multiplies (see `check_quant`).
+    blocked_types: the "blocked" dtype pairs it serves (see `check_quant`).
 
   Raises:
     NotImplementedError: quantized operands the kernels cannot dequantize, tiles they
@@ -282,7 +348,8 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
   """
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
   mode = quant_mode(lhs, rhs, cfg)
-  lhs, rhs, quant = prepare_quant(lhs, rhs, cfg, m, k, n, scaled_types=scaled_types)
+  lhs, rhs, quant = prepare_quant(lhs, rhs, cfg, m, k, n, scaled_types=scaled_types,
+                                  blocked_types=blocked_types)
   dot_dtype, acc_dtype = kernel_dtypes(lhs, rhs, quant)
   problem, automatic = None, False
   if tiling is None:

@@ -105,6 +105,11 @@ def _guarded(name: str, module, function: str, platform: str):
   return fn, check
 
 
+# Every kernel declares these; its own `check_operands` (pallas/common.check_quant) refuses
+# the layouts and dtypes it cannot dequantize in-kernel.
+QUANT_MODES = ("none", "weight_only", "scaled", "blocked")
+
+
 def _register() -> None:
   every_platform = tuple(CHAINS)
   dispatch.register(dispatch.Backend("reference", reference.gmm_reference,
@@ -121,7 +126,7 @@ def _register() -> None:
       continue
     fn, check = _guarded(name, module, function, platform)
     dispatch.register(dispatch.Backend(name, fn, platforms=(platform,),
-                                       quant_modes=("none", "weight_only", "scaled"),
+                                       quant_modes=QUANT_MODES,
                                        check=check,
                                        features=getattr(module, "FEATURES", ()),
                                        atomics=getattr(module, "ATOMICS", False)))
