@@ -53,6 +53,7 @@ first local GPU. With none of these the kernel refuses: it cannot know it target
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -67,7 +68,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig, Tiling, problem_dims
 from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
-from gmm_jax._src.qarray import QArray
+from gmm_jax._src.qarray import QArray, quant_mode
 
 # A jax without (this much of) Pallas Mosaic GPU raises ImportError here or above, and
 # backends.py then skips the registration.
@@ -88,7 +89,12 @@ except (ImportError, AttributeError):
 GRANULE = 8  # rows per tile of the TMA's swizzled shared-memory layout: windows start here
 SUPPORTED = ("the Mosaic GPU kernel serves m-grouping with bf16 x bf16 or f16 x f16 "
              "operands (lhs [M, K], rhs [G, K, N] or [G, N, K]), K and N multiples of 8, "
-             "on sm_90a (Hopper) GPUs")
+             "and fp8 'blocked' QArrays (e4m3/e5m2 values, scales varying along K in blocks "
+             "of a multiple of 128, lhs not transposed, K multiple of 16), on sm_90a "
+             "(Hopper) GPUs")
+# fp8 wgmma reads both operands K-major (PTX: only 16-bit types take a transpose flag) from
+# 128-byte swizzled rows: a K step of the blocked mode is a multiple of 128 values.
+FP8_K_STEP = 128
 LOWERING_SEMANTICS = plgpu.LoweringSemantics.Warpgroup
 SMEM_BYTES = 227 * 1024  # sm_90: 228 KiB per SM, 1 KiB reserved
 DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
@@ -159,13 +165,23 @@ def _check_target() -> int:
 # ----------------------------------------------------------------------------- tiles
 
 
-def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) -> Tiling:
+def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2, *,
+                   blocked: bool = False) -> Tiling:
   """64-element K steps (one 128-byte swizzle row of bf16); 128-row windows, or 64 when
   the average group is shorter (a window never spans two groups); 256 columns (two
   warpgroups of 128) for 16-bit outputs, 128 for f32 ones (the staging tile must fit next
-  to the ring), fewer for a narrow N."""
+  to the ring), fewer for a narrow N.
+
+  Blocked fp8 (`blocked`): the K step is the scale block (the preamble sets it); each
+  consumer warpgroup holds two accumulators (the running sum and the block's product):
+  128 columns (64 per warpgroup). On sm_90a ptxas caps the three warpgroups at 168
+  registers a thread (it ignores setmaxnreg here): 128 x 128 tiles compile to 161-167
+  registers without spills, 64 x 256 (64 x 128 per warpgroup) spill 32 bytes."""
   del k, itemsize
   tile_m = 128 if m // max(1, cfg.num_local) >= 128 else 64
+  if blocked:
+    return Tiling(tile_m=tile_m, tile_k=FP8_K_STEP,
+                  tile_n=min(128, max(64, common.next_power_of_2(n))))
   widest = 256 if np.dtype(cfg.out_dtype).itemsize <= 2 else 128
   return Tiling(tile_m=tile_m, tile_k=64, tile_n=min(widest, max(64, common.next_power_of_2(n))))
 
@@ -195,18 +211,22 @@ def warp_specialized(tiling: Tiling) -> bool:
   return tiling.tile_n >= 128 and hasattr(plgpu, "emit_pipeline_warp_specialized")
 
 
-def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig) -> None:
+def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig, *,
+                 blocked: bool = False) -> None:
   """tile_m in {64, 128} (wgmma rows of one warpgroup), tile_k a multiple of 64, tile_n a
   multiple of 64 up to 256 (split between two consumer warpgroups from 128 on), and at
-  most 128 x 128 f32 accumulator elements per warpgroup (registers)."""
+  most 128 x 128 f32 accumulator elements per warpgroup (registers). Blocked fp8: tile_k
+  (the scale block) a multiple of 128 and at most 64 x 128 elements per accumulator (a
+  warpgroup holds two)."""
   del m, k, n, cfg
   per_warpgroup = tiling.tile_n // (COMPUTE_WGS if warp_specialized(tiling) else 1)
-  if (tiling.tile_m not in (64, 128) or tiling.tile_k % 64 or tiling.tile_n % 64
-      or tiling.tile_n > 256 or tiling.tile_m * per_warpgroup > 128 * 128):
+  k_step, most = (FP8_K_STEP, 64 * 128) if blocked else (64, 128 * 128)
+  if (tiling.tile_m not in (64, 128) or tiling.tile_k % k_step or tiling.tile_n % 64
+      or tiling.tile_n > 256 or tiling.tile_m * per_warpgroup > most):
     raise NotImplementedError(
-        "the Mosaic GPU kernel needs tile_m in (64, 128), tile_k a multiple of 64, tile_n a "
-        "multiple of 64 (<= 256) and at most 128 x 128 accumulator elements per warpgroup, "
-        f"got {tiling}")
+        f"the Mosaic GPU kernel needs tile_m in (64, 128), tile_k a multiple of {k_step}, "
+        f"tile_n a multiple of 64 (<= 256) and at most {most} accumulator elements per "
+        f"warpgroup{' (blocked fp8: two accumulators each)' if blocked else ''}, got {tiling}")
 
 
 def _stages(tiling: Tiling, k: int, itemsize: int, out_itemsize: int) -> int:
@@ -314,6 +334,36 @@ def _out_smem(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=_transforms(shape, dtype, 1))
 
 
+def _zero_acc(shape):
+  """A zero f32 accumulator value in registers (the running sum of the blocked mode)."""
+  return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _blocked_step(acc, lhs_smem, rhs_smem, step, scale_refs, window, group, cols):
+  """One scale block of the blocked fp8 mode: ``acc + (lhs @ rhs) * lhs_scale column *
+  rhs_scale row``, the block's product in a fresh f32 wgmma accumulator.
+
+  `rhs_smem` is the K-major ``[K, width]`` view (fp8 wgmma reads both operands K-major).
+  The scale rows are read from GMEM (``[Kb, M + tile_m]`` and ``[L, Kb, N tiles]``: padded by
+  the wrapper so that a window past M or a tile past N reads no further) before the wgmma
+  is issued, so their latency hides behind the MMA.
+  """
+  lhs_scale_gmem, rhs_scale_gmem = scale_refs
+  tile_m, width = acc.shape
+  lhs_scale = _load(lhs_scale_gmem.at[step, pl.ds(window, tile_m)],
+                    plgpu.Layout.WGMMA.reduce(1))
+  rhs_scale = _load(rhs_scale_gmem.at[group, step, cols], plgpu.Layout.WGMMA.reduce(0))
+
+  def block(block_ref):
+    plgpu.wgmma(block_ref, lhs_smem, rhs_smem)
+    return block_ref[...]  # waits for this wgmma
+
+  product = pl.run_scoped(block, plgpu.ACC((tile_m, width), jnp.float32))
+  lhs_scale = jax.lax.broadcast_in_dim(lhs_scale, (tile_m, width), (0,))
+  rhs_scale = jax.lax.broadcast_in_dim(rhs_scale, (tile_m, width), (1,))
+  return acc + product * lhs_scale * rhs_scale
+
+
 class _Work:
   """The scalars of one (work item, N tile)."""
 
@@ -330,17 +380,19 @@ class _Work:
 
 def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
             *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int,
-            granule: int):
+            granule: int, blocked: bool = False):
   """One warpgroup per program: the TMA ring (`emit_pipeline`) and wgmma in one thread."""
   bias_gmem = refs[0] if has_bias else None
+  scale_refs = refs[has_bias:has_bias + 2] if blocked else None
   out_gmem = refs[-1]  # the aliased zero buffer (a Ref operand), written in place
   _, k, n = dims
   tile_m, tile_k, tile_n = tiling.tile_m, tiling.tile_k, tiling.tile_n
   n_tiles = pl.cdiv(n, tile_n)
   num_items = window_ref.shape[0]  # a multiple of BAND (see `_snake`)
   activation = resolve_activation(cfg.activation)
-  # Keep one wgmma in flight: its stage is released a step later (with 2+ steps).
-  in_flight = 1 if pl.cdiv(k, tile_k) > 1 else 0
+  # Keep one wgmma in flight: its stage is released a step later (with 2+ steps). The
+  # blocked mode waits for each block's product (it scales it), so nothing stays in flight.
+  in_flight = 1 if pl.cdiv(k, tile_k) > 1 and not blocked else 0
   specs = _specs(tiling, cfg, lhs_gmem.dtype, delay_release=in_flight)
 
   def mma(_, lhs_smem, rhs_smem, acc_ref):
@@ -361,13 +413,23 @@ def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
         rhs_cols = rhs_gmem.at[work.group, cols, :] if cfg.transpose_rhs else rhs_gmem.at[
             work.group, :, cols]
 
-        def accumulate(acc_ref):
-          plgpu.emit_pipeline(functools.partial(mma, acc_ref=acc_ref), grid=(pl.cdiv(k, tile_k),),
-                              in_specs=specs, max_concurrent_steps=stages)(
-                                  lhs_gmem.at[pl.ds(work.window, tile_m), :], rhs_cols)
-          return acc_ref[...]
+        operands = (lhs_gmem.at[pl.ds(work.window, tile_m), :], rhs_cols)
+        if blocked:
+          def scaled(indices, lhs_smem, rhs_smem, acc):
+            return _blocked_step(acc, lhs_smem, rhs_smem.T, indices[0], scale_refs,
+                                 work.window, work.group, cols)
 
-        acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
+          acc = plgpu.emit_pipeline(scaled, grid=(pl.cdiv(k, tile_k),), in_specs=specs,
+                                    max_concurrent_steps=stages,
+                                    init_carry=_zero_acc((tile_m, tile_n)))(*operands)
+        else:
+          def accumulate(acc_ref):
+            plgpu.emit_pipeline(functools.partial(mma, acc_ref=acc_ref),
+                                grid=(pl.cdiv(k, tile_k),), in_specs=specs,
+                                max_concurrent_steps=stages)(*operands)
+            return acc_ref[...]
+
+          acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
         _store_rows(acc, out_smem, out_gmem, bias_gmem, work.group, work.window, work.start,
                     work.size, cols, activation)
 
@@ -376,10 +438,11 @@ def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
 
 def _kernel_ws(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
                *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int,
-               granule: int):
+               granule: int, blocked: bool = False):
   """Warp-specialized: a producer warpgroup issues the TMA loads of the ring, two consumer
   warpgroups run wgmma on the two column halves of the tile and store their halves."""
   bias_gmem = refs[0] if has_bias else None
+  scale_refs = refs[has_bias:has_bias + 2] if blocked else None
   out_gmem = refs[-1]
   _, k, n = dims
   tile_m, tile_k, tile_n = tiling.tile_m, tiling.tile_k, tiling.tile_n
@@ -387,7 +450,7 @@ def _kernel_ws(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
   n_tiles = pl.cdiv(n, tile_n)
   num_items = window_ref.shape[0]
   activation = resolve_activation(cfg.activation)
-  in_flight = 1 if pl.cdiv(k, tile_k) > 1 else 0
+  in_flight = 1 if pl.cdiv(k, tile_k) > 1 and not blocked else 0
   specs = _specs(tiling, cfg, lhs_gmem.dtype, delay_release=in_flight)
 
   def pipeline(body, context):
@@ -413,19 +476,29 @@ def _kernel_ws(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
                    granule, tile_n)
       halves = pl.ds(wg * half, half)
 
-      def mma(_, lhs_smem, rhs_smem, acc_ref):
+      half_cols = pl.ds(pl.multiple_of(work.n_first + wg * half, half), half)
+
+      def mma(indices, lhs_smem, rhs_smem, acc_ref):
         rhs_half = rhs_smem.at[halves, :].T if cfg.transpose_rhs else rhs_smem.at[:, halves]
+        if blocked:  # the carry is the running sum's value
+          return _blocked_step(acc_ref, lhs_smem, rhs_half, indices[0], scale_refs,
+                               work.window, work.group, half_cols)
         plgpu.wgmma(acc_ref, lhs_smem, rhs_half)
         plgpu.wgmma_wait(in_flight)
         return acc_ref
 
       def context(eval_pipeline):
+        if blocked:
+          acc = eval_pipeline(_zero_acc((tile_m, half)))
+          _store_rows(acc, out_smem.at[wg], out_gmem, bias_gmem, work.group, work.window,
+                      work.start, work.size, half_cols, activation)
+          return
+
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, half), jnp.float32))
         def _acc(acc_ref):
           eval_pipeline(acc_ref)
-          cols = pl.ds(pl.multiple_of(work.n_first + wg * half, half), half)
           _store_rows(acc_ref[...], out_smem.at[wg], out_gmem, bias_gmem, work.group,
-                      work.window, work.start, work.size, cols, activation)
+                      work.window, work.start, work.size, half_cols, activation)
 
       @pl.when(work.size > 0)  # the same branch in every warpgroup
       def _item():
@@ -471,17 +544,40 @@ def work_items(counts, group_offset, m: int, tile_m: int, num_local: int):
                                              meta.group_ids)]
 
 
+def _blocked(lhs, rhs, cfg: GmmConfig) -> bool:
+  """Whether the call is the blocked quantized mode (fp8 training's gmms)."""
+  return (isinstance(lhs, QArray) and isinstance(rhs, QArray)
+          and quant_mode(lhs, rhs, cfg) == "blocked")
+
+
+def _check_blocked(lhs, rhs, cfg: GmmConfig) -> None:
+  """Refusals of the blocked mode beyond the m-grouping ones: fp8 value pairs, no zero
+  points, one contraction block (`common.check_quant`), a multiple of 128 (one swizzled
+  row of fp8 per wgmma K group), K a multiple of 16 (the TMA's 16-byte strides)."""
+  common.check_quant(lhs, rhs, cfg, blocked_types=common.FP8_BLOCKED)
+  k_block = common._blocked_k_block(lhs, rhs, cfg)  # noqa: SLF001  (checked above: not None)
+  _, k, _ = problem_dims(lhs.shape, rhs.shape, cfg)
+  if k_block % FP8_K_STEP or k % 16:
+    raise NotImplementedError(
+        f"{SUPPORTED}; got contraction blocks of {k_block}, K={k}")
+
+
 def check_operands(lhs, rhs, cfg: GmmConfig) -> None:
   """Static refusals (shapes and dtypes only): NotImplementedError naming what is served."""
   if cfg.group_type != "m":
     raise NotImplementedError(f"{SUPPORTED}; got group_type={cfg.group_type!r}")
-  if isinstance(lhs, QArray) or isinstance(rhs, QArray):
-    raise NotImplementedError(f"{SUPPORTED}; got quantized operands")
   if cfg.transpose_lhs:
     raise NotImplementedError(f"{SUPPORTED}; got a transposed lhs")
-  dtypes = {np.dtype(lhs.dtype), np.dtype(rhs.dtype)}
-  if len(dtypes) != 1 or dtypes.pop() not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
-    raise NotImplementedError(f"{SUPPORTED}; got {lhs.dtype} x {rhs.dtype}")
+  if _blocked(lhs, rhs, cfg):
+    _check_blocked(lhs, rhs, cfg)
+  elif isinstance(lhs, QArray) or isinstance(rhs, QArray):
+    raise NotImplementedError(f"{SUPPORTED}; got quantized operands (mode "
+                              f"{quant_mode(lhs, rhs, cfg)})")
+  else:
+    dtypes = {np.dtype(lhs.dtype), np.dtype(rhs.dtype)}
+    if len(dtypes) != 1 or dtypes.pop() not in (np.dtype(jnp.bfloat16),
+                                                np.dtype(jnp.float16)):
+      raise NotImplementedError(f"{SUPPORTED}; got {lhs.dtype} x {rhs.dtype}")
   _, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
   if k == 0 or k % 8 or n % 8:
     raise NotImplementedError(f"{SUPPORTED}; got K={k}, N={n}")
@@ -519,19 +615,36 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
         "callbacks cannot run inside the gmm op: Triton's interpreter serves the dispatcher")
   interpret = _interpret_params() if cfg.interpret else None
   num_sms = INTERPRET_NUM_SMS if cfg.interpret else _check_target()
-  prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
-                             check_tiling=check_tiling, unsupported=unsupported_primitives,
-                             backend="Pallas Mosaic GPU", implementation="pallas_mosaic_gpu",
-                             platform="gpu")
+  blocked = _blocked(lhs, rhs, cfg)
+  prepared = common.preamble(
+      lhs, rhs, counts, cfg, tiling,
+      default_tiling=functools.partial(default_tiling, blocked=blocked),
+      check_tiling=functools.partial(check_tiling, blocked=blocked),
+      unsupported=unsupported_primitives, backend="Pallas Mosaic GPU",
+      implementation="pallas_mosaic_gpu", platform="gpu",
+      blocked_types=common.FP8_BLOCKED if blocked else ())
   if prepared.empty:
     return jnp.zeros(prepared.out_shape, cfg.out_dtype)
   lhs, rhs, tiling = prepared.lhs, prepared.rhs, prepared.tiling
   m, k, n = prepared.dims
   n_tiles = pl.cdiv(n, tiling.tile_n)
   granule, items = work_items(counts, group_offset, m, tiling.tile_m, cfg.num_local)
+  if blocked and tiling.tile_k != prepared.quant.k_block:
+    raise NotImplementedError(
+        f"{SUPPORTED}; the blocked mode's K step is the scale block "
+        f"({prepared.quant.k_block}), got {tiling}")
+  if blocked and not cfg.transpose_rhs:
+    # fp8 wgmma reads B K-major only: the weights [L, K, N] become [L, N, K] (one pass over
+    # the fp8 values, a copy XLA can fuse into the op that quantized them).
+    rhs = jnp.swapaxes(rhs, 1, 2)
+    cfg = dataclasses.replace(cfg, transpose_rhs=True)
   operands = [*items, lhs, rhs]
   if bias is not None:  # whole N tiles: the epilogue loads tile_n bias columns
     operands.append(jnp.pad(bias, ((0, 0), (0, n_tiles * tiling.tile_n - n))))
+  if blocked:  # scale rows per K block: [Kb, M] padded by a window, [L, Kb, whole N tiles]
+    quant = prepared.quant
+    operands.append(jnp.pad(quant.lhs_scale.T, ((0, 0), (0, tiling.tile_m))))
+    operands.append(jnp.pad(quant.rhs_scale, ((0, 0), (0, 0), (0, n_tiles * tiling.tile_n - n))))
   stages = _stages(tiling, k, lhs.dtype.itemsize, cfg.out_dtype.itemsize)
   specialized = warp_specialized(tiling)
   threads = {"num_threads": COMPUTE_WGS + 1, "thread_name": "wg"} if specialized else {}
@@ -541,7 +654,7 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   plgpu.kernel(
       functools.partial(_kernel_ws if specialized else _kernel, dims=(m, k, n),
                         tiling=tiling, cfg=cfg, has_bias=bias is not None, stages=stages,
-                        granule=granule),
+                        granule=granule, blocked=blocked),
       out_type=(),
       grid=(num_sms,),
       grid_names=("sm",),
