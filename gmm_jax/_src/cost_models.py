@@ -13,7 +13,7 @@ without building a kernel.
   `k_items`) and `tpu_static_cost`, a model of the DMAs a grid order implies.
 * The chips: `GPU_KINDS` (compute capability and SMs by kind, B200 included) and
   `gpu_capability`; `TPU_CHIPS` (VMEM, MXU, peak rates, HBM per jax device, by device kind,
-  TPU7x included: no int8 MXU, two devices per chip) and `int8_mxu`.
+  TPU7x included: no int8 MXU, two devices per chip), `int8_mxu` and `fp8_mxu`.
 """
 
 from __future__ import annotations
@@ -399,6 +399,11 @@ class TpuChip:
     """Whether int8 x int8 products run on the MXU (into int32)."""
     return self.int8_ops > 0
 
+  @property
+  def fp8_mxu(self) -> bool:
+    """Whether 8-bit float products (e4m3/e5m2) run on the MXU (into f32)."""
+    return self.fp8_flops > 0
+
 
 GIB = 2**30
 _V5E = TpuChip("v5e", 128 * MIB, 128, 197e12, 394e12, 0, 819e9, 16 * GIB)
@@ -445,6 +450,14 @@ def int8_mxu(kind: str | None = None) -> bool:
   False for TPU7x (fp8 instead); True for kinds gmm_jax does not know (as before)."""
   chip = tpu_chip(kind)
   return True if chip is None else chip.int8_mxu
+
+
+def fp8_mxu(kind: str | None = None) -> bool:
+  """Whether the target TPU (or device kind `kind`) multiplies 8-bit floats on its MXU.
+  True for TPU7x; False for v5e/v5p/v6e and for kinds gmm_jax does not know (their kernels
+  convert fp8 values to bf16, exactly, before the dot)."""
+  chip = tpu_chip(kind)
+  return False if chip is None else chip.fp8_mxu
 
 
 def fit_tile(tile: int, dim: int) -> int:

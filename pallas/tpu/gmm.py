@@ -31,6 +31,15 @@ tile is cached in VMEM and redone only when the group (or column block) changes,
 paid once per group and column block, not once per item. fp8 weights are always dequantized:
 the MXU path used on v5e/v6e is bf16/int8.
 
+Blocked fp8 (``blocked_types=common.FP8_BLOCKED``, both group types; fp8 training's forward,
+dlhs and k-grouped drhs): one K step per scale block (``tile_k = k_block``), each step's dot
+of fp8 values with f32 accumulation times the step's lhs row scales ``[tile_m, 1]`` and rhs
+column scales ``[1, tile_n]``, summed. The k-grouped items are aligned to global multiples of
+``tile_k`` (`metadata.make_tile_metadata`, align "tile"), so each lies in one scale block. On
+a chip with an fp8 MXU path (`cost_models.fp8_mxu`: TPU7x) the fp8 values go to the dot as
+they are (one type on both sides; e4m3 x e5m2 meets in bf16); elsewhere (v5e/v6e) they are
+converted in-kernel to bf16 (exact) before any mask or transpose.
+
 `cost_models.tpu_static_cost` models on the host what a call does (rows through the MXU,
 grid steps, bytes DMA'd from HBM given the grid order and the skipped DMAs); the VMEM model
 and the work items live there too.
@@ -169,7 +178,43 @@ def unsupported_primitives(activation) -> set[str]:
   return common.unsupported_primitives(resolve_activation(kernel_activation(activation)), rules)
 
 
-# ------------------------------------------------------------------------------- items
+# ----------------------------------------------------------------------------- fp8 blocks
+
+
+_FP8_TYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+
+
+def check_operands(lhs, rhs, cfg: GmmConfig) -> None:
+  """`common.check_quant` with the blocked fp8 mode (both group types) served in-kernel."""
+  common.check_quant(lhs, rhs, cfg, blocked_types=common.FP8_BLOCKED)
+
+
+def _blocked_dot_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
+  """The dot dtype of blocked fp8 values: the fp8 type itself on a chip with an fp8 MXU path
+  when both sides share it; else bf16, which holds every e4m3 and e5m2 value exactly."""
+  if cost_models.fp8_mxu() and np.dtype(lhs_dtype) == np.dtype(rhs_dtype):
+    return np.dtype(lhs_dtype)
+  return np.dtype(jnp.bfloat16)
+
+
+def _blocked_scales(quant: common.QuantOperands, m: int, n: int, k: int):
+  """The blocked scales as the kernels' BlockSpecs address them: lhs ``[Kb, M, 1]`` (a
+  ``[tile_m, 1]`` column per K step) and rhs ``[L, Kb, 1, N]`` (a ``[1, tile_n]`` row per
+  group and K step; ``[Kb, 1, N]`` for k-grouping). K = 0: one block of ones (nothing is
+  summed)."""
+  lhs_scale, rhs_scale = quant.lhs_scale, quant.rhs_scale
+  if k == 0:
+    lhs_scale = jnp.ones((m, 1), jnp.float32)
+    rhs_scale = jnp.ones((rhs_scale.shape[0], 1, n), jnp.float32)
+  return lhs_scale.T[:, :, None], rhs_scale[:, :, None, :]
+
+
+def _values(block, dot_dtype):
+  """8-bit float values as the dot takes them: converted (exactly) to the dot dtype (bf16)
+  before any mask or transpose where the chip has no fp8 MXU path; others as stored."""
+  if np.dtype(block.dtype) in _FP8_TYPES and np.dtype(block.dtype) != dot_dtype:
+    return block.astype(dot_dtype)
+  return block
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -210,7 +255,8 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
   bias_ref = refs.pop(0) if has_bias else None
   scale_ref = refs.pop(0) if quant is not None else None
   zero_ref = refs.pop(0) if quant is not None and quant.has_zero else None
-  lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode == "scaled" else None
+  blocked = quant is not None and quant.mode == "blocked"
+  lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode != "weight_only" else None
   out_ref = refs.pop(0)
   acc_ref = refs.pop(0) if k_steps > 1 else None
   cache_ref, cached_ref = (refs.pop(0), refs.pop(0)) if weight_cache else (None, None)
@@ -260,15 +306,18 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
 
     def product(masked: bool):
       x = lhs_ref[:, lo:lo + size] if cfg.transpose_lhs else lhs_ref[lo:lo + size, :]
-      w = weights()
+      x, w = _values(x, dot_dtype), _values(weights(), dot_dtype)
       if masked:  # the padded K edge of the last step reads garbage: zero it in both
         first = k_step * tile_k
         x = _mask_k(x, first, 0, k, 0 if cfg.transpose_lhs else 1)
         w = _mask_k(w, first, 0, k, 1 if cfg.transpose_rhs else 0)
-      return _dot(x, w, cfg, dot_dtype, acc_dtype)
+      acc = _dot(x, w, cfg, dot_dtype, acc_dtype)
+      if blocked:  # this K step is one scale block: its row and column scales
+        acc = acc * lhs_scale_ref[lo:lo + size, :] * scale_ref[...]
+      return acc
 
     def finish(acc):
-      if lhs_scale_ref is not None:  # int8 x int8: exact int32 sums, then both scales
+      if lhs_scale_ref is not None and not blocked:  # int8 x int8: int32 sums, then scales
         acc = acc.astype(jnp.float32) * lhs_scale_ref[lo:lo + size, :] * scale_ref[...]
       bias = None if bias_ref is None else bias_ref[...]  # [1, tile_n]
       y = apply_epilogue(acc, bias, kernel_activation(cfg.activation), cfg.out_dtype)
@@ -305,9 +354,14 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
 
 
 def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *refs, dims,
-              tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype, has_bias: bool):
-  bias_ref = refs[0] if has_bias else None
-  out_ref, acc_ref = refs[-2], refs[-1]
+              tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype, has_bias: bool,
+              blocked: bool = False):
+  refs = list(refs)
+  bias_ref = refs.pop(0) if has_bias else None
+  # Blocked fp8: the item's K tile is one scale block; its lhs row scales [tile_m, 1] and
+  # rhs column scales [1, tile_n].
+  lhs_scale_ref, rhs_scale_ref = (refs.pop(0), refs.pop(0)) if blocked else (None, None)
+  out_ref, acc_ref = refs
   item = pl.program_id(2)
   last_item = pl.num_programs(2) - 1
   group = groups_ref[item]
@@ -321,15 +375,22 @@ def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *re
   def _():
     acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
+  def scaled(product):
+    if blocked:
+      return product * lhs_scale_ref[...] * rhs_scale_ref[...]
+    return product
+
   @pl.when(full)
   def _():
-    acc_ref[...] += _dot(lhs_ref[...], rhs_ref[...], cfg, dot_dtype, acc_dtype)
+    x, w = _values(lhs_ref[...], dot_dtype), _values(rhs_ref[...], dot_dtype)
+    acc_ref[...] += scaled(_dot(x, w, cfg, dot_dtype, acc_dtype))
 
   @pl.when(~full & (end > start))
   def _():  # columns of other groups in this K tile, and the padded K edge: zero in both
-    x = _mask_k(lhs_ref[...], first, start, end, 0 if cfg.transpose_lhs else 1)
-    w = _mask_k(rhs_ref[...], first, start, end, 1 if cfg.transpose_rhs else 0)
-    acc_ref[...] += _dot(x, w, cfg, dot_dtype, acc_dtype)
+    x, w = _values(lhs_ref[...], dot_dtype), _values(rhs_ref[...], dot_dtype)
+    x = _mask_k(x, first, start, end, 0 if cfg.transpose_lhs else 1)
+    w = _mask_k(w, first, start, end, 1 if cfg.transpose_rhs else 0)
+    acc_ref[...] += scaled(_dot(x, w, cfg, dot_dtype, acc_dtype))
 
   @pl.when(last_of_group)
   def _():
@@ -365,16 +426,25 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
   """
   prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
                              check_tiling=check_tiling, unsupported=unsupported_primitives,
-                             backend="Mosaic TPU", implementation="pallas_tpu", platform="tpu")
+                             backend="Mosaic TPU", implementation="pallas_tpu", platform="tpu",
+                             blocked_types=common.FP8_BLOCKED)
   m, k, n = prepared.dims
+  quant = prepared.quant
+  blocked = quant is not None and quant.mode == "blocked"
+  if blocked:
+    prepared = prepared._replace(dot_dtype=_blocked_dot_dtype(prepared.lhs.dtype,
+                                                              prepared.rhs.dtype))
   k_blocks = max(k, 1)
   tiling = prepared.tiling
   tiling = Tiling(tile_m=fit_tile(tiling.tile_m, m) if m else 1,
                   tile_k=fit_tile(tiling.tile_k, k_blocks),
                   tile_n=fit_tile(tiling.tile_n, n) if n else 1)
-  quant = prepared.quant
   weight_only = quant is not None and quant.mode == "weight_only"
   k_steps = pl.cdiv(k_blocks, tiling.tile_k)
+  if blocked and k_steps > 1 and tiling.tile_k != quant.k_block:
+    raise NotImplementedError(
+        f"blocked scales need one K step per scale block: tile_k {tiling.tile_k} for blocks "
+        f"of {quant.k_block}")
   weight_cache = cfg.group_type == "m" and k_steps == 1 and weight_only
   rhs_dtype = prepared.rhs.dtype
   needed = vmem_bytes(
@@ -382,7 +452,8 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
       rhs_itemsize=rhs_dtype.itemsize, out_itemsize=cfg.out_dtype.itemsize,
       dot_itemsize=prepared.dot_dtype.itemsize, k_steps=k_steps,
       transpose_lhs=cfg.transpose_lhs, weight_cache=weight_cache,
-      has_bias=True, scales=0 if quant is None else 2, lhs_scale=quant is not None)
+      has_bias=True, scales=0 if quant is None else (1 if blocked else 2),
+      lhs_scale=quant is not None)
   info = dict(tiling=tiling, k_steps=k_steps, weight_cache=weight_cache, vmem_bytes=needed,
               row_chunk=mxu_rows(), prepared=prepared)
   if prepared.empty:
@@ -486,6 +557,22 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
         if array is not None:
           quant_operands.append(jnp.expand_dims(array, axis))
           in_specs.append(pl.BlockSpec(block, scale_map))
+    elif quant is not None and quant.mode == "blocked":
+      # Per K step (one scale block): the rhs scale row [1, tile_n] of the item's group and
+      # the lhs scale column [tile_m, 1] of its rows.
+      lhs_scale, rhs_scale = _blocked_scales(quant, m, n, k)
+
+      def block_row_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real,
+                        k_fixed):
+        return (groups[i], k_of(k_i, i, real, k_fixed), 0, n_i)
+
+      def block_column_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real,
+                           k_fixed):
+        return (k_of(k_i, i, real, k_fixed), lhs_tiles[i], 0)
+
+      quant_operands = [rhs_scale, lhs_scale]
+      in_specs.append(pl.BlockSpec((None, None, 1, tile_n), block_row_map))
+      in_specs.append(pl.BlockSpec((None, tile_m, 1), block_column_map))
     elif quant is not None:  # scaled: [L, 1, N] column scales, [M, 1] row scales
       quant_operands = [quant.rhs_scale[:, :1, :], quant.lhs_scale]
       in_specs.append(pl.BlockSpec((None, 1, tile_n), group_row_map))
@@ -531,6 +618,15 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   if has_bias:
     in_specs.append(pl.BlockSpec((None, 1, tile_n),
                                  lambda m_i, n_i, i, groups, *_: (groups[i], 0, n_i)))
+  blocked = quant is not None  # the only quantized mode the k-grouped kernel serves
+  quant_operands = []
+  if blocked:  # the item's K tile is scale block tiles[i]
+    lhs_scale, rhs_scale = _blocked_scales(quant, m, n, k)
+    quant_operands = [lhs_scale, rhs_scale[0]]
+    in_specs.append(pl.BlockSpec((None, tile_m, 1),
+                                 lambda m_i, n_i, i, groups, tiles, *_: (tiles[i], m_i, 0)))
+    in_specs.append(pl.BlockSpec((None, 1, tile_n),
+                                 lambda m_i, n_i, i, groups, tiles, *_: (tiles[i], 0, n_i)))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),
       grid=(num_m_tiles, num_n_tiles, count),
@@ -541,7 +637,7 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   )
   hbm = lhs_bytes * num_n_tiles + rhs_bytes * num_m_tiles + out_bytes
   return common.pallas_call(
-      functools.partial(_k_kernel, **kernel_options), info["prepared"],
+      functools.partial(_k_kernel, blocked=blocked, **kernel_options), info["prepared"],
       tiles=(tile_m, tile_k, tile_n),
       grid_spec=grid_spec,
       out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
@@ -551,4 +647,4 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       interpret=cfg.interpret,
       name="gmm_k_tpu",
       **_cost_estimate(flops, _transcendentals(cfg, cfg.num_local * m * n), hbm),
-  )(*scalars, lhs, rhs, *biases)
+  )(*scalars, lhs, rhs, *biases, *quant_operands)
