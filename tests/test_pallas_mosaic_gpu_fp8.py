@@ -156,7 +156,7 @@ def _blocked_pair(group_type="m", k_block=128, qtype=E4M3):
 def test_serves_the_forward_and_dlhs_blocked_pairs():
   lhs, rhs, cfg = _blocked_pair()
   mosaic.check_operands(lhs, rhs, cfg)  # forward: x [64, 256] @ w [2, 256, 128]
-  dy = gmm_jax.quantize(np.ones((64, 256), np.float32), E5M2, channelwise_axes=(0,),
+  dy = gmm_jax.quantize(np.ones((64, 256), np.float32), E4M3, channelwise_axes=(0,),
                         tiled_axes={1: 128})
   w = gmm_jax.quantize(np.ones((2, 128, 256), np.float32), E4M3, channelwise_axes=(0,),
                        tiled_axes={1: 128, 2: 128})  # dlhs: dy [64, 256] @ w[g].T
@@ -189,3 +189,19 @@ def test_refuses_blocked_tiles_it_cannot_use(tiling):
 def test_blocked_default_tiling(m, tiling):
   cfg = GmmConfig(group_type="m", num_local=4)
   assert mosaic.default_tiling(m, 1024, 1024, cfg, blocked=True) == tiling
+
+
+def test_mixed_fp8_pair_follows_this_jaxs_wgmma():
+  # e5m2 gradients x e4m3 weights: one wgmma where jax's takes the pair (0.12), refused
+  # (the next implementation serves) where it asks for one element type (0.10).
+  dy = gmm_jax.quantize(np.ones((64, 256), np.float32), E5M2, channelwise_axes=(0,),
+                        tiled_axes={1: 128})
+  w = gmm_jax.quantize(np.ones((2, 128, 256), np.float32), E4M3, channelwise_axes=(0,),
+                       tiled_axes={1: 128, 2: 128})
+  cfg = GmmConfig(group_type="m", num_local=2, transpose_rhs=True)
+  assert mosaic.MIXED_FP8 == (jax.__version_info__ >= (0, 12))
+  if mosaic.MIXED_FP8:
+    mosaic.check_operands(dy, w, cfg)
+  else:
+    with pytest.raises(NotImplementedError, match="one fp8 type"):
+      mosaic.check_operands(dy, w, cfg)

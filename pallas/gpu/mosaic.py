@@ -34,8 +34,21 @@ is a zero array passed in as a mutable Ref (aliased), so rows no item owns (past
 total, or of groups that are not local) stay exactly 0. A tile's stores overlap the next
 tile's main loop (they are waited for before the staging buffer is rewritten).
 
-Refuses (NotImplementedError, so the dispatcher falls back to Triton): k-grouping,
-quantized operands, a transposed lhs, operands other than bf16 x bf16 / f16 x f16 (e.g.
+Blocked fp8 (fp8 training's forward and dlhs gmms: QArrays of e4m3 / e5m2 values whose
+scales vary along K, 1 x 128 activations and 128 x 128 weights): the K step is the scale
+block (`common.with_quant_k_step`, a multiple of 128: one 128-byte swizzled row of fp8),
+each step's wgmma (``f32.e4m3.e4m3``, or ``e5m2.e4m3`` for an E5M2 gradient) accumulates
+into a fresh f32 accumulator, which is waited for and added to the running sum (a pipeline
+carry in registers) times the step's lhs scale column and rhs scale row, read from GMEM
+while the wgmma runs. fp8 wgmma reads both operands K-major (only 16-bit types take a
+transpose flag), so the forward's weights ``[L, K, N]`` are transposed to ``[L, N, K]`` by
+XLA before the kernel; the dlhs's (``transpose_rhs``) already are. Two accumulators per
+consumer warpgroup: tiles of at most 64 x 128 elements each.
+
+Refuses (NotImplementedError, so the dispatcher falls back to Triton): k-grouping (the
+drhs of fp8 training too), quantized operands other than blocked fp8 (weight-only,
+scaled, blocked int8, blocks that are not multiples of 128), a transposed lhs, operands
+other than bf16 x bf16 / f16 x f16 (e.g.
 the dlhs of an f32-output gmm with an activation, whose cotangent is f32: Triton's), K or N not a
 multiple of 8 (TMA strides are multiples of 16 bytes), activations without a Mosaic GPU
 lowering, any GPU other than an sm_90 (wgmma is Hopper-only), and interpret mode through
@@ -95,6 +108,18 @@ SUPPORTED = ("the Mosaic GPU kernel serves m-grouping with bf16 x bf16 or f16 x 
 # fp8 wgmma reads both operands K-major (PTX: only 16-bit types take a transpose flag) from
 # 128-byte swizzled rows: a K step of the blocked mode is a multiple of 128 values.
 FP8_K_STEP = 128
+
+
+def _mixed_fp8_wgmma() -> bool:
+  """Whether this jax's `plgpu.wgmma` takes an e5m2 x e4m3 pair (PTX takes the two types
+  separately; jax 0.12 accepts the pair, jax 0.10 asks for one element type)."""
+  try:
+    return "float8_e5m2" in inspect.getsource(plgpu.wgmma)
+  except (OSError, TypeError):
+    return False
+
+
+MIXED_FP8 = _mixed_fp8_wgmma()
 LOWERING_SEMANTICS = plgpu.LoweringSemantics.Warpgroup
 SMEM_BYTES = 227 * 1024  # sm_90: 228 KiB per SM, 1 KiB reserved
 DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
@@ -555,6 +580,10 @@ def _check_blocked(lhs, rhs, cfg: GmmConfig) -> None:
   points, one contraction block (`common.check_quant`), a multiple of 128 (one swizzled
   row of fp8 per wgmma K group), K a multiple of 16 (the TMA's 16-byte strides)."""
   common.check_quant(lhs, rhs, cfg, blocked_types=common.FP8_BLOCKED)
+  if np.dtype(lhs.qtype) != np.dtype(rhs.qtype) and not MIXED_FP8:
+    raise NotImplementedError(
+        f"{SUPPORTED}; this jax's Mosaic GPU wgmma multiplies one fp8 type, got "
+        f"{lhs.qtype} x {rhs.qtype}")
   k_block = common._blocked_k_block(lhs, rhs, cfg)  # noqa: SLF001  (checked above: not None)
   _, k, _ = problem_dims(lhs.shape, rhs.shape, cfg)
   if k_block % FP8_K_STEP or k % 16:
