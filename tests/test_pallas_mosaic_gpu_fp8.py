@@ -28,11 +28,12 @@ needs_interpreter = pytest.mark.skipif(
     "runs this kernel (jax 0.12 does)")
 
 
-def _operands(m, k, n, num_local, transpose_rhs, lhs_type, seed):
+def _operands(m, k, n, num_local, transpose_rhs, lhs_type, seed, column_scales=False):
   """fp8 training's QArrays: lhs 1 x 128 blocks (per row), rhs 128 x 128 blocks per expert
-  (``[L, K, N]``, or ``[L, N, K]`` for the dlhs). Columns of each contraction block and each
-  expert are scaled differently (x 1, 9, 81, ...) so that a scale applied to the wrong
-  block, row, column or expert shows."""
+  (``[L, K, N]``, or ``[L, N, K]`` for the dlhs; `column_scales`: 128 x 1 blocks, one scale
+  per output column and K block, the kernel's per-column path). Columns of each
+  contraction block and each expert are scaled differently (x 1, 9, 81, ...) so that a
+  scale applied to the wrong block, row, column or expert shows."""
   rng = np.random.default_rng(seed)
   block_gain = 9.0 ** (np.arange(k) // 128)
   x = rng.standard_normal((m, k)) * block_gain * rng.uniform(0.5, 4.0, (m, 1))
@@ -42,8 +43,13 @@ def _operands(m, k, n, num_local, transpose_rhs, lhs_type, seed):
     w = np.swapaxes(w, 1, 2)
   lhs = gmm_jax.quantize(x.astype(np.float32), lhs_type, channelwise_axes=(0,),
                          tiled_axes={1: 128})
-  rhs = gmm_jax.quantize(w.astype(np.float32), E4M3, channelwise_axes=(0,),
-                         tiled_axes={1: 128, 2: 128})
+  n_axis, k_axis = (1, 2) if transpose_rhs else (2, 1)
+  if column_scales:
+    rhs = gmm_jax.quantize(w.astype(np.float32), E4M3, channelwise_axes=(0, n_axis),
+                           tiled_axes={k_axis: 128})
+  else:
+    rhs = gmm_jax.quantize(w.astype(np.float32), E4M3, channelwise_axes=(0,),
+                           tiled_axes={1: 128, 2: 128})
   return lhs, rhs
 
 
@@ -64,7 +70,7 @@ CASES = [
     pytest.param(200, 320, 256, [70, 0, 65, 40], 3, 1, False, E4M3, "relu", jnp.bfloat16,
                  Tiling(64, 128, 128), id="forward-e4m3-offset1-partial-block-relu-bf16"),
     pytest.param(160, 384, 192, [0, 90, 50], 3, 0, True, E5M2, None, jnp.float32,
-                 Tiling(64, 128, 64), id="dlhs-e5m2xe4m3-one-warpgroup"),
+                 Tiling(64, 128, 64), id="dlhs-e5m2xe4m3-one-warpgroup-column-scales"),
     pytest.param(256, 256, 128, [30, 0, 100, 60], 4, 0, False, E4M3, None, jnp.float32,
                  Tiling(128, 128, 128), id="forward-tile128", marks=pytest.mark.slow),
     pytest.param(144, 256, 128, [0, 140, 0], 3, 0, True, E4M3, None, jnp.float32, None,
@@ -77,8 +83,9 @@ CASES = [
                          "activation, out_dtype, tiling", CASES)
 def test_blocked_fp8_matches_the_blockwise_oracle(m, k, n, sizes, num_local, offset,
                                                    transpose_rhs, lhs_type, activation,
-                                                   out_dtype, tiling):
-  lhs, rhs = _operands(m, k, n, num_local, transpose_rhs, lhs_type, seed=m + k)
+                                                   out_dtype, tiling, request):
+  lhs, rhs = _operands(m, k, n, num_local, transpose_rhs, lhs_type, seed=m + k,
+                       column_scales=request.node.callspec.id.endswith("column-scales"))
   bias = None
   if activation is not None:
     bias = jnp.asarray(np.random.default_rng(1).standard_normal((num_local, n)) * 50,
@@ -99,7 +106,7 @@ def test_blocked_fp8_matches_the_blockwise_oracle(m, k, n, sizes, num_local, off
   out_eps = 2.0 ** -8 if out_dtype == jnp.bfloat16 else 0.0
   np.testing.assert_allclose(got, want, rtol=out_eps, atol=(k * 2e-7 + out_eps) * scale)
   assert not np.any(got[~owned])  # rows of empty / non-local groups and past the total
-  if tiling is None or tiling.tile_n != 128:
+  if tiling is None or tiling.tile_m != 64:
     return  # one XLA comparison per kernel variant is enough (each costs a compile)
   # The XLA path on the same QArrays (the dispatcher's composed reference).
   xla = f64(jax.jit(lambda a, b, s, bi: gmm_jax.gmm(
@@ -184,11 +191,13 @@ def test_refuses_blocked_tiles_it_cannot_use(tiling):
     mosaic.check_tiling(tiling, 64, 256, 256, cfg, blocked=True)
 
 
-@pytest.mark.parametrize("m, tiling", [(4096, Tiling(128, 128, 128)),
-                                       (256, Tiling(64, 128, 128))])
-def test_blocked_default_tiling(m, tiling):
+@pytest.mark.parametrize("n, tiling", [(1024, Tiling(64, 128, 256)),
+                                       (96, Tiling(64, 128, 128))])
+def test_blocked_default_tiling(n, tiling):
+  # 64 x 128 per consumer warpgroup (m64n128k32 wgmmas), narrower for a narrow N.
   cfg = GmmConfig(group_type="m", num_local=4)
-  assert mosaic.default_tiling(m, 1024, 1024, cfg, blocked=True) == tiling
+  assert mosaic.default_tiling(4096, 1024, n, cfg, blocked=True) == tiling
+  mosaic.check_tiling(tiling, 4096, 1024, n, cfg, blocked=True)
 
 
 def test_mixed_fp8_pair_follows_this_jaxs_wgmma():
@@ -205,3 +214,19 @@ def test_mixed_fp8_pair_follows_this_jaxs_wgmma():
   else:
     with pytest.raises(NotImplementedError, match="one fp8 type"):
       mosaic.check_operands(dy, w, cfg)
+
+
+@pytest.mark.parametrize("tiles, tile_n, want", [
+    ({1: 128, 2: 128}, 128, "uniform"),   # 128 x 128 weight blocks, 64 columns a warpgroup
+    ({1: 128, 2: 128}, 256, "uniform"),   # 128 columns a warpgroup
+    ({1: 128, 2: 64}, 256, "columns"),    # a warpgroup's 128 columns span two blocks
+])
+def test_warpgroups_read_one_rhs_scale_per_block_where_they_can(tiles, tile_n, want):
+  w = gmm_jax.quantize(np.ones((2, 256, 256), np.float32), E4M3, channelwise_axes=(0,),
+                       tiled_axes=tiles)
+  width = tile_n // mosaic.COMPUTE_WGS
+  assert mosaic._scale_columns(w, GmmConfig(group_type="m", num_local=2), width) == want
+  per_column = gmm_jax.quantize(np.ones((2, 256, 256), np.float32), E4M3,
+                                channelwise_axes=(0, 2), tiled_axes={1: 128})
+  assert mosaic._scale_columns(per_column, GmmConfig(group_type="m", num_local=2),
+                               width) == "columns"

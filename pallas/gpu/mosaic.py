@@ -70,6 +70,7 @@ import dataclasses
 import functools
 import inspect
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -198,15 +199,17 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2, *,
   to the ring), fewer for a narrow N.
 
   Blocked fp8 (`blocked`): the K step is the scale block (the preamble sets it); each
-  consumer warpgroup holds two accumulators (the running sum and the block's product):
-  128 columns (64 per warpgroup). On sm_90a ptxas caps the three warpgroups at 168
-  registers a thread (it ignores setmaxnreg here): 128 x 128 tiles compile to 161-167
-  registers without spills, 64 x 256 (64 x 128 per warpgroup) spill 32 bytes."""
+  consumer warpgroup holds two accumulators (the running sum and the block's product).
+  64 rows x 256 columns: each warpgroup issues m64n128k32 wgmmas (128 x 128 tiles give
+  m64n64k32, which read 33% more shared memory per MAC: with both operands in shared
+  memory, fp8 wgmma at N = 64 needs all of an SM's 128 B/clk). On sm_90a both compile
+  without spills (ptxas caps the three warpgroups at 168 registers a thread: 158 and 147
+  used, jax 0.12). Not measured on a device."""
   del k, itemsize
   tile_m = 128 if m // max(1, cfg.num_local) >= 128 else 64
   if blocked:
-    return Tiling(tile_m=tile_m, tile_k=FP8_K_STEP,
-                  tile_n=min(128, max(64, common.next_power_of_2(n))))
+    return Tiling(tile_m=64, tile_k=FP8_K_STEP,
+                  tile_n=min(256, max(64, common.next_power_of_2(n))))
   widest = 256 if np.dtype(cfg.out_dtype).itemsize <= 2 else 128
   return Tiling(tile_m=tile_m, tile_k=64, tile_n=min(widest, max(64, common.next_power_of_2(n))))
 
@@ -364,29 +367,43 @@ def _zero_acc(shape):
   return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
-def _blocked_step(acc, lhs_smem, rhs_smem, step, scale_refs, window, group, cols):
+class _Scales(NamedTuple):
+  """The blocked mode's scale operands: lhs ``[Kb, M + tile_m]`` and rhs ``[L, Kb, N
+  tiles]`` (padded by the wrapper so that a window past M or a tile past N reads no
+  further), and whether each warpgroup's columns share one rhs scale per K block (128 x 128
+  weight blocks: one scalar a step instead of a row)."""
+
+  lhs: object
+  rhs: object
+  uniform_columns: bool
+
+
+def _blocked_step(acc, lhs_smem, rhs_smem, step, scales: _Scales, window, group, first_col):
   """One scale block of the blocked fp8 mode: ``acc + (lhs @ rhs) * lhs_scale column *
   rhs_scale row``, the block's product in a fresh f32 wgmma accumulator.
 
   `rhs_smem` is the K-major ``[K, width]`` view (fp8 wgmma reads both operands K-major).
-  The scale rows are read from GMEM (``[Kb, M + tile_m]`` and ``[L, Kb, N tiles]``: padded by
-  the wrapper so that a window past M or a tile past N reads no further) before the wgmma
-  is issued, so their latency hides behind the MMA.
+  The scales are read from GMEM before the wgmma is issued, so their latency hides behind
+  the MMA. With one rhs scale for the warpgroup's columns, the two scales meet on the rows
+  (a few values a thread) and each element costs one multiply-add.
   """
-  lhs_scale_gmem, rhs_scale_gmem = scale_refs
   tile_m, width = acc.shape
-  lhs_scale = _load(lhs_scale_gmem.at[step, pl.ds(window, tile_m)],
-                    plgpu.Layout.WGMMA.reduce(1))
-  rhs_scale = _load(rhs_scale_gmem.at[group, step, cols], plgpu.Layout.WGMMA.reduce(0))
+  lhs_scale = _load(scales.lhs.at[step, pl.ds(window, tile_m)], plgpu.Layout.WGMMA.reduce(1))
+  if scales.uniform_columns:
+    lhs_scale = lhs_scale * scales.rhs[group, step, first_col]
+  else:
+    rhs_scale = _load(scales.rhs.at[group, step, pl.ds(first_col, width)],
+                      plgpu.Layout.WGMMA.reduce(0))
 
   def block(block_ref):
     plgpu.wgmma(block_ref, lhs_smem, rhs_smem)
     return block_ref[...]  # waits for this wgmma
 
   product = pl.run_scoped(block, plgpu.ACC((tile_m, width), jnp.float32))
-  lhs_scale = jax.lax.broadcast_in_dim(lhs_scale, (tile_m, width), (0,))
-  rhs_scale = jax.lax.broadcast_in_dim(rhs_scale, (tile_m, width), (1,))
-  return acc + product * lhs_scale * rhs_scale
+  scale = jax.lax.broadcast_in_dim(lhs_scale, (tile_m, width), (0,))
+  if not scales.uniform_columns:
+    scale = scale * jax.lax.broadcast_in_dim(rhs_scale, (tile_m, width), (1,))
+  return acc + product * scale
 
 
 class _Work:
@@ -405,10 +422,10 @@ class _Work:
 
 def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
             *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int,
-            granule: int, blocked: bool = False):
+            granule: int, blocked: str | None = None):
   """One warpgroup per program: the TMA ring (`emit_pipeline`) and wgmma in one thread."""
   bias_gmem = refs[0] if has_bias else None
-  scale_refs = refs[has_bias:has_bias + 2] if blocked else None
+  scales = _Scales(*refs[has_bias:has_bias + 2], blocked == "uniform") if blocked else None
   out_gmem = refs[-1]  # the aliased zero buffer (a Ref operand), written in place
   _, k, n = dims
   tile_m, tile_k, tile_n = tiling.tile_m, tiling.tile_k, tiling.tile_n
@@ -441,8 +458,8 @@ def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
         operands = (lhs_gmem.at[pl.ds(work.window, tile_m), :], rhs_cols)
         if blocked:
           def scaled(indices, lhs_smem, rhs_smem, acc):
-            return _blocked_step(acc, lhs_smem, rhs_smem.T, indices[0], scale_refs,
-                                 work.window, work.group, cols)
+            return _blocked_step(acc, lhs_smem, rhs_smem.T, indices[0], scales,
+                                 work.window, work.group, work.n_first)
 
           acc = plgpu.emit_pipeline(scaled, grid=(pl.cdiv(k, tile_k),), in_specs=specs,
                                     max_concurrent_steps=stages,
@@ -463,11 +480,11 @@ def _kernel(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
 
 def _kernel_ws(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
                *refs, dims, tiling: Tiling, cfg: GmmConfig, has_bias: bool, stages: int,
-               granule: int, blocked: bool = False):
+               granule: int, blocked: str | None = None):
   """Warp-specialized: a producer warpgroup issues the TMA loads of the ring, two consumer
   warpgroups run wgmma on the two column halves of the tile and store their halves."""
   bias_gmem = refs[0] if has_bias else None
-  scale_refs = refs[has_bias:has_bias + 2] if blocked else None
+  scales = _Scales(*refs[has_bias:has_bias + 2], blocked == "uniform") if blocked else None
   out_gmem = refs[-1]
   _, k, n = dims
   tile_m, tile_k, tile_n = tiling.tile_m, tiling.tile_k, tiling.tile_n
@@ -506,8 +523,8 @@ def _kernel_ws(window_ref, start_ref, end_ref, group_ref, lhs_gmem, rhs_gmem,
       def mma(indices, lhs_smem, rhs_smem, acc_ref):
         rhs_half = rhs_smem.at[halves, :].T if cfg.transpose_rhs else rhs_smem.at[:, halves]
         if blocked:  # the carry is the running sum's value
-          return _blocked_step(acc_ref, lhs_smem, rhs_half, indices[0], scale_refs,
-                               work.window, work.group, half_cols)
+          return _blocked_step(acc_ref, lhs_smem, rhs_half, indices[0], scales,
+                               work.window, work.group, work.n_first + wg * half)
         plgpu.wgmma(acc_ref, lhs_smem, rhs_half)
         plgpu.wgmma_wait(in_flight)
         return acc_ref
@@ -591,6 +608,14 @@ def _check_blocked(lhs, rhs, cfg: GmmConfig) -> None:
         f"{SUPPORTED}; got contraction blocks of {k_block}, K={k}")
 
 
+def _scale_columns(rhs: QArray, cfg: GmmConfig, width: int) -> str:
+  """"uniform" when each warpgroup's `width` columns (starting at multiples of `width`)
+  lie in one block of rhs scales (128 x 128 weight blocks), else "columns"."""
+  axis = -2 if cfg.transpose_rhs else -1
+  shared = rhs.scale.shape[axis] == 1 or rhs.tile[axis] % width == 0
+  return "uniform" if shared else "columns"
+
+
 def check_operands(lhs, rhs, cfg: GmmConfig) -> None:
   """Static refusals (shapes and dtypes only): NotImplementedError naming what is served."""
   if cfg.group_type != "m":
@@ -645,6 +670,7 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   interpret = _interpret_params() if cfg.interpret else None
   num_sms = INTERPRET_NUM_SMS if cfg.interpret else _check_target()
   blocked = _blocked(lhs, rhs, cfg)
+  rhs_qarray = rhs
   prepared = common.preamble(
       lhs, rhs, counts, cfg, tiling,
       default_tiling=functools.partial(default_tiling, blocked=blocked),
@@ -662,6 +688,10 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     raise NotImplementedError(
         f"{SUPPORTED}; the blocked mode's K step is the scale block "
         f"({prepared.quant.k_block}), got {tiling}")
+  scale_columns = None  # the blocked mode's rhs scales (see `_scale_columns`)
+  if blocked:
+    width = tiling.tile_n // (COMPUTE_WGS if warp_specialized(tiling) else 1)
+    scale_columns = _scale_columns(rhs_qarray, cfg, width)
   if blocked and not cfg.transpose_rhs:
     # fp8 wgmma reads B K-major only: the weights [L, K, N] become [L, N, K] (one pass over
     # the fp8 values, a copy XLA can fuse into the op that quantized them).
@@ -683,7 +713,7 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   plgpu.kernel(
       functools.partial(_kernel_ws if specialized else _kernel, dims=(m, k, n),
                         tiling=tiling, cfg=cfg, has_bias=bias is not None, stages=stages,
-                        granule=granule, blocked=blocked),
+                        granule=granule, blocked=scale_columns),
       out_type=(),
       grid=(num_sms,),
       grid_names=("sm",),
