@@ -5,7 +5,7 @@ lhs transposed) gmms on blocked fp8 QArrays, as `gmm_jax.quantize` makes them fo
 training (1 x 128 activation blocks, 128 x 128 weight blocks, 128 x 1 blocks of the weight
 gradient's operands), are lowered through `gmm_tpu` for a TPU topology and compiled by
 Mosaic: the kernel itself takes the fp8 values and the block scales (no dequantized copy is
-made before it). v5e has no fp8 MXU path (the kernel converts the values to bf16 in-kernel);
+made before it), one dot per 128-block. v5e has no fp8 MXU path (the kernel converts the values to bf16 in-kernel);
 TPU7x has one (the values go to the dot as they are). See
 `../shared/notes/deviceless-compile.md`.
 
@@ -96,7 +96,10 @@ def test_fp8_training_gmms_compile_with_the_tpu_kernel(topology_name, grad_type,
         "gmm_k_tpu" if role == "drhs" else "gmm_m_tpu"], where
     plan = planned["plan"]
     assert plan["prepared"].quant.mode == "blocked", where
-    assert plan["tiling"].tile_k == 128, where  # one K step (item) per scale block
+    # A K step (item) spans whole 128-blocks, one dot each (or all of a K below a step).
+    tile_k = plan["tiling"].tile_k
+    assert tile_k % 128 == 0 or plan["k_steps"] == 1, where
+    assert plan["blocks_per_step"] == -(-tile_k // 128), where
     assert plan["prepared"].dot_dtype == np.dtype(kernel_dot[role]), where
     # The kernel's operands are the fp8 values themselves (nothing dequantized before it).
     call = next(line for line in lowered.as_text().splitlines()

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax._src import cost_models
-from gmm_jax._src.config import GmmConfig
+from gmm_jax._src.config import GmmConfig, Tiling
 from gmm_jax.pallas.tpu import gmm as tpu_gmm
 from oracle import dequantize, gmm_oracle, tolerances
 
@@ -58,9 +58,9 @@ def _drhs_operands(rng, tokens, d, f, grad_type):
   return x_q, dy_q
 
 
-def _run(lhs, rhs, sizes, cfg, bias=None, group_offset=0):
+def _run(lhs, rhs, sizes, cfg, bias=None, group_offset=0, tiling=None):
   counts = jnp.asarray(sizes, jnp.int32)
-  return np.asarray(jax.jit(lambda *a: tpu_gmm.gmm_tpu(*a, cfg))(
+  return np.asarray(jax.jit(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, tiling))(
       lhs, rhs, counts, jnp.int32(group_offset), bias)).astype(np.float64)
 
 
@@ -101,7 +101,8 @@ def test_dot_dtype_follows_the_chips_fp8_mxu(monkeypatch, kind, expected):
   mixed = tpu_gmm.plan(*_forward_operands(rng, 32, 256, 128, 2, E5M2), counts, cfg)
   assert same["prepared"].dot_dtype == np.dtype(expected)
   assert mixed["prepared"].dot_dtype == np.dtype(jnp.bfloat16)  # e5m2 x e4m3 meet in bf16
-  assert same["tiling"].tile_k == BLOCK and same["k_steps"] == 2  # one step per scale block
+  # K = 256: one K step of both scale blocks (one dot each).
+  assert (same["tiling"].tile_k, same["k_steps"], same["blocks_per_step"]) == (256, 1, 2)
 
 
 # m-grouping: an empty group, a group boundary inside a row tile, rows past the total; K = 300
@@ -123,8 +124,10 @@ def test_forward_bf16_output_with_bias():
 
 
 def test_dlhs_transposed_weights_e5m2_gradient_f32_output():
+  # The contraction (N = 600, five scale blocks) takes two K steps of four blocks: the second
+  # has one block and a ragged edge of data, then blocks past K (masked, scales padded).
   rng = np.random.default_rng(3)
-  m, k, n, groups = 200, 256, 300, len(M_SIZES)
+  m, k, n, groups = 200, 256, 600, len(M_SIZES)
   dy_q, w_q = _forward_operands(rng, m, k, n, groups, E5M2, transpose_rhs=True)
   # dlhs: dy [M, N] times the forward's own w [G, K, N] QArray read transposed (w[g].T).
   cfg = GmmConfig(group_type="m", num_local=groups, transpose_rhs=True,
@@ -132,30 +135,38 @@ def test_dlhs_transposed_weights_e5m2_gradient_f32_output():
   got = _run(dy_q, w_q, M_SIZES, cfg)
   want = gmm_oracle(dequantize(dy_q), dequantize(w_q), M_SIZES, "m", transpose_rhs=True)
   assert got.shape == (m, k)
+  assert tpu_gmm.plan(dy_q, w_q, jnp.asarray(M_SIZES, jnp.int32), cfg)["k_steps"] == 2
   np.testing.assert_allclose(got, want, **_tolerance(jnp.float32, dy_q, w_q, n))
 
 
 # k-grouping (drhs): group boundaries at 70 and 160 (inside scale blocks 0 and 1), an empty
 # group, and a ragged last block (300 tokens, 280 in groups).
 K_SIZES = [70, 0, 90, 120]
+# Larger groups (a mean of 550 tokens): items of four scale blocks (512 tokens), the boundary
+# at 300 inside block 2 of the first item, the last item past the 1000 tokens in groups.
+WIDE_K_SIZES = [300, 700]
 
 
-@pytest.mark.parametrize("grad_type", [E5M2, pytest.param(E4M3, marks=pytest.mark.slow)],
-                         ids=["e5m2", "e4m3"])
-def test_drhs_k_grouped_block_scales_with_boundaries_inside_blocks(grad_type):
+@pytest.mark.parametrize("grad_type, sizes, tokens, blocks_per_item", [
+    (E5M2, K_SIZES, 300, 1), (E4M3, WIDE_K_SIZES, 1100, 4)], ids=["e5m2", "e4m3-wide"])
+def test_drhs_k_grouped_block_scales_with_boundaries_inside_blocks(grad_type, sizes, tokens,
+                                                                   blocks_per_item):
   rng = np.random.default_rng(4)
-  tokens, d, f = 300, 128, 256
+  d, f = 128, 256
   x_q, dy_q = _drhs_operands(rng, tokens, d, f, grad_type)
-  groups = len(K_SIZES)
+  groups = len(sizes)
   bias = jnp.asarray(rng.standard_normal((groups, f)), jnp.float32)
   cfg = GmmConfig(group_type="k", num_local=groups, transpose_lhs=True,
                   out_dtype=np.dtype(jnp.float32), interpret=True)
-  got = _run(x_q, dy_q, K_SIZES, cfg, bias)
-  want = gmm_oracle(dequantize(x_q), dequantize(dy_q), K_SIZES, "k", bias=np.asarray(bias),
+  counts = jnp.asarray(sizes, jnp.int32)
+  assert tpu_gmm.plan(x_q, dy_q, counts, cfg)["blocks_per_step"] == blocks_per_item
+  got = _run(x_q, dy_q, sizes, cfg, bias)
+  want = gmm_oracle(dequantize(x_q), dequantize(dy_q), sizes, "k", bias=np.asarray(bias),
                     transpose_lhs=True)
   assert got.shape == (groups, d, f)
   np.testing.assert_allclose(got, want, **_tolerance(jnp.float32, x_q, dy_q, tokens))
-  np.testing.assert_array_equal(got[1], np.broadcast_to(np.asarray(bias)[1], (d, f)))
+  for empty in np.flatnonzero(np.asarray(sizes) == 0):  # activation(bias), exactly
+    np.testing.assert_array_equal(got[empty], np.broadcast_to(np.asarray(bias)[empty], (d, f)))
 
 
 def test_fp8_mxu_chip_feeds_fp8_values_to_the_dot(monkeypatch):
@@ -175,15 +186,19 @@ def test_fp8_mxu_chip_feeds_fp8_values_to_the_dot(monkeypatch):
 
 
 @pytest.mark.slow
-def test_local_groups_and_the_xla_composition():
-  # Two of four groups held locally (group_offset 1), compared with the numpy oracle and
-  # with gmm(..., implementation="xla") on the same QArrays (the composed blocked mode).
+def test_local_groups_explicit_tiles_and_the_xla_composition():
+  # Two of four groups held locally (group_offset 1), explicit tiles (one scale block per K
+  # step: three steps), compared with the numpy oracle and with gmm(...,
+  # implementation="xla") on the same QArrays (the composed blocked mode).
   rng = np.random.default_rng(6)
   m, k, n, sizes = 200, 384, 256, [40, 70, 0, 60]
   x_q, w_q = _forward_operands(rng, m, k, n, 2, E4M3)
   cfg = GmmConfig(group_type="m", num_local=2, out_dtype=np.dtype(jnp.float32),
                   interpret=True)
-  got = _run(x_q, w_q, sizes, cfg, group_offset=1)
+  tiling = Tiling(tile_m=128, tile_k=512, tile_n=128)
+  planned = tpu_gmm.plan(x_q, w_q, jnp.asarray(sizes, jnp.int32), cfg, tiling)
+  assert (planned["tiling"].tile_k, planned["k_steps"]) == (BLOCK, 3)
+  got = _run(x_q, w_q, sizes, cfg, group_offset=1, tiling=tiling)
   want = gmm_oracle(dequantize(x_q), dequantize(w_q), sizes, "m", group_offset=1)
   tolerance = _tolerance(jnp.float32, x_q, w_q, k)
   np.testing.assert_allclose(got, want, **tolerance)

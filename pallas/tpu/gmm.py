@@ -32,13 +32,16 @@ paid once per group and column block, not once per item. fp8 weights are always 
 the MXU path used on v5e/v6e is bf16/int8.
 
 Blocked fp8 (``blocked_types=common.FP8_BLOCKED``, both group types; fp8 training's forward,
-dlhs and k-grouped drhs): one K step per scale block (``tile_k = k_block``), each step's dot
-of fp8 values with f32 accumulation times the step's lhs row scales ``[tile_m, 1]`` and rhs
-column scales ``[1, tile_n]``, summed. The k-grouped items are aligned to global multiples of
-``tile_k`` (`metadata.make_tile_metadata`, align "tile"), so each lies in one scale block. On
-a chip with an fp8 MXU path (`cost_models.fp8_mxu`: TPU7x) the fp8 values go to the dot as
-they are (one type on both sides; e4m3 x e5m2 meets in bf16); elsewhere (v5e/v6e) they are
-converted in-kernel to bf16 (exact) before any mask or transpose.
+dlhs and k-grouped drhs): per scale block of ``k_block`` (128) contraction elements, a dot of
+the fp8 values with f32 accumulation times the block's lhs row scales ``[tile_m, 1]`` and rhs
+column scales ``[1, tile_n]``, summed. A K step (an item, for k-grouping) spans a whole
+number of scale blocks, `blocked_tile_k` of them (up to 512 elements when the tiles are the
+kernel's own choice, else one block), and takes one dot per block; the k-grouped items are
+aligned to global multiples of ``tile_k`` (`metadata.make_tile_metadata`, align "tile"), so
+their blocks are the scale blocks. On a chip with an fp8 MXU path (`cost_models.fp8_mxu`:
+TPU7x) the fp8 values go to the dot as they are (one type on both sides; e4m3 x e5m2 meets
+in bf16); elsewhere (v5e/v6e) they are converted in-kernel to bf16 (exact) before any mask or
+transpose.
 
 `cost_models.tpu_static_cost` models on the host what a call does (rows through the MXU,
 grid steps, bytes DMA'd from HBM given the grid order and the skipped DMAs); the VMEM model
@@ -197,16 +200,69 @@ def _blocked_dot_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
   return np.dtype(jnp.bfloat16)
 
 
-def _blocked_scales(quant: common.QuantOperands, m: int, n: int, k: int):
+# Scale blocks per K step (k_block = 128: tile_k = 512) when the kernel picks the tiles: fewer
+# grid steps and larger DMAs than one block per step, the same 128-deep dots.
+MAX_BLOCKS_PER_STEP = 4
+
+
+def blocked_tile_k(tiling: Tiling, k: int, k_block: int, cfg: GmmConfig,
+                   automatic: bool) -> int:
+  """The K step of a blocked call: ``k_block`` (what `common.with_quant_k_step` gives) for
+  explicit tiles; for the kernel's own tiles, up to `MAX_BLOCKS_PER_STEP` blocks: as many as
+  K needs (m-grouping), or by the mean group size as `default_tiling` picks K items
+  (k-grouping)."""
+  if not automatic or k <= k_block:
+    return tiling.tile_k
+  blocks = min(MAX_BLOCKS_PER_STEP, -(-k // k_block))
+  if cfg.group_type == "k":  # items of a group cover its K: no wider than its mean size
+    mean = k // max(1, cfg.num_local)
+    blocks = min(blocks, 1 if mean < 2 * k_block else (2 if mean < 4 * k_block else blocks))
+  return blocks * k_block
+
+
+def _blocked_scales(quant: common.QuantOperands, m: int, n: int, k: int, steps: int,
+                    blocks_per_step: int):
   """The blocked scales as the kernels' BlockSpecs address them: lhs ``[Kb, M, 1]`` (a
-  ``[tile_m, 1]`` column per K step) and rhs ``[L, Kb, 1, N]`` (a ``[1, tile_n]`` row per
-  group and K step; ``[Kb, 1, N]`` for k-grouping). K = 0: one block of ones (nothing is
-  summed)."""
+  ``[blocks_per_step, tile_m, 1]`` block per K step) and rhs ``[L, Kb, 1, N]`` (a
+  ``[blocks_per_step, 1, tile_n]`` block per group and K step; ``[Kb, 1, N]`` for
+  k-grouping), Kb padded with ones to ``steps * blocks_per_step`` (a K edge step reads no
+  undefined scale). K = 0: one block of ones (nothing is summed)."""
   lhs_scale, rhs_scale = quant.lhs_scale, quant.rhs_scale
   if k == 0:
     lhs_scale = jnp.ones((m, 1), jnp.float32)
     rhs_scale = jnp.ones((rhs_scale.shape[0], 1, n), jnp.float32)
+  pad = steps * blocks_per_step - lhs_scale.shape[1]
+  if pad > 0:
+    lhs_scale = jnp.pad(lhs_scale, ((0, 0), (0, pad)), constant_values=1.0)
+    rhs_scale = jnp.pad(rhs_scale, ((0, 0), (0, pad), (0, 0)), constant_values=1.0)
   return lhs_scale.T[:, :, None], rhs_scale[:, :, None, :]
+
+
+def _block_widths(tile_k: int, k_block: int) -> list[int]:
+  """The widths of the scale blocks one K step of `tile_k` spans (the last may be short
+  when the step covers a K that is not a multiple of `k_block`)."""
+  return [min(k_block, tile_k - lo) for lo in range(0, tile_k, k_block)]
+
+
+def _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, rows, cfg: GmmConfig,
+                     k_block: int, dot_dtype, acc_dtype, mask=None):
+  """sum over the scale blocks j of this K step of ``dot(x_j, w_j) * lhs_scale[j] *
+  rhs_scale[j]`` for the lhs rows (lanes, when lhs is stored ``[K, M]``) ``rows`` (a slice).
+  `mask`: None, or ``(first, lo, hi)``: zero the K indices (``first`` + position in the step)
+  outside ``[lo, hi)``."""
+  total = None
+  for j, width in enumerate(_block_widths(lhs_ref.shape[0 if cfg.transpose_lhs else 1],
+                                          k_block)):
+    cols = slice(j * k_block, j * k_block + width)
+    x = _values(lhs_ref[cols, rows] if cfg.transpose_lhs else lhs_ref[rows, cols], dot_dtype)
+    w = _values(rhs_ref[:, cols] if cfg.transpose_rhs else rhs_ref[cols, :], dot_dtype)
+    if mask is not None:
+      first, lo, hi = mask
+      x = _mask_k(x, first + j * k_block, lo, hi, 0 if cfg.transpose_lhs else 1)
+      w = _mask_k(w, first + j * k_block, lo, hi, 1 if cfg.transpose_rhs else 0)
+    part = _dot(x, w, cfg, dot_dtype, acc_dtype) * lhs_scale_ref[j, rows, :] * rhs_scale_ref[j]
+    total = part if total is None else total + part
+  return total
 
 
 def _values(block, dot_dtype):
@@ -305,16 +361,17 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
     """The item's work on the rows ``[lo, lo + size)`` of the tile (static slice)."""
 
     def product(masked: bool):
+      if blocked:  # one dot per scale block of this K step, times its row and column scales
+        return _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, scale_ref,
+                                slice(lo, lo + size), cfg, quant.k_block, dot_dtype,
+                                acc_dtype, (k_step * tile_k, 0, k) if masked else None)
       x = lhs_ref[:, lo:lo + size] if cfg.transpose_lhs else lhs_ref[lo:lo + size, :]
       x, w = _values(x, dot_dtype), _values(weights(), dot_dtype)
       if masked:  # the padded K edge of the last step reads garbage: zero it in both
         first = k_step * tile_k
         x = _mask_k(x, first, 0, k, 0 if cfg.transpose_lhs else 1)
         w = _mask_k(w, first, 0, k, 1 if cfg.transpose_rhs else 0)
-      acc = _dot(x, w, cfg, dot_dtype, acc_dtype)
-      if blocked:  # this K step is one scale block: its row and column scales
-        acc = acc * lhs_scale_ref[lo:lo + size, :] * scale_ref[...]
-      return acc
+      return _dot(x, w, cfg, dot_dtype, acc_dtype)
 
     def finish(acc):
       if lhs_scale_ref is not None and not blocked:  # int8 x int8: int32 sums, then scales
@@ -327,6 +384,24 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
 
     if k_steps == 1:
       finish(product(False))
+      return
+
+    if blocked:  # one copy of the (per-block unrolled) product per variant, not three
+      own = (slice(lo, lo + size), slice(None))
+
+      @pl.when(k_step == 0)
+      def _():
+        acc_ref[own] = jnp.zeros((size, acc_ref.shape[1]), acc_ref.dtype)
+
+      def accumulate(masked: bool):
+        acc_ref[own] += product(masked)
+
+      if mask_edge:  # the padded K edge only on the last step
+        pl.when(~last_k)(functools.partial(accumulate, False))
+        pl.when(last_k)(functools.partial(accumulate, True))
+      else:
+        accumulate(False)
+      pl.when(last_k)(lambda: finish(acc_ref[own]))
       return
 
     @pl.when(k_step == 0)
@@ -355,11 +430,12 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
 
 def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *refs, dims,
               tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype, has_bias: bool,
-              blocked: bool = False):
+              k_block: int | None = None):
   refs = list(refs)
   bias_ref = refs.pop(0) if has_bias else None
-  # Blocked fp8: the item's K tile is one scale block; its lhs row scales [tile_m, 1] and
-  # rhs column scales [1, tile_n].
+  # Blocked fp8 (k_block given): the item's K tile spans whole scale blocks; their lhs row
+  # scales [blocks, tile_m, 1] and rhs column scales [blocks, 1, tile_n].
+  blocked = k_block is not None
   lhs_scale_ref, rhs_scale_ref = (refs.pop(0), refs.pop(0)) if blocked else (None, None)
   out_ref, acc_ref = refs
   item = pl.program_id(2)
@@ -375,22 +451,24 @@ def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *re
   def _():
     acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
-  def scaled(product):
+  def product(masked: bool):
     if blocked:
-      return product * lhs_scale_ref[...] * rhs_scale_ref[...]
-    return product
+      return _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, slice(None),
+                              cfg, k_block, dot_dtype, acc_dtype,
+                              (first, start, end) if masked else None)
+    x, w = _values(lhs_ref[...], dot_dtype), _values(rhs_ref[...], dot_dtype)
+    if masked:  # columns of other groups in this K tile, and the padded K edge: zero in both
+      x = _mask_k(x, first, start, end, 0 if cfg.transpose_lhs else 1)
+      w = _mask_k(w, first, start, end, 1 if cfg.transpose_rhs else 0)
+    return _dot(x, w, cfg, dot_dtype, acc_dtype)
 
   @pl.when(full)
   def _():
-    x, w = _values(lhs_ref[...], dot_dtype), _values(rhs_ref[...], dot_dtype)
-    acc_ref[...] += scaled(_dot(x, w, cfg, dot_dtype, acc_dtype))
+    acc_ref[...] += product(False)
 
   @pl.when(~full & (end > start))
-  def _():  # columns of other groups in this K tile, and the padded K edge: zero in both
-    x, w = _values(lhs_ref[...], dot_dtype), _values(rhs_ref[...], dot_dtype)
-    x = _mask_k(x, first, start, end, 0 if cfg.transpose_lhs else 1)
-    w = _mask_k(w, first, start, end, 1 if cfg.transpose_rhs else 0)
-    acc_ref[...] += scaled(_dot(x, w, cfg, dot_dtype, acc_dtype))
+  def _():
+    acc_ref[...] += product(True)
 
   @pl.when(last_of_group)
   def _():
@@ -436,15 +514,18 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
                                                               prepared.rhs.dtype))
   k_blocks = max(k, 1)
   tiling = prepared.tiling
+  if blocked:
+    tiling = Tiling(tile_m=tiling.tile_m, tile_n=tiling.tile_n,
+                    tile_k=blocked_tile_k(tiling, k, quant.k_block, cfg, prepared.automatic))
   tiling = Tiling(tile_m=fit_tile(tiling.tile_m, m) if m else 1,
                   tile_k=fit_tile(tiling.tile_k, k_blocks),
                   tile_n=fit_tile(tiling.tile_n, n) if n else 1)
   weight_only = quant is not None and quant.mode == "weight_only"
   k_steps = pl.cdiv(k_blocks, tiling.tile_k)
-  if blocked and k_steps > 1 and tiling.tile_k != quant.k_block:
+  if blocked and k_steps > 1 and tiling.tile_k % quant.k_block:
     raise NotImplementedError(
-        f"blocked scales need one K step per scale block: tile_k {tiling.tile_k} for blocks "
-        f"of {quant.k_block}")
+        f"blocked scales need K steps of whole scale blocks: tile_k {tiling.tile_k} for "
+        f"blocks of {quant.k_block}")
   weight_cache = cfg.group_type == "m" and k_steps == 1 and weight_only
   rhs_dtype = prepared.rhs.dtype
   needed = vmem_bytes(
@@ -455,7 +536,8 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
       has_bias=True, scales=0 if quant is None else (1 if blocked else 2),
       lhs_scale=quant is not None)
   info = dict(tiling=tiling, k_steps=k_steps, weight_cache=weight_cache, vmem_bytes=needed,
-              row_chunk=mxu_rows(), prepared=prepared)
+              row_chunk=mxu_rows(), prepared=prepared,
+              blocks_per_step=len(_block_widths(tiling.tile_k, quant.k_block)) if blocked else 0)
   if prepared.empty:
     return info
   info["vmem_limit_bytes"] = vmem_limit(needed)
@@ -558,9 +640,10 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
           quant_operands.append(jnp.expand_dims(array, axis))
           in_specs.append(pl.BlockSpec(block, scale_map))
     elif quant is not None and quant.mode == "blocked":
-      # Per K step (one scale block): the rhs scale row [1, tile_n] of the item's group and
-      # the lhs scale column [tile_m, 1] of its rows.
-      lhs_scale, rhs_scale = _blocked_scales(quant, m, n, k)
+      # Per K step (its scale blocks): the rhs scale rows [blocks, 1, tile_n] of the item's
+      # group and the lhs scale columns [blocks, tile_m, 1] of its rows.
+      blocks = info["blocks_per_step"]
+      lhs_scale, rhs_scale = _blocked_scales(quant, m, n, k, k_steps, blocks)
 
       def block_row_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real,
                         k_fixed):
@@ -571,8 +654,8 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
         return (k_of(k_i, i, real, k_fixed), lhs_tiles[i], 0)
 
       quant_operands = [rhs_scale, lhs_scale]
-      in_specs.append(pl.BlockSpec((None, None, 1, tile_n), block_row_map))
-      in_specs.append(pl.BlockSpec((None, tile_m, 1), block_column_map))
+      in_specs.append(pl.BlockSpec((None, blocks, 1, tile_n), block_row_map))
+      in_specs.append(pl.BlockSpec((blocks, tile_m, 1), block_column_map))
     elif quant is not None:  # scaled: [L, 1, N] column scales, [M, 1] row scales
       quant_operands = [quant.rhs_scale[:, :1, :], quant.lhs_scale]
       in_specs.append(pl.BlockSpec((None, 1, tile_n), group_row_map))
@@ -618,14 +701,17 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   if has_bias:
     in_specs.append(pl.BlockSpec((None, 1, tile_n),
                                  lambda m_i, n_i, i, groups, *_: (groups[i], 0, n_i)))
-  blocked = quant is not None  # the only quantized mode the k-grouped kernel serves
+  # Blocked (the only quantized mode the k-grouped kernel serves): the item's K tile spans
+  # the scale blocks of tile tiles[i].
+  k_block = None if quant is None else quant.k_block
   quant_operands = []
-  if blocked:  # the item's K tile is scale block tiles[i]
-    lhs_scale, rhs_scale = _blocked_scales(quant, m, n, k)
+  if quant is not None:
+    blocks = info["blocks_per_step"]
+    lhs_scale, rhs_scale = _blocked_scales(quant, m, n, k, pl.cdiv(max(k, 1), tile_k), blocks)
     quant_operands = [lhs_scale, rhs_scale[0]]
-    in_specs.append(pl.BlockSpec((None, tile_m, 1),
+    in_specs.append(pl.BlockSpec((blocks, tile_m, 1),
                                  lambda m_i, n_i, i, groups, tiles, *_: (tiles[i], m_i, 0)))
-    in_specs.append(pl.BlockSpec((None, 1, tile_n),
+    in_specs.append(pl.BlockSpec((blocks, 1, tile_n),
                                  lambda m_i, n_i, i, groups, tiles, *_: (tiles[i], 0, n_i)))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),
@@ -637,7 +723,7 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   )
   hbm = lhs_bytes * num_n_tiles + rhs_bytes * num_m_tiles + out_bytes
   return common.pallas_call(
-      functools.partial(_k_kernel, blocked=blocked, **kernel_options), info["prepared"],
+      functools.partial(_k_kernel, k_block=k_block, **kernel_options), info["prepared"],
       tiles=(tile_m, tile_k, tile_n),
       grid_spec=grid_spec,
       out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
