@@ -113,3 +113,36 @@ def offsets(fn, *args, lowering) -> list[Offsets]:
       result.append(Offsets(argument, elements[argument],
                             ir.IntegerType(offset_type).width))
   return result
+
+
+class Dot(NamedTuple):
+  """One ``tt.dot`` of a kernel: its operands' element types (as Triton names them:
+  "f8E4M3FN", "f8E5M2", "bf16", ...) and its ``maxNumImpreciseAcc`` (0 when absent; Triton
+  takes fp8 with an f32 accumulator to Hopper's wgmma only from 32 up)."""
+
+  lhs: str
+  rhs: str
+  max_num_imprecise_acc: int
+
+
+def dots(fn, *args, lowering) -> list[Dot]:
+  """Every ``tt.dot`` of the Triton kernels of ``jax.jit(fn)(*args)`` lowered for CUDA by
+  `lowering` (as in `offsets`)."""
+  with lowering():
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  result = []
+  for ttir, _ in kernel_modules(lowered.compiler_ir()):
+    found = []
+
+    def visit(op, found=found):
+      if op.operation.name == "tt.dot":
+        found.append(op.operation)
+
+    _walk(ttir.operation, visit)
+    for dot in found:
+      lhs, rhs = (str(ir.RankedTensorType(v.type).element_type) for v in dot.operands[:2])
+      limit = 0
+      if "maxNumImpreciseAcc" in dot.attributes:
+        limit = ir.IntegerAttr(dot.attributes["maxNumImpreciseAcc"]).value
+      result.append(Dot(lhs, rhs, limit))
+  return result

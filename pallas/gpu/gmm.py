@@ -49,14 +49,25 @@ arrays in memory (no BlockSpecs): rows start at arbitrary offsets, which a Block
 cannot express.
 
 8-bit operands: int8 x int8 and fp8 x fp8 ("scaled" mode) multiply on the tensor cores
-(int32 / f32 accumulation, per-token x per-channel scales in the epilogue); e4m3 x e5m2
-meets in bf16 (exact). Hopper's 8-bit wgmma reads both operands K-major from shared
-memory. The tiles reach shared memory in their stored order (cp.async keeps the global
-layout), so 8-bit weights stored ``[G, N, K]`` (``transpose_rhs=True``; the dot contracts
-the tile's minor axis, no transpose is materialized) are K-major for wgmma; for ``[G, K,
-N]`` 8-bit weights Triton cannot use wgmma on the N-major tile and takes a slower MMA path
-(triton-lang/triton#7629: fp8 weights "must be in column-major order" on Hopper). Store
-8-bit weights ``[G, N, K]`` (as `quantize` of a transposed weight) for the fast path.
+(int32 / f32 accumulation, per-token x per-channel scales in the epilogue). Two 8-bit float
+tiles multiply through `fp8_dot`, whose Triton lowering lets Triton pick Hopper's fp8 wgmma
+(``wgmma ... .f32.e4m3.e4m3``, and ``.e4m3.e5m2`` / ``.e5m2.e4m3`` for the mixed pairs: Pallas's
+own dot would upcast to f16 and refuse mixed types; see `fp8_dot`). Windows of at most 32
+rows (the smallest row classes) run Triton's warp-level MMA on f16 values instead: wgmma
+needs 64 rows. "blocked" mode (fp8 training's blockwise scales, `common.QuantOperands`;
+both group types) takes K steps of one scale block each (``tile_k = k_block``) and adds each
+step's product times the rows' and the columns' scales of that block, in f32; the
+k-grouped kernel starts a group's steps at a multiple of ``tile_k`` (blocks are counted
+from row 0) and masks the rows outside the group.
+
+Hopper's 8-bit wgmma reads both operands K-major from shared memory. Tiles stored K-major
+(lhs ``[M, K]``, weights ``[G, N, K]`` with ``transpose_rhs=True``) reach shared memory as
+stored (cp.async, pipelined); an N-major (or M-major) 8-bit tile, as fp8 training's forward
+weights ``[G, K, N]`` and both operands of its k-grouped drhs, goes through registers into a
+K-major shared layout (Triton: "Forcing a different order on SMEM"), which costs register
+traffic and pipeline depth (`python -m gmm_jax.aot`: 81,920 B of shared memory for the
+forward against 131,072 B for the K-major dlhs; triton-lang/triton#7629). Store 8-bit
+weights ``[G, N, K]`` (as `quantize` of a transposed weight) for the fast path.
 """
 
 from __future__ import annotations
@@ -66,11 +77,13 @@ import math
 from typing import NamedTuple
 
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.interpreters import mlir
 
 from gmm_jax._src import cost_models, epilogue, metadata
 from gmm_jax._src.config import GmmConfig, Tiling, is_gated, out_columns
@@ -95,11 +108,14 @@ SMEM_BYTES = 232448
 static_cost = cost_models.triton_static_cost
 # The "scaled" dtype pairs these kernels multiply on the tensor cores.
 SCALED_TYPES = common.INT8_SCALED + common.FP8_SCALED
+# The "blocked" pairs (fp8 training's blockwise scales; both group types).
+BLOCKED_TYPES = common.FP8_BLOCKED
 
 
 def check_operands(lhs, rhs, cfg) -> None:
-  """`common.check_quant` for these kernels: they also serve fp8 x fp8 "scaled" mode."""
-  common.check_quant(lhs, rhs, cfg, scaled_types=SCALED_TYPES)
+  """`common.check_quant` for these kernels: they also serve fp8 x fp8 "scaled" mode and
+  fp8 "blocked" mode (scales varying along K, either group type)."""
+  common.check_quant(lhs, rhs, cfg, scaled_types=SCALED_TYPES, blocked_types=BLOCKED_TYPES)
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -136,16 +152,19 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
   return fit_registers(Tiling(tile_m=tile_m, tile_k=tile_k, tile_n=tile_n), cfg)
 
 
-def fit_registers(tiling: Tiling, cfg: GmmConfig) -> Tiling:
+def fit_registers(tiling: Tiling, cfg: GmmConfig, step_product: bool = False) -> Tiling:
   """128 columns instead of 256 where the 128x256 accumulator spills registers on sm_90a:
   with a transposed lhs (its tile transposes through registers) or the exact GELU (the
   rational erf); `python -m gmm_jax.aot` measured both spilling. A gated activation keeps
   two accumulators (gate and up columns): 128 columns each, a 128x256 footprint, which
   compiled without spills for swiglu, the exact-GELU geglu and a transposed lhs alike (the
-  activation runs on the gate half only). Applied to the automatic choices (tile table,
-  heuristic), not to a user's tiling."""
+  activation runs on the gate half only). `step_product`: each K step's product is held
+  beside the accumulator (blocked scales multiply it before it is added; fp8 wgmma sums
+  are promoted to the f32 accumulator every K tile, `fp8_dot`): 128 columns too (the
+  fp8 x fp8 "scaled" forward spilled with 128x256). Applied to the automatic choices (tile
+  table, heuristic), not to a user's tiling."""
   heavy = tiling.tile_m >= 128 and (cfg.transpose_lhs or cfg.activation == "gelu")
-  if tiling.tile_n > 128 and (cfg.gated or heavy):
+  if tiling.tile_n > 128 and (cfg.gated or heavy or step_product):
     return Tiling(tile_m=tiling.tile_m, tile_k=tiling.tile_k, tile_n=128)
   return tiling
 
@@ -302,6 +321,88 @@ def _load_vector(ref, index: tuple, span: Span):
   return plgpu.load(view, mask=span.ok, other=jnp.zeros((), ref.dtype))
 
 
+# ------------------------------------------------------------------- fp8 tensor-core dots
+
+# Pallas Triton's dot_general (jax 0.10 to 0.12) emits Triton's dot without
+# ``maxNumImpreciseAcc``, and Triton then refuses Hopper's fp8 wgmma for an f32 accumulator
+# ("MMA version 3 acceleration not applied") and upcasts both tiles to f16 for
+# ``mma.sync ... f16.f16`` (the f16 tensor-core rate); it also refuses two different 8-bit
+# floats. `fp8_dot` is our own primitive whose Triton lowering passes
+# ``maxNumImpreciseAcc`` = the tile's K: Triton then emits ``wgmma ... .f32.e4m3.e4m3`` (or
+# ``.e4m3.e5m2``, ``.e5m2.e4m3``: wgmma takes the two 8-bit types independently) and
+# promotes each K tile's tensor-core sum into an f32 register accumulator (the sums inside
+# one tile keep the tensor core's fp8 accumulation precision; DeepSeek-V3's recipe
+# promotes every 128 as well). In interpret mode (and anywhere else) it is an f32 dot of
+# the exactly converted values.
+_FP8 = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+FP8_MMA_K = 32  # the K of one fp8 wgmma; smaller K tiles multiply as the dot dtype
+
+
+def _fp8_pair(lhs_dtype, rhs_dtype) -> bool:
+  return np.dtype(lhs_dtype) in _FP8 and np.dtype(rhs_dtype) in _FP8
+
+
+def _fp8_dot_reference(lhs, rhs, *, contract):
+  dims = (((contract[0],), (contract[1],)), ((), ()))
+  return lax.dot_general(lhs.astype(jnp.float32), rhs.astype(jnp.float32), dims,
+                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _fp8_dot_shape(lhs, rhs, *, contract):
+  if not _fp8_pair(lhs.dtype, rhs.dtype) or lhs.ndim != 2 or rhs.ndim != 2:
+    raise ValueError(f"fp8_dot takes two 2-D 8-bit float tiles, got {lhs} and {rhs}")
+  if lhs.shape[contract[0]] != rhs.shape[contract[1]]:
+    raise ValueError(f"fp8_dot: contracted sizes differ: {lhs.shape} and {rhs.shape}")
+  return jax.core.ShapedArray((lhs.shape[1 - contract[0]], rhs.shape[1 - contract[1]]),
+                              jnp.float32)
+
+
+fp8_dot_p = jex.core.Primitive("gmm_fp8_dot")
+fp8_dot_p.def_impl(_fp8_dot_reference)
+fp8_dot_p.def_abstract_eval(_fp8_dot_shape)
+mlir.register_lowering(fp8_dot_p, mlir.lower_fun(_fp8_dot_reference, multiple_results=False))
+
+
+def fp8_dot(lhs, rhs, contract: tuple[int, int]) -> jax.Array:
+  """f32 ``lhs @ rhs`` of two 8-bit float tiles (each its own type), contracting dimension
+  ``contract[0]`` of lhs with ``contract[1]`` of rhs (0 or 1: a tile as stored, no
+  transpose materialized)."""
+  return fp8_dot_p.bind(lhs, rhs, contract=tuple(int(c) for c in contract))
+
+
+def _fp8_dot_triton(triton_lowering, ctx, lhs, rhs, *, contract):
+  del ctx
+  tt, ir = triton_lowering.tt_dialect, triton_lowering.ir
+  if contract[0] == 0:
+    lhs = tt.trans(lhs, (1, 0))
+  if contract[1] == 1:
+    rhs = tt.trans(rhs, (1, 0))
+  m, k = ir.RankedTensorType(lhs.type).shape
+  n = ir.RankedTensorType(rhs.type).shape[1]
+  acc = triton_lowering._zeros(ir.RankedTensorType.get([m, n], ir.F32Type.get()))
+  # Triton's MMA v3 takes fp8 with an f32 accumulator from 32 (one fp8 wgmma's K) up.
+  return tt.dot(lhs, rhs, acc, max_num_imprecise_acc=max(FP8_MMA_K, int(k)))
+
+
+def _register_fp8_mma() -> bool:
+  """Adds `fp8_dot`'s rule to Pallas Triton's lowering table (a private jax module, the
+  same on jax 0.10 to 0.12); False where this jax has none (the kernels then multiply fp8
+  tiles with Pallas's own dot: f16 MMA, exact)."""
+  try:
+    from jax._src.pallas.triton import lowering as triton_lowering
+    for name in ("triton_lowering_rules", "tt_dialect", "ir", "_zeros"):
+      getattr(triton_lowering, name)
+  except (ImportError, AttributeError):
+    return False
+  triton_lowering.triton_lowering_rules[fp8_dot_p] = functools.partial(_fp8_dot_triton,
+                                                                      triton_lowering)
+  return True
+
+
+# Whether the compiled kernels multiply 8-bit floats with fp8 MMA (`fp8_dot`).
+FP8_MMA = _register_fp8_mma()
+
+
 # ---------------------------------------------------------------------- large operands
 
 # Pallas Triton (jax 0.10 to 0.12) computes the element offsets of a load or store in 32
@@ -357,9 +458,16 @@ def _load_tile(ref, index: tuple, rows: Span, cols: Span, transposed: bool, elem
 
 
 def _dot(x, w, cfg: GmmConfig, dot_dtype, acc_dtype):
-  """``x @ w`` of tiles loaded by `_load` (x: [M, K] or [K, M]; w: [K, N] or [N, K])."""
+  """``x @ w`` of tiles loaded by `_load` (x: [M, K] or [K, M]; w: [K, N] or [N, K]).
+
+  Two 8-bit float tiles (e4m3 and/or e5m2) with an f32 accumulator multiply as they are
+  (`fp8_dot`: Hopper's fp8 wgmma) where this jax lets us lower it; else as `dot_dtype`.
+  """
   lhs_contract = 0 if cfg.transpose_lhs else 1
   rhs_contract = 1 if cfg.transpose_rhs else 0
+  if (FP8_MMA and _fp8_pair(x.dtype, w.dtype) and np.dtype(acc_dtype) == np.float32
+      and x.shape[lhs_contract] >= FP8_MMA_K):
+    return fp8_dot(x, w, (lhs_contract, rhs_contract))
   return lax.dot_general(
       x.astype(dot_dtype), w.astype(dot_dtype), (((lhs_contract,), (rhs_contract,)), ((), ())),
       precision=cfg.precision, preferred_element_type=acc_dtype)
@@ -458,7 +566,10 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
   bias_ref = refs.pop(0) if static.has_bias else None
   scale_ref = refs.pop(0) if quant is not None else None
   zero_ref = refs.pop(0) if quant is not None and quant.has_zero else None
-  lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode == "scaled" else None
+  blocked = quant is not None and quant.mode == "blocked"
+  # "scaled": [M] per-token scales; "blocked": [Kb, M], the rows' scales per K block.
+  lhs_scale_ref = (refs.pop(0) if quant is not None and quant.mode in ("scaled", "blocked")
+                   else None)
   lhs_indices_ref = refs.pop(0) if gather else None
   row_weights_ref = refs.pop(0) if weighted else None
   out_indices_ref = refs.pop(0) if scatter else None
@@ -495,18 +606,24 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
       else:
         x = _load_tile(lhs_ref, (), rows, ks, cfg.transpose_lhs, static.lhs_elements)
       new = []
+      if blocked:  # this step's K block: the rows' scales
+        block = first // quant.k_block
+        row_scale = _load_vector(lhs_scale_ref, (block,), rows)[:, None]
       for acc, span in zip(accs, halves):
         w = _load_tile(rhs_ref, (group,), ks, span, cfg.transpose_rhs, static.rhs_elements)
         if quant is not None and quant.mode == "weight_only":
           zero = None if zero_ref is None else scale_row(zero_ref, step_index, span)
           w = common.dequantize_tile(w, scale_row(scale_ref, step_index, span), zero,
                                      cfg.transpose_rhs, dot_dtype)
-        new.append(acc + _dot(x, w, cfg, dot_dtype, acc_dtype))
+        product = _dot(x, w, cfg, dot_dtype, acc_dtype)
+        if blocked:  # the block's product times both block scales, in f32
+          product = product * row_scale * _load_vector(scale_ref, (group, block), span)[None, :]
+        new.append(acc + product)
       return tuple(new)
 
     accs = tuple(jnp.zeros((tile_rows, tiling.tile_n), acc_dtype) for _ in halves)
     accs = _k_loop(step, accs, k // tiling.tile_k, pl.cdiv(k, tiling.tile_k))
-    if lhs_scale_ref is not None:  # 8-bit x 8-bit: exact sums, then both scales
+    if quant is not None and quant.mode == "scaled":  # exact 8-bit sums, then both scales
       per_token = _load_vector(lhs_scale_ref, (), rows)
       accs = tuple(acc.astype(jnp.float32) * per_token[:, None]
                    * _load_vector(scale_ref, (group,), span)[None, :]
@@ -531,13 +648,16 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
 
 
 def _k_kernel(num_items_ref, group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref,
-              *refs, static: _Static, cfg: GmmConfig, split: str | None, num_items: int,
-              band: int):
+              *refs, static: _Static, cfg: GmmConfig, quant: common.QuantStatic | None,
+              split: str | None, num_items: int, band: int):
   """k-grouping. `split`: None (each program owns a group's whole K: the epilogue runs
   here), "atomic" (its f32 partial sum is added atomically into ``[L, M, N]``) or
   "ordered" (it is stored to its chunk's slot ``slots_ref[item]`` of ``[chunks, L, M, N]``,
-  summed in a fixed order afterwards)."""
+  summed in a fixed order afterwards). `quant`: "blocked" mode (``[Kb, M]`` and ``[Kb, N]``
+  scales follow lhs and rhs), else None."""
   refs = list(refs)
+  lhs_scale_ref = refs.pop(0) if quant is not None else None
+  rhs_scale_ref = refs.pop(0) if quant is not None else None
   slots_ref = refs.pop(0) if split == "ordered" else None
   bias_ref = refs.pop(0) if static.has_bias else None
   out_ref = refs[-1]  # split: refs[-2] is the aliased zero buffer
@@ -558,17 +678,45 @@ def _k_kernel(num_items_ref, group_ids_ref, item_start_ref, item_end_ref, lhs_re
     start = item_start_ref[item]
     end = item_end_ref[item]
 
-    def step(step_index, accs, masked: bool):
-      first = start + step_index * tiling.tile_k
-      ks = _span(first, tiling.tile_k, end) if masked else Span(first, tiling.tile_k, None)
-      x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
-      return tuple(acc + _dot(x, _load(rhs_ref, (), ks, span, cfg.transpose_rhs), cfg,
-                              dot_dtype, acc_dtype)
-                   for acc, span in zip(accs, halves))
+    tile_k = tiling.tile_k
+    # Blocked scales: the steps start at a multiple of tile_k (so each lies in one K block,
+    # blocks counted from row 0); the first one masks the rows before the item's start.
+    base = start if quant is None else start - start % tile_k
 
-    size = end - start
+    def step(step_index, accs, lower: bool, upper: bool):
+      first = base + step_index * tile_k
+      ok = edge_mask(first, tile_k, end) if upper else None
+      if lower:
+        after = first + lax.iota(jnp.int32, tile_k) >= start
+        ok = after if ok is None else ok & after
+      ks = Span(first, tile_k, ok, end)
+      x = _load(lhs_ref, (), rows, ks, cfg.transpose_lhs)
+      if quant is not None:
+        block = first // quant.k_block
+        row_scale = _load_vector(lhs_scale_ref, (block,), rows)[:, None]
+      new = []
+      for acc, span in zip(accs, halves):
+        product = _dot(x, _load(rhs_ref, (), ks, span, cfg.transpose_rhs), cfg, dot_dtype,
+                       acc_dtype)
+        if quant is not None:  # the block's product times both block scales, in f32
+          product = (product * row_scale
+                     * _load_vector(rhs_scale_ref, (block,), span)[None, :])
+        new.append(acc + product)
+      return tuple(new)
+
     accs = tuple(jnp.zeros((tiling.tile_m, tiling.tile_n), acc_dtype) for _ in halves)
-    accs = _k_loop(step, accs, size // tiling.tile_k, (size + tiling.tile_k - 1) // tiling.tile_k)
+    if quant is None:
+      size = end - start
+      accs = _k_loop(lambda i, a, masked: step(i, a, False, masked), accs, size // tile_k,
+                     (size + tile_k - 1) // tile_k)
+    else:  # a masked first step, full steps, a masked last step
+      size = jnp.where(end > start, end - base, 0)
+      num_steps, num_full = (size + tile_k - 1) // tile_k, size // tile_k
+      head = jnp.minimum(num_steps, 1)
+      body = jnp.maximum(num_full, head)
+      accs = lax.fori_loop(0, head, lambda i, a: step(i, a, True, True), accs)
+      accs = lax.fori_loop(head, body, lambda i, a: step(i, a, False, False), accs)
+      accs = lax.fori_loop(body, num_steps, lambda i, a: step(i, a, False, True), accs)
     if split is None:
       biases = [None] * len(halves)
       if bias_ref is not None:
@@ -589,6 +737,17 @@ def _k_kernel(num_items_ref, group_ids_ref, item_start_ref, item_end_ref, lhs_re
         plgpu.store(view, current + acc, mask=mask)
       else:
         plgpu.atomic_add(out_ref, index, acc, mask=mask)
+
+
+def _blocked_scales(quant: common.QuantOperands) -> tuple[jax.Array, jax.Array]:
+  """(rhs scales ``[L, Kb, N]``, lhs scales ``[Kb, M]``) of "blocked" mode: the lhs scales
+  of one K block are contiguous (each step loads a row of them); at least one block (K = 0
+  reads none, and the kernels get no zero-sized operand)."""
+  rhs_scale, lhs_scale = quant.rhs_scale, quant.lhs_scale.T
+  if lhs_scale.shape[0] == 0:
+    lhs_scale = jnp.ones((1, lhs_scale.shape[1]), jnp.float32)
+    rhs_scale = jnp.ones((rhs_scale.shape[0], 1, rhs_scale.shape[2]), jnp.float32)
+  return rhs_scale, lhs_scale
 
 
 def sum_in_order(partials: jax.Array) -> jax.Array:
@@ -708,6 +867,10 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   """
   _check_rows(cfg, rows)
   gather, weighted, scatter = (operand is not None for operand in rows)
+  if gather and quant_mode(lhs, rhs, cfg) == "blocked":
+    raise NotImplementedError(
+        "the Triton kernels gather rows (lhs_indices) with blocked scales: not supported "
+        "(weight-only and scaled quantized operands are)")
   token_scale = None
   if gather and isinstance(lhs, QArray) and quant_mode(lhs, rhs, cfg) == "scaled":
     # The per-token scales follow the gathered rows: a placeholder scale through the
@@ -717,10 +880,16 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   prepared = common.preamble(lhs, rhs, counts, cfg, tiling, default_tiling=default_tiling,
                              check_tiling=check_tiling, unsupported=unsupported_primitives,
                              backend="Pallas Triton", implementation="pallas_triton",
-                             platform="gpu", scaled_types=SCALED_TYPES)
+                             platform="gpu", scaled_types=SCALED_TYPES,
+                             blocked_types=BLOCKED_TYPES)
   if prepared.dot_dtype.itemsize == 1 and prepared.tiling.tile_k < 32:
     raise NotImplementedError(
         f"8-bit Triton dots need tile_k >= 32, got {prepared.tiling.tile_k}")
+  # The bytes of an element of the dot's operands: 1 for two 8-bit floats multiplied as
+  # they are (`fp8_dot`; e4m3 x e5m2 too), else the dot dtype's.
+  fp8_mma = (FP8_MMA and _fp8_pair(prepared.lhs.dtype, prepared.rhs.dtype)
+             and prepared.tiling.tile_k >= FP8_MMA_K)
+  itemsize = 1 if fp8_mma else jnp.dtype(prepared.dot_dtype).itemsize
   m, k, n = prepared.dims
   if cfg.gated and n % 2:
     raise ValueError(f"a gated activation ({cfg.activation!r}) needs an even number of rhs "
@@ -736,11 +905,11 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   lhs, rhs, quant, tiling = prepared.lhs, prepared.rhs, prepared.quant, prepared.tiling
   if token_scale is not None:
     quant = quant._replace(lhs_scale=epilogue.gather_rows(token_scale, rows.lhs_indices))
+  blocked = quant is not None and quant.mode == "blocked"
   if prepared.automatic:
-    tiling = fit_registers(tiling, cfg)
+    tiling = fit_registers(tiling, cfg, blocked or fp8_mma)
   lhs, rhs, lhs_elements, rhs_elements = _word_operands(lhs, rhs, out_shape, cfg.out_dtype,
                                                         cfg, tiling)
-  itemsize = jnp.dtype(prepared.dot_dtype).itemsize
   lhs_itemsize = prepared.lhs.dtype.itemsize  # the bands hold lhs tiles as stored
   static = _Static(dims=(m, k, n), tiling=tiling, dot_dtype=prepared.dot_dtype,
                    acc_dtype=prepared.acc_dtype, has_bias=bias is not None,
@@ -756,6 +925,8 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     quant_operands = []
     if quant is not None and quant.mode == "scaled":  # [L, N] and [M] scales
       quant_operands = [quant.rhs_scale[:, 0, :], quant.lhs_scale[:, 0]]
+    elif blocked:  # [L, Kb, N] and [Kb, M] scales
+      quant_operands = list(_blocked_scales(quant))
     elif quant is not None:
       quant_operands = [quant.rhs_scale] + ([] if quant.rhs_zero is None else [quant.rhs_zero])
     meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
@@ -794,11 +965,18 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   window = k_chunk if split else max(1, k // max(1, cfg.num_local))
   band = band_rows(tiling.tile_m * window * lhs_itemsize, num_items * m_tiles)
   mode = None if not split else ("ordered" if cfg.deterministic else "atomic")
+  if quant is not None and not blocked:
+    raise NotImplementedError(f"the k-grouped Triton kernel dequantizes blocked scales only, "
+                              f"got {quant.mode}")
   kernel = functools.partial(_k_kernel, static=static._replace(has_bias=static.has_bias
                                                                and not split),
-                             cfg=cfg, split=mode, num_items=num_items, band=band)
+                             cfg=cfg, quant=common.quant_static(quant), split=mode,
+                             num_items=num_items, band=band)
   operands = [meta.num_items.reshape(1), meta.group_ids, meta.item_start, meta.item_end,
               lhs, rhs]
+  if blocked:  # [Kb, M] and [Kb, N] scales
+    rhs_scale, lhs_scale = _blocked_scales(quant)
+    operands += [lhs_scale, rhs_scale[0]]
   if mode == "ordered":
     # A split item's chunk within its group (a group's items are consecutive): its slot of
     # the ordered partial-sum buffer.
