@@ -24,6 +24,7 @@ from gmm_jax._src.grouped_array import to_ragged as to_ragged
 from gmm_jax._src.metadata import TileMetadata as TileMetadata
 from gmm_jax._src.op import PREACTIVATION as PREACTIVATION
 from gmm_jax._src.metadata import make_tile_metadata as make_tile_metadata
+from gmm_jax._src.qarray import Fp8Training as Fp8Training
 from gmm_jax._src.qarray import QArray as QArray
 from gmm_jax._src.qarray import QuantSpec as QuantSpec
 from gmm_jax._src.qarray import dequantize as dequantize
@@ -47,6 +48,7 @@ __all__ = [
     "check_group_list",
     "dequantize",
     "explain",
+    "Fp8Training",
     "from_ragged",
     "gmm",
     "GmmConfig",

@@ -46,6 +46,7 @@ FLOORS = {
     "gmm_jax._src.backends": 3,
     "gmm_jax._src.quantized": 3,
     "gmm_jax._src.sharding": 4,
+    "gmm_jax._src.fp8_training": 4,
     "gmm_jax._src.api": 5,
     "gmm_jax._src.routing": 6,
     "gmm_jax._src.experts": 6,

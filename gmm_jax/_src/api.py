@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 
 from gmm_jax._src import backends  # noqa: F401  (registers the implementations)
-from gmm_jax._src import dispatch, group_list, op, quantized
+from gmm_jax._src import dispatch, fp8_training, group_list, op, quantized
 from gmm_jax._src import sharding as sharding_lib
 from gmm_jax._src import metadata
 from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling, Tilings, is_gated
@@ -23,7 +23,8 @@ from gmm_jax._src.epilogue import NO_ROWS, Rows, resolve_activation
 from gmm_jax._src.errors import GmmShapeError
 from gmm_jax._src import grouped_array
 from gmm_jax._src.grouped_array import GroupedArray, MaskedArray
-from gmm_jax._src.qarray import QArray, QuantSpec, as_qarray, check_fits, quant_mode
+from gmm_jax._src.qarray import (Fp8Training, QArray, QuantSpec, as_qarray, as_quantization,
+                                 check_fits, quant_mode)
 
 Array = jax.Array
 
@@ -305,6 +306,7 @@ class _Call:
   output_offset: Array | None
   sharding: sharding_lib.GmmSharding | None
   rows: Rows = NO_ROWS
+  quantization: Fp8Training | None = None
 
 
 def _unwrap_grouped_array(lhs, groups, group_type, group_list_type, transpose_lhs):
@@ -418,7 +420,7 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
               implementation, interpret, tiling, output_scale, output_offset, quantize_lhs,
               quantize_rhs, straight_through, sharding, platform, lhs_indices=None,
               row_weights=None, out_indices=None, out_rows=None,
-              deterministic=True) -> _Call:
+              deterministic=True, quantization=None) -> _Call:
   """Every check of a gmm call, and its canonical form."""
   transpose_lhs = _check_bool(transpose_lhs, "transpose_lhs")
   transpose_rhs = _check_bool(transpose_rhs, "transpose_rhs")
@@ -434,6 +436,17 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
   _check_static(lhs=lhs, rhs=rhs, group_list=groups)
   _check_quant_specs(lhs, rhs, quantize_lhs, quantize_rhs)
   lhs_q, rhs_q = isinstance(lhs, QArray), isinstance(rhs, QArray)
+  quantization = as_quantization(quantization)
+  if quantization is not None:
+    given = [name for name, v in (("a QArray lhs", lhs_q), ("a QArray rhs", rhs_q),
+                                  ("quantize_lhs", quantize_lhs), ("quantize_rhs", quantize_rhs),
+                                  ("output_scale", output_scale),
+                                  ("output_offset", output_offset), ("sharding=", sharding))
+             if v is not None and v is not False]
+    if given:
+      raise NotImplementedError(
+          f"quantization= (fp8 training) quantizes float operands itself and runs per "
+          f"device under jit; it does not combine with {', '.join(given)}")
   quantized_call = lhs_q or rhs_q or quantize_lhs is not None or quantize_rhs is not None
   if not quantized_call:
     _check_plain_dtypes(lhs, rhs)
@@ -481,8 +494,10 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
       deterministic=deterministic)
   if rows.row_weights is not None and not jnp.issubdtype(cfg.out_dtype, jnp.floating):
     raise NotImplementedError(f"row_weights need a floating result, got {cfg.out_dtype}")
+  if quantization is not None:
+    fp8_training.check(lhs, rhs, cfg)
   return _Call(lhs, rhs, counts, offset, bias, cfg, quantize_lhs, quantize_rhs,
-               straight_through, output_scale, output_offset, sharding, rows)
+               straight_through, output_scale, output_offset, sharding, rows, quantization)
 
 
 def _route(call: _Call):
@@ -497,6 +512,8 @@ def _route(call: _Call):
           "(quantize_lhs/quantize_rhs) and output_scale/output_offset run per shard with "
           "shard-local statistics, so quantize outside the sharded call")
     return sharding_lib.sharded_gmm(*args, call.sharding)
+  if call.quantization is not None:
+    return fp8_training.fp8_gmm(*args, call.quantization, rows=call.rows)
   if dynamic:
     return quantized.dynamic_gmm(*args, call.quantize_lhs, call.quantize_rhs,
                                  call.straight_through, call.output_scale, call.output_offset)
@@ -579,8 +596,8 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray,
         quantize_rhs: QuantSpec | None = None, straight_through: bool = True,
         sharding: sharding_lib.GmmSharding | None = None,
         platform: str | None = None, lhs_indices=None, row_weights=None, out_indices=None,
-        out_rows: int | None = None,
-        deterministic: bool = True) -> Array | GroupedArray | MaskedArray:
+        out_rows: int | None = None, deterministic: bool = True,
+        quantization: str | Fp8Training | None = None) -> Array | GroupedArray | MaskedArray:
   """Grouped matrix multiplication with a fused bias + activation epilogue.
 
   m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
@@ -652,6 +669,16 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray,
     platform: None (the platform the call is lowered for: the devices of its operands, a
       topology's abstract mesh, ``jax.default_device``, or the default backend), or "cpu",
       "gpu", "tpu" to use that platform's chain of implementations.
+    quantization: None, "fp8", "fp8_e5m2_grads" or a `gmm_jax.Fp8Training`: fp8 training
+      of a float m-grouped gmm. The forward and both backward gmms multiply 8-bit float
+      values with f32 accumulation, the scales computed inside the op: activations in 1 x
+      128 blocks along K, weights in 128 x 128 blocks (E4M3), the output cotangent in 1 x
+      128 blocks (dlhs) and the weight gradient's operands in 128 x 1 blocks along the
+      tokens (E4M3, or E5M2 with "fp8_e5m2_grads"). Gradients are the fp8 products (the
+      straight-through estimate, DeepSeek-V3's recipe); reverse mode only (no jvp).
+      Kernels that serve the "blocked" mode run them with fp8 MMA (see
+      `gmm_jax.explain`), others dequantize. Not combined with QArray operands,
+      quantize_lhs/quantize_rhs, output_scale/offset or sharding=.
     deterministic: True (default): the result, and every gradient, is bitwise identical
       from run to run on every implementation (split-K partial sums are summed in a fixed
       order, token rows in a fixed order). False lets an implementation add partial sums
@@ -712,7 +739,7 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray,
       output_offset=output_offset, quantize_lhs=quantize_lhs, quantize_rhs=quantize_rhs,
       straight_through=straight_through, sharding=sharding, platform=platform,
       lhs_indices=lhs_indices, row_weights=row_weights, out_indices=out_indices,
-      out_rows=out_rows, deterministic=deterministic)
+      out_rows=out_rows, deterministic=deterministic, quantization=quantization)
   if out_offsets is not None and call.cfg.has_rows:
     raise ValueError("a GroupedArray lhs carries its own row layout; pass row operands "
                      "(lhs_indices, row_weights, out_indices) with a plain lhs")

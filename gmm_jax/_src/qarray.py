@@ -228,6 +228,19 @@ def _normalize_axes(axes, ndim, name):
   return out
 
 
+def _split_sharding(x):
+  """The sharding of `x` reshaped to ``(blocks, tile)`` pairs per axis, when x is sharded
+  over explicit mesh axes (jax needs it said): each axis's mesh axes on its block index.
+  None otherwise (jax infers it)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if spec is None or sharding.mesh.empty or all(s is None for s in spec):
+    return None
+  spec = tuple(spec) + (None,) * (x.ndim - len(spec))
+  return jax.sharding.NamedSharding(
+      sharding.mesh, jax.sharding.PartitionSpec(*[a for s in spec for a in (s, None)]))
+
+
 def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
              tiled_axes: Mapping[int, int] | None = None, scale_dtype=None,
              zero_point: bool = False) -> QArray:
@@ -289,7 +302,7 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
   split = []
   for size, t in zip(padded.shape, tile):
     split += [size // t if t else 0, t]
-  blocks = padded.reshape(split)
+  blocks = jnp.reshape(padded, split, out_sharding=_split_sharding(padded))
   reduce_axes = tuple(range(1, 2 * ndim, 2))
   qmin, qmax = _qrange(dtype)
   if zero_point:
@@ -416,3 +429,87 @@ def quant_mode(lhs, rhs, cfg) -> str:
   return "scaled"
 
 
+
+
+FP8_TYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Training:
+  """fp8 training of a gmm (``gmm(..., quantization=Fp8Training(...))``, or
+  ``quantization="fp8"`` for the defaults): the forward and both backward gmms multiply
+  8-bit float values with f32 accumulation, each operand quantized inside the op with
+  blockwise absmax scales (DeepSeek-V3 / DeepGEMM's recipe):
+
+    forward  lhs x rhs       activations in 1 x `block` blocks along K, weights in
+                             `block` x `block` blocks, both `dtype`
+    dlhs     ct x rhs^T      the output cotangent in 1 x `block` blocks along N
+                             (`grad_dtype`), the forward's weight blocks
+    drhs     lhs^T x ct      lhs and the cotangent in `block` x 1 blocks along the rows
+                             (a k-grouped gmm over the tokens)
+
+  Hashable: it travels in the static config.
+
+  Fields:
+    dtype: the forward operands' values: float8_e4m3fn (default) or float8_e5m2.
+    grad_dtype: the output cotangent's values in the backward: float8_e4m3fn (default,
+      DeepSeek-V3) or float8_e5m2 (more range, less precision).
+    block: the scale block along the contraction (and the weights' second axis): 128.
+    scale_dtype: None (f32 scales) or float8_e8m0fnu (power-of-2 scales, DeepSeek-V3.1's
+      UE8M0: the scaling is then exact).
+  """
+
+  dtype: Any = jnp.float8_e4m3fn
+  grad_dtype: Any = jnp.float8_e4m3fn
+  block: int = 128
+  scale_dtype: Any = None
+
+  def __post_init__(self):
+    for name in ("dtype", "grad_dtype"):
+      value = getattr(self, name)
+      try:
+        dtype = np.dtype(value)
+      except TypeError:
+        dtype = None
+      if dtype not in FP8_TYPES:
+        raise ValueError(f"Fp8Training {name} must be float8_e4m3fn or float8_e5m2, got "
+                         f"{value!r}")
+      object.__setattr__(self, name, dtype)
+    if not _is_index(self.block) or self.block <= 0:
+      raise ValueError(f"Fp8Training block must be a positive int, got {self.block!r}")
+    if self.scale_dtype is not None:
+      scale = np.dtype(self.scale_dtype)
+      if scale not in SCALE_DTYPES:
+        raise ValueError(f"Fp8Training scale_dtype must be None or one of "
+                         f"{[str(t) for t in SCALE_DTYPES]}, got {self.scale_dtype!r}")
+      object.__setattr__(self, "scale_dtype", None if scale == np.dtype(jnp.float32)
+                         else scale)
+
+  def activations(self, x, axis: int, dtype=None) -> QArray:
+    """2-D `x` quantized in blocks of `block` along `axis`, one scale per block and per
+    index of the other axis (1 x block per token, or block x 1 per column)."""
+    return quantize(x, self.dtype if dtype is None else dtype, channelwise_axes=1 - axis,
+                    tiled_axes={axis: self.block}, scale_dtype=self.scale_dtype)
+
+  def weights(self, w) -> QArray:
+    """``[G, A, B]`` weights quantized in `block` x `block` blocks per group."""
+    return quantize(w, self.dtype, channelwise_axes=0,
+                    tiled_axes={1: self.block, 2: self.block}, scale_dtype=self.scale_dtype)
+
+
+QUANTIZATIONS = {"fp8": Fp8Training(),
+                 "fp8_e5m2_grads": Fp8Training(grad_dtype=jnp.float8_e5m2)}
+
+
+def as_quantization(value) -> Fp8Training | None:
+  """None, an `Fp8Training`, or a name of `QUANTIZATIONS` -> an Fp8Training or None.
+
+  Raises:
+    ValueError: anything else (the message names the accepted values).
+  """
+  if value is None or isinstance(value, Fp8Training):
+    return value
+  if isinstance(value, str) and value in QUANTIZATIONS:
+    return QUANTIZATIONS[value]
+  raise ValueError(f"quantization must be None, a gmm_jax.Fp8Training or one of "
+                   f"{sorted(QUANTIZATIONS)}, got {value!r}")

@@ -1,0 +1,287 @@
+"""fp8 training (`gmm(..., quantization=...)`): the forward and both backward gmms against
+a numpy oracle of the blockwise formula (tests/fp8_oracle.py), on every CPU
+implementation, with the options and transformations it combines with."""
+
+from __future__ import annotations
+
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gmm_jax
+from tests import fp8_oracle
+
+M, K, N, G = 200, 256, 384, 3
+
+
+def _data(seed, m=M, k=K, n=N, g=G, transpose_rhs=False):
+  keys = jax.random.split(jax.random.key(seed), 4)
+  x = jax.random.normal(keys[0], (m, k), jnp.float32)
+  # Blocks of different magnitudes, so a scale applied to the wrong block shows.
+  x = x * jnp.repeat(jnp.exp2(jnp.arange(-(-k // 128)) % 3), 128)[None, :k]
+  w = jax.random.normal(keys[1], (g, n, k) if transpose_rhs else (g, k, n)) / 16
+  bias = jax.random.normal(keys[2], (g, n))
+  ct = jax.random.normal(keys[3], (m, n))
+  ct = ct * jnp.repeat(jnp.exp2(jnp.arange(-(-m // 128)) % 2), 128)[:m, None]
+  return x, w, bias, ct
+
+
+def _close(actual, expected, rel=2e-5):
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert actual.shape == expected.shape
+  if not expected.size:
+    return
+  scale = max(np.max(np.abs(expected)), 1e-30)
+  np.testing.assert_allclose(actual, expected, rtol=0, atol=rel * scale)
+
+
+def library_blocks(x, dtype, blocks, e8m0=False):
+  """The oracle's quantizer fed gmm_jax's quantized values (see fp8_oracle), for the
+  quantization the op uses: `Fp8Training.activations` / `.weights`."""
+  recipe = gmm_jax.Fp8Training(dtype=dtype, block=max(b for b in blocks),
+                               scale_dtype=jnp.float8_e8m0fnu if e8m0 else None)
+  q = recipe.weights(x) if len(blocks) == 3 else recipe.activations(x, blocks.index(
+      recipe.block))
+  return fp8_oracle.expand(q.qvalue, q.scale, q.tile)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+@pytest.mark.parametrize("e8m0", [False, True])
+def test_recipe_quantizes_in_the_blocks_of_the_recipe(dtype, e8m0):
+  """Per token 1 x 128 and per column 128 x 1 activations, per expert 128 x 128 weights:
+  the same blocks and scales as the numpy quantization, values equal but for XLA's rare
+  neighbouring-value rounding."""
+  x, w, _, _ = _data(10, transpose_rhs=True)
+  recipe = gmm_jax.Fp8Training(dtype=dtype,
+                               scale_dtype=jnp.float8_e8m0fnu if e8m0 else None)
+  for q, value, blocks, scale_shape in (
+      (recipe.activations(x, 1), x, (1, 128), (M, 2)),
+      (recipe.activations(x, 0), x, (128, 1), (2, K)),
+      (recipe.weights(w), w, (1, 128, 128), (G, 3, 2))):
+    assert q.scale.shape == scale_shape and q.qtype == np.dtype(dtype)
+    got = fp8_oracle.expand(q.qvalue, q.scale, q.tile)
+    want = fp8_oracle.quantize_blocks(value, dtype, blocks, e8m0)
+    near = np.isclose(got, want, rtol=1e-6, atol=0)
+    assert near.mean() > 0.999
+    # The rest are one fp8 step apart: within 2^-2 (E4M3: 2^-3) relative.
+    np.testing.assert_allclose(got, want, rtol=0.26, atol=0)
+
+
+def _recipe_args(recipe: gmm_jax.Fp8Training):
+  return dict(block=recipe.block, dtype=recipe.dtype,
+              e8m0=recipe.scale_dtype is not None, quantizer=library_blocks)
+
+
+sizes_strategy = st.lists(st.integers(0, 90), min_size=G, max_size=G).filter(
+    lambda s: sum(s) <= M)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "reference"])
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+@hypothesis.given(sizes=sizes_strategy)
+@hypothesis.settings(max_examples=2, deadline=None)
+def test_forward_and_gradients_match_the_blockwise_oracle(implementation, transpose_rhs,
+                                                          sizes):
+  x, w, bias, ct = _data(len(sizes) + sum(sizes), transpose_rhs=transpose_rhs)
+  counts = jnp.asarray(sizes, jnp.int32)
+
+  def f(x, w, bias):
+    return gmm_jax.gmm(x, w, counts, bias=bias, transpose_rhs=transpose_rhs,
+                       quantization="fp8", implementation=implementation)
+
+  z, vjp = jax.vjp(jax.jit(f), x, w, bias)
+  _close(z, fp8_oracle.fp8_forward(x, w, sizes, bias, transpose_rhs=transpose_rhs,
+                                   quantizer=library_blocks))
+  dx, dw, dbias = vjp(ct)
+  want = fp8_oracle.fp8_vjp(x, w, sizes, ct, transpose_rhs=transpose_rhs,
+                            quantizer=library_blocks)
+  for got, expected in zip((dx, dw, dbias), want):
+    assert got.dtype == jnp.float32
+    _close(got, expected)
+
+
+@pytest.mark.parametrize("recipe", [
+    gmm_jax.Fp8Training(grad_dtype=jnp.float8_e5m2),
+    gmm_jax.Fp8Training(scale_dtype=jnp.float8_e8m0fnu),
+    gmm_jax.Fp8Training(dtype=jnp.float8_e5m2, block=64),
+], ids=["e5m2-grads", "e8m0-scales", "e5m2-block64"])
+def test_recipes(recipe):
+  sizes = [70, 0, 100]
+  x, w, _, ct = _data(1)
+  counts = jnp.asarray(sizes, jnp.int32)
+  f = jax.jit(lambda x, w: gmm_jax.gmm(x, w, counts, quantization=recipe))
+  z, vjp = jax.vjp(f, x, w)
+  args = _recipe_args(recipe)
+  _close(z, fp8_oracle.fp8_forward(x, w, sizes, **args))
+  dx, dw, _ = fp8_oracle.fp8_vjp(x, w, sizes, ct, grad_dtype=recipe.grad_dtype, **args)
+  got_dx, got_dw = vjp(ct)
+  _close(got_dx, dx)
+  _close(got_dw, dw)
+
+
+def test_e5m2_gradients_differ_from_e4m3():
+  """The grad dtype is used: E5M2's 2-bit mantissa gives other gradients than E4M3."""
+  x, w, _, ct = _data(2)
+  counts = jnp.asarray([80, 60, 60], jnp.int32)
+  grads = [jax.jit(lambda x, ct, q=q: jax.vjp(
+      lambda x: gmm_jax.gmm(x, w, counts, quantization=q), x)[1](ct)[0])(x, ct)
+           for q in ("fp8", "fp8_e5m2_grads")]
+  assert float(jnp.max(jnp.abs(grads[0] - grads[1]))) > 0
+
+
+def test_bf16_operands_keep_their_dtype_and_stay_near_the_float_gmm():
+  x, w, bias, ct = _data(3)
+  x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  counts = jnp.asarray([50, 90, 40], jnp.int32)
+
+  def f(q):
+    return jax.vjp(jax.jit(lambda x, w: gmm_jax.gmm(x, w, counts, quantization=q)), x, w)
+
+  (z8, vjp8), (z, vjp) = f("fp8"), f(None)
+  assert z8.dtype == jnp.bfloat16
+  grads8, grads = vjp8(ct.astype(jnp.bfloat16)), vjp(ct.astype(jnp.bfloat16))
+  for a, b in ((z8, z),) + tuple(zip(grads8, grads)):
+    assert a.dtype == b.dtype
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    # E4M3 keeps 3 mantissa bits: ~3-6% relative error per element, averaged by the sums.
+    assert np.linalg.norm(a - b) / np.linalg.norm(b) < 0.08
+
+
+def test_activation_row_operands_and_row_weights():
+  """The MoE call: rows gathered by index, gated activation, router weights, results
+  scattered to slots; the pre-activation is the fp8 formula, the rest elementwise."""
+  sizes = [60, 0, 90]
+  r = sum(sizes) + 10  # 10 rows of no group
+  x, w, bias, _ = _data(4, m=120, n=2 * 128)
+  rng = np.random.default_rng(0)
+  idx = jnp.asarray(rng.integers(0, 120, r), jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.1, 1, r), jnp.float32)
+  out_idx = jnp.asarray(rng.permutation(2 * r)[:r], jnp.int32)
+  counts = jnp.asarray(sizes, jnp.int32)
+
+  def f(x, w, weights):
+    return gmm_jax.gmm(x, w, counts, bias=bias, activation="swiglu", lhs_indices=idx,
+                       row_weights=weights, out_indices=out_idx, out_rows=2 * r,
+                       quantization="fp8")
+
+  f = jax.jit(f)
+  y = f(x, w, weights)
+  x_rows = np.asarray(x)[np.asarray(idx)]
+  z = fp8_oracle.fp8_forward(x_rows, w, sizes, bias, quantizer=library_blocks)
+  gate, up = z[:, :128], z[:, 128:]
+  h = gate / (1 + np.exp(-gate)) * up * np.asarray(weights, np.float64)[:, None]
+  h[sum(sizes):] = 0
+  want = np.zeros((2 * r, 128))
+  want[np.asarray(out_idx)] = h
+  _close(y, want, rel=1e-4)
+  # The gradients exist, are finite, and x's sums every row that reads a token.
+  dx, dw, dweights = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2)))(
+      x, w, weights)
+  assert np.all(np.isfinite(dx)) and np.all(np.isfinite(dw))
+  read = np.zeros(120, bool)
+  read[np.asarray(idx)[:sum(sizes)]] = True
+  assert np.all(np.asarray(dx)[~read] == 0) and np.any(np.asarray(dx)[read] != 0)
+  assert np.all(np.asarray(dweights)[sum(sizes):] == 0)
+
+
+def test_group_offset_keeps_only_local_groups():
+  sizes = [40, 50, 30, 20]
+  x, w, _, ct = _data(5, g=2)
+  counts = jnp.asarray(sizes, jnp.int32)
+  f = jax.jit(lambda x, w: gmm_jax.gmm(x, w, counts, group_offset=1, quantization="fp8"))
+  z, vjp = jax.vjp(f, x, w)
+  # Rows of groups 1 and 2 (global) are rows 40..120; the rest are zero.
+  full_w = jnp.concatenate([jnp.zeros_like(w[:1]), w, jnp.zeros_like(w[:1])])
+  want = fp8_oracle.fp8_forward(x, full_w, sizes, quantizer=library_blocks)
+  want[:40] = 0
+  want[120:] = 0
+  _close(z, want)
+  dx, dw = vjp(ct)
+  ct_local = np.asarray(ct).copy()
+  ct_local[:40] = 0
+  ct_local[120:] = 0
+  want_dx, want_dw, _ = fp8_oracle.fp8_vjp(x, full_w, sizes, ct_local,
+                                            quantizer=library_blocks)
+  _close(dx, want_dx)
+  _close(dw, want_dw[1:3])
+
+
+def test_vmap_and_jit_compose():
+  x, w, _, _ = _data(6)
+  xs = jnp.stack([x, 2 * x])
+  counts = jnp.asarray([100, 0, 60], jnp.int32)
+  f = lambda x, w: gmm_jax.gmm(x, w, counts, quantization="fp8")
+  batched = jax.jit(jax.vmap(f, in_axes=(0, None)))(xs, w)
+  one = jax.jit(f)
+  for b in range(2):
+    np.testing.assert_array_equal(batched[b], one(xs[b], w))
+  loss = lambda x, w: jnp.sum(f(x, w))
+  grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(0, None)))(xs, w)
+  np.testing.assert_array_equal(grads[1], jax.jit(jax.grad(loss))(xs[1], w))
+
+
+def test_masked_lhs():
+  """The decode layout goes through the same op (row operands over the slots)."""
+  x, w, _, _ = _data(7, m=3 * 16)
+  masked = gmm_jax.MaskedArray(x.reshape(3, 16, K), jnp.asarray([5, 0, 16], jnp.int32))
+  y = jax.jit(lambda m, w: gmm_jax.gmm(m, w, quantization="fp8"))(masked, w)
+  for g, count in enumerate([5, 0, 16]):
+    want = fp8_oracle.fp8_forward(np.asarray(x.reshape(3, 16, K)[g, :count]), w[g:g + 1],
+                                  [count], quantizer=library_blocks)
+    _close(y.values[g, :count], want)
+    assert np.all(np.asarray(y.values[g, count:]) == 0)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda x, w, c: gmm_jax.gmm(x, w, c, quantization="int8"), ValueError,
+     "quantization must be"),
+    (lambda x, w, c: gmm_jax.gmm(x, gmm_jax.quantize(w, jnp.int8), c, quantization="fp8"),
+     NotImplementedError, "QArray rhs"),
+    (lambda x, w, c: gmm_jax.gmm(x, w, c, quantization="fp8",
+                                 quantize_lhs=gmm_jax.QuantSpec(jnp.int8)),
+     NotImplementedError, "quantize_lhs"),
+    (lambda x, w, c: gmm_jax.gmm(x, w[0], c, group_type="k", quantization="fp8"),
+     NotImplementedError, "m-grouped"),
+    (lambda x, w, c: gmm_jax.gmm(x, w, c, quantization="fp8",
+                                 preferred_element_type=jnp.int32),
+     (NotImplementedError, ValueError), "float"),
+    (lambda x, w, c: gmm_jax.Fp8Training(grad_dtype=jnp.int8), ValueError, "grad_dtype"),
+    (lambda x, w, c: gmm_jax.Fp8Training(block=0), ValueError, "block"),
+])
+def test_bad_calls(call, error, match):
+  x, w, _, _ = _data(8, m=64, k=256, n=128)
+  with pytest.raises(error, match=match):
+    call(x, w, jnp.asarray([20, 20, 20], jnp.int32))
+
+
+def test_forward_mode_is_not_defined():
+  x, w, _, _ = _data(9, m=64, n=128)
+  counts = jnp.asarray([20, 20, 20], jnp.int32)
+  with pytest.raises(TypeError, match="custom_vjp"):
+    jax.jvp(lambda x: gmm_jax.gmm(x, w, counts, quantization="fp8"), (x,), (x,))
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("x_spec, w_spec", [
+    (("data",), ()),  # tokens sharded (data parallel)
+    ((), ("expert",)),  # experts sharded
+    ((None, "expert"), ()),  # the contraction sharded, on block boundaries
+], ids=["rows", "experts", "contraction"])
+def test_sharded_under_plain_jit(kind, x_spec, w_spec):
+  """Under plain jit on a mesh (Auto or Explicit axes), the op's three gmms are
+  partitioned like any gmm; the gradients are the unsharded ones (up to sum order)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from tests import meshes
+  mesh = meshes.mesh((2, 2), ("data", "expert"), kind)
+  x, w, _, _ = _data(11, m=256, g=4)
+  counts = jnp.asarray([64, 0, 100, 60], jnp.int32)
+  loss = lambda x, w: jnp.sum(gmm_jax.gmm(x, w, counts, quantization="fp8") ** 2)
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  want = step(x, w)
+  got = step(jax.device_put(x, NamedSharding(mesh, P(*x_spec))),
+             jax.device_put(w, NamedSharding(mesh, P(*w_spec))))
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    _close(a, b, rel=1e-5)
