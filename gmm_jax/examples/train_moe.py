@@ -91,11 +91,12 @@ class Block(nnx.Module):
   """Pre-norm transformer block with a routed MoE feed-forward."""
 
   def __init__(self, embed: int, heads: int, mlp: int, experts: int, top_k: int, *,
-               dtype: Any, rngs: nnx.Rngs):
+               dtype: Any, rngs: nnx.Rngs, quantization: str | None = None):
     self.attn_norm = nnx.RMSNorm(embed, dtype=dtype, rngs=rngs)
     self.attn = CausalSelfAttention(embed, heads, dtype=dtype, rngs=rngs)
     self.moe_norm = nnx.RMSNorm(embed, dtype=dtype, rngs=rngs)
-    self.moe = nn.MoE(experts, embed, mlp, top_k=top_k, dtype=dtype, rngs=rngs)
+    self.moe = nn.MoE(experts, embed, mlp, top_k=top_k, dtype=dtype, rngs=rngs,
+                      quantization=quantization)
 
   def __call__(self, x):
     x = x + self.attn(self.attn_norm(x))
@@ -115,11 +116,13 @@ class MoELM(nnx.Module):
   """Byte-level decoder-only transformer whose FFNs are `gmm_jax.nn.MoE` blocks."""
 
   def __init__(self, *, seq: int, embed: int, heads: int, mlp: int, layers: int,
-               experts: int, top_k: int, dtype: Any = None, rngs: nnx.Rngs):
+               experts: int, top_k: int, dtype: Any = None, rngs: nnx.Rngs,
+               quantization: str | None = None):
     init = nnx.initializers.normal(0.02)
     self.tokens = nnx.Embed(VOCAB, embed, dtype=dtype, embedding_init=init, rngs=rngs)
     self.positions = nnx.Embed(seq, embed, dtype=dtype, embedding_init=init, rngs=rngs)
-    self.blocks = nnx.List([Block(embed, heads, mlp, experts, top_k, dtype=dtype, rngs=rngs)
+    self.blocks = nnx.List([Block(embed, heads, mlp, experts, top_k, dtype=dtype, rngs=rngs,
+                                  quantization=quantization)
                             for _ in range(layers)])
     self.norm = nnx.RMSNorm(embed, dtype=dtype, rngs=rngs)
     self.head = nnx.Linear(embed, VOCAB, use_bias=False, dtype=dtype, kernel_init=init,
@@ -233,6 +236,10 @@ def parse_args(argv: Sequence[str] | None):
   p.add_argument("--seed", type=int, default=0, help="parameters and batches (default 0)")
   p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                  help="compute dtype; parameters stay float32 (default float32)")
+  p.add_argument("--quantization", choices=("none", "fp8", "fp8_e5m2_grads"),
+                 default="none",
+                 help="fp8 training of the experts' gmms (forward and both backward gmms "
+                      "in fp8, blockwise scales; default none)")
   p.add_argument("--plot", default="train_moe.png",
                  help="where to write the loss / expert-load plot (default train_moe.png)")
   p.add_argument("--no-plot", action="store_true", help="write no plot")
@@ -263,7 +270,8 @@ def main(argv: Sequence[str] | None = None, *, stream=None) -> dict[str, Any]:
 
   model = MoELM(seq=args.seq, embed=args.embed, heads=args.heads, mlp=args.mlp,
                 layers=args.layers, experts=args.experts, top_k=args.top_k, dtype=dtype,
-                rngs=nnx.Rngs(args.seed))
+                rngs=nnx.Rngs(args.seed),
+                quantization=None if args.quantization == "none" else args.quantization)
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, args.lr, warmup_steps=max(1, min(50, args.steps // 10)),
       decay_steps=max(2, args.steps), end_value=0.1 * args.lr)
@@ -291,7 +299,8 @@ def main(argv: Sequence[str] | None = None, *, stream=None) -> dict[str, Any]:
     return float(np.mean([eval_step(state, x, y) for x, y in held_out_batches]))
 
   print(f"gmm_jax MoE LM: {args.layers} layers, {args.experts} experts (top-{args.top_k}), "
-        f"embed {args.embed}, mlp {args.mlp}, {params:,} parameters, {args.dtype}, "
+        f"embed {args.embed}, mlp {args.mlp}, {params:,} parameters, {args.dtype}"
+        f"{'' if args.quantization == 'none' else ' + ' + args.quantization + ' experts'}, "
         f"{jax.default_backend()}", file=out)
   print(f"text: {len(data):,} bytes ({len(train):,} train, {len(held_out):,} held out); "
         f"{args.steps} steps of {args.batch}x{args.seq} bytes", file=out)

@@ -45,12 +45,12 @@ def check_options(activation, gated: bool, *, router_weight_on: str = "output",
 def expert_layers(num_experts: int, embed: int, mlp: int, *, gated: bool, use_bias: bool,
                   dtype: Any, param_dtype: Any, weight_quant: QuantSpec | None,
                   input_quant: QuantSpec | None, implementation: str | None,
-                  kernel_metadata: Mapping[str, Any] | None, rngs):
+                  kernel_metadata: Mapping[str, Any] | None, rngs, quantization=None):
   """The routed experts' parameter layers, each a `GroupedLinear`: (``gate_up``
   ``[E, D, 2F]`` or None, ``up`` ``[E, D, F]`` or None, ``down`` ``[E, F, D]``): gated FFNs
   have ``gate_up`` (the gate half first), plain ones ``up``."""
   common = dict(use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                weight_quant=weight_quant, input_quant=input_quant,
+                weight_quant=weight_quant, input_quant=input_quant, quantization=quantization,
                 implementation=implementation, kernel_metadata=kernel_metadata, rngs=rngs)
   width = 2 * mlp if gated else mlp
   gate_up = GroupedLinear(num_experts, embed, width, **common) if gated else None

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gmm_jax import QuantSpec, gmm
+from gmm_jax._src.qarray import Fp8Training, as_quantization
 from gmm_jax.nn.params import param
 
 Array = jax.Array
@@ -37,6 +38,9 @@ class GroupedLinear(nnx.Module):
     weight_quant: a `QuantSpec` to quantize the kernel on the fly (weight-only int8/int4/
       fp8; straight-through gradients for training).
     input_quant: a `QuantSpec` for the inputs (dynamic quantization, e.g. per-token int8).
+    quantization: None, "fp8", "fp8_e5m2_grads" or a `gmm_jax.Fp8Training`: fp8 training
+      (forward and both backward gmms in fp8 with blockwise scales; see `gmm_jax.gmm`).
+      Not with weight_quant/input_quant.
     implementation: gmm implementation (None: the platform's chain).
     rngs: nnx.Rngs.
   """
@@ -50,10 +54,16 @@ class GroupedLinear(nnx.Module):
                kernel_metadata: Mapping[str, Any] | None = None,
                bias_metadata: Mapping[str, Any] | None = None,
                weight_quant: QuantSpec | None = None, input_quant: QuantSpec | None = None,
+               quantization: str | Fp8Training | None = None,
                implementation: str | None = None, rngs: nnx.Rngs):
+    quantization = as_quantization(quantization)
+    if quantization is not None and (weight_quant is not None or input_quant is not None):
+      raise ValueError("quantization= (fp8 training) quantizes the inputs and the kernel "
+                       "itself; it does not take weight_quant or input_quant")
     self.num_groups, self.in_features, self.out_features = num_groups, in_features, out_features
     self.dtype, self.precision, self.implementation = dtype, precision, implementation
     self.weight_quant, self.input_quant = weight_quant, input_quant
+    self.quantization = quantization
     shape = (num_groups, in_features, out_features)
     self.kernel = param(kernel_init(rngs.params(), shape, param_dtype), tuple(kernel_axes),
                         kernel_metadata)
@@ -69,9 +79,12 @@ class GroupedLinear(nnx.Module):
     return kernel, None if self.bias is None else self.bias[...]
 
   def gmm_options(self, dtype):
-    return dict(precision=self.precision, quantize_lhs=self.input_quant,
-                quantize_rhs=self.weight_quant, preferred_element_type=dtype,
-                implementation=self.implementation)
+    options = dict(precision=self.precision, quantize_lhs=self.input_quant,
+                   quantize_rhs=self.weight_quant, preferred_element_type=dtype,
+                   implementation=self.implementation)
+    if self.quantization is not None:
+      options["quantization"] = self.quantization
+    return options
 
   def __call__(self, x: Array, group_sizes: Array, *, activation=None,
                group_offset=None) -> Array:

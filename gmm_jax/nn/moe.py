@@ -148,6 +148,9 @@ class MoE(nnx.Module):
       sharded over the experts' axis) or expert parallelism with all-to-all (tokens
       sharded over it too) from the shardings of the tokens and the expert kernels.
     weight_quant, input_quant: QuantSpecs for the expert projections (see GroupedLinear).
+    quantization: None, "fp8", "fp8_e5m2_grads" or a `gmm_jax.Fp8Training`: fp8 training of
+      the routed experts' gmms (forward and both backward gmms in fp8 with blockwise
+      scales, see `gmm_jax.gmm`); the router and shared experts stay in `dtype`.
     dtype, param_dtype, implementation: as in GroupedLinear.
     kernel_metadata: metadata of every expert kernel Param (as nnx.Linear's).
     out_sharding: the output's sharding (a NamedSharding or a PartitionSpec of the context
@@ -186,7 +189,7 @@ class MoE(nnx.Module):
                expert_parallel=None,
                data_parallel=None, dtype: Any = None, param_dtype: Any = jnp.float32,
                weight_quant: QuantSpec | None = None, input_quant: QuantSpec | None = None,
-               implementation: str | None = None,
+               quantization=None, implementation: str | None = None,
                kernel_metadata: Mapping[str, Any] | None = None, out_sharding=None,
                rngs: nnx.Rngs):
     if not 1 <= top_k <= num_experts:
@@ -248,6 +251,7 @@ class MoE(nnx.Module):
     self.gate_up, self.up, self.down = expert_layers(
         num_experts, embed, mlp, gated=gated, use_bias=use_bias, dtype=dtype,
         param_dtype=param_dtype, weight_quant=weight_quant, input_quant=input_quant,
+        quantization=quantization,
         implementation=implementation, kernel_metadata=kernel_metadata, rngs=rngs)
     shared_mlp = shared_mlp or mlp * num_shared_experts
     self.shared = SharedExperts(embed, shared_mlp, gated=gated, activation=activation,
