@@ -141,7 +141,7 @@ def _rhs_scale_layout(rhs: QArray, cfg):
   return scale, zero, tile
 
 
-def _blocked_k_block(lhs: QArray, rhs: QArray, cfg) -> int | None:
+def blocked_k_block(lhs: QArray, rhs: QArray, cfg) -> int | None:
   """The contraction block of a "blocked" pair (the K tile of the side(s) whose scale
   varies along K), or None when both vary with different tiles."""
   tiles = []
@@ -163,7 +163,7 @@ def _check_blocked(lhs, rhs, cfg, blocked_types) -> None:
       or lhs.zero_point is not None or rhs.zero_point is not None):
     raise NotImplementedError(f"{supported}; got {lhs.qtype} x {rhs.qtype} (zero points: "
                               f"{lhs.zero_point is not None}, {rhs.zero_point is not None})")
-  if _blocked_k_block(lhs, rhs, cfg) is None:
+  if blocked_k_block(lhs, rhs, cfg) is None:
     raise NotImplementedError(f"{supported}; got lhs tile {lhs.tile}, rhs tile {rhs.tile}")
 
 
@@ -209,7 +209,7 @@ def check_quant(lhs, rhs, cfg, *, scaled_types=INT8_SCALED, blocked_types=()) ->
 
 def _blocked_operands(lhs: QArray, rhs: QArray, cfg, m: int, k: int, n: int):
   """`QuantOperands` of "blocked" mode: scales as ``[M, Kb]`` and ``[L or 1, Kb, N]``."""
-  k_block = _blocked_k_block(lhs, rhs, cfg)
+  k_block = blocked_k_block(lhs, rhs, cfg)
   num_kb = -(-k // k_block)
   scale, tile = lhs.scale.astype(jnp.float32), lhs.tile
   if cfg.transpose_lhs:

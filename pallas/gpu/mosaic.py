@@ -601,7 +601,7 @@ def _check_blocked(lhs, rhs, cfg: GmmConfig) -> None:
     raise NotImplementedError(
         f"{SUPPORTED}; this jax's Mosaic GPU wgmma multiplies one fp8 type, got "
         f"{lhs.qtype} x {rhs.qtype}")
-  k_block = common._blocked_k_block(lhs, rhs, cfg)  # noqa: SLF001  (checked above: not None)
+  k_block = common.blocked_k_block(lhs, rhs, cfg)  # checked above: not None
   _, k, _ = problem_dims(lhs.shape, rhs.shape, cfg)
   if k_block % FP8_K_STEP or k % 16:
     raise NotImplementedError(
