@@ -55,6 +55,21 @@ def test_tiny_run_learns_and_reports(tmp_path, capsys):
   assert "tok/s" in out and "\r[" in out and "held-out loss" in out
 
 
+@pytest.mark.slow
+def test_fp8_training_follows_the_bf16_run():
+  """--quantization fp8: the experts' gmms train in fp8 (a model width of 128 and an
+  expert width of 256: one and two 128-blocks along the contractions) and the losses stay
+  within 0.1 of the bf16 run's, step by step (BENCHMARKS.md has the 300-step runs)."""
+  args = ["--layers", "1", "--experts", "4", "--batch", "4", "--seq", "32", "--embed", "128",
+          "--heads", "2", "--mlp", "256", "--lr", "1e-2", "--sample", "0", "--no-plot",
+          "--steps", "12", "--dtype", "bfloat16"]
+  base = train_moe.main(args, stream=open(os.devnull, "w"))
+  fp8 = train_moe.main(args + ["--quantization", "fp8"], stream=open(os.devnull, "w"))
+  assert fp8["final_loss"] < fp8["initial_loss"] - 0.5
+  np.testing.assert_allclose(fp8["train_losses"], base["train_losses"], atol=0.1)
+  assert not np.array_equal(fp8["train_losses"], base["train_losses"])  # fp8 did run
+
+
 def test_expert_load_is_the_routing_of_router_probs():
   """The recorded expert load (the MoE's "expert_load" if it reports one, else recomputed
   from the router) is the top-k of `MoELM.router_probs`, layer by layer."""
