@@ -313,3 +313,15 @@ def test_moe_layer_trains_its_experts_in_fp8():
     a = np.asarray(getattr(grads8, name).kernel[...], np.float64)
     b = np.asarray(getattr(grads, name).kernel[...], np.float64)
     assert 0 < np.linalg.norm(a - b) / np.linalg.norm(b) < 0.1, name
+
+
+@pytest.mark.parametrize("platform, kernel", [("tpu", "pallas_tpu"), ("gpu", "pallas_triton")])
+def test_the_kernels_serve_the_blocked_gmms(platform, kernel):
+  """On TPU and GPU the op's blocked fp8 gmms go to the Pallas kernels (in-kernel scales),
+  not to the dequantizing composition (which would show as quantization 'none')."""
+  x = jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+  text = gmm_jax.explain(x, w, jax.ShapeDtypeStruct((4,), jnp.int32), quantization="fp8",
+                         platform=platform)
+  assert "fp8 training" in text
+  assert f"quantization 'blocked', 4 local groups, out bfloat16 on {platform}: {kernel}" in text

@@ -768,7 +768,12 @@ def explain(lhs: jax.typing.ArrayLike | QArray | GroupedArray | jax.ShapeDtypeSt
   probe = GmmConfig(group_type=kwargs.get("group_type") or "m", num_local=1,
                     transpose_lhs=kwargs.get("transpose_lhs", False),
                     transpose_rhs=kwargs.get("transpose_rhs", False))
-  if kwargs.get("quantize_lhs") is not None or kwargs.get("quantize_rhs") is not None:
+  recipe = as_quantization(kwargs.get("quantization"))
+  if recipe is not None:
+    lines.append(
+        f"quantization: fp8 training ({recipe.dtype.name} forward, {recipe.grad_dtype.name} "
+        f"gradients, {recipe.block}-blocks: the forward, dlhs and drhs are blocked-mode gmms)")
+  elif kwargs.get("quantize_lhs") is not None or kwargs.get("quantize_rhs") is not None:
     lines.append("quantization: dynamic (gmm quantizes the float operands; gradients "
                  f"{'straight-through' if kwargs.get('straight_through', True) else 'none'})")
   elif lq is not None or rq is not None:

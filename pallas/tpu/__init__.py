@@ -1,6 +1,6 @@
 """Pallas TPU kernels of gmm_jax (Mosaic), installed as ``gmm_jax.pallas.tpu``."""
 
-from gmm_jax.pallas.common import check_quant as check_operands
+from gmm_jax.pallas.tpu.gmm import check_operands as check_operands
 from gmm_jax.pallas.tpu.gmm import default_tiling as default_tiling
 from gmm_jax.pallas.tpu.gmm import gmm_tpu as gmm_tpu
 
