@@ -79,7 +79,8 @@ sizes_strategy = st.lists(st.integers(0, 90), min_size=G, max_size=G).filter(
     lambda s: sum(s) <= M)
 
 
-@pytest.mark.parametrize("implementation", ["xla", "reference"])
+@pytest.mark.parametrize("implementation", [
+    "xla", pytest.param("reference", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("transpose_rhs", [False, True])
 @hypothesis.given(sizes=sizes_strategy)
 @hypothesis.settings(max_examples=2, deadline=None)
@@ -105,8 +106,9 @@ def test_forward_and_gradients_match_the_blockwise_oracle(implementation, transp
 
 @pytest.mark.parametrize("recipe", [
     gmm_jax.Fp8Training(grad_dtype=jnp.float8_e5m2),
-    gmm_jax.Fp8Training(scale_dtype=jnp.float8_e8m0fnu),
-    gmm_jax.Fp8Training(dtype=jnp.float8_e5m2, block=64),
+    pytest.param(gmm_jax.Fp8Training(scale_dtype=jnp.float8_e8m0fnu), marks=pytest.mark.slow),
+    pytest.param(gmm_jax.Fp8Training(dtype=jnp.float8_e5m2, block=64),
+                 marks=pytest.mark.slow),
 ], ids=["e5m2-grads", "e8m0-scales", "e5m2-block64"])
 def test_recipes(recipe):
   sizes = [70, 0, 100]
@@ -122,6 +124,7 @@ def test_recipes(recipe):
   _close(got_dw, dw)
 
 
+@pytest.mark.slow
 def test_e5m2_gradients_differ_from_e4m3():
   """The grad dtype is used: E5M2's 2-bit mantissa gives other gradients than E4M3."""
   x, w, _, ct = _data(2)
@@ -132,6 +135,7 @@ def test_e5m2_gradients_differ_from_e4m3():
   assert float(jnp.max(jnp.abs(grads[0] - grads[1]))) > 0
 
 
+@pytest.mark.slow
 def test_bf16_operands_keep_their_dtype_and_stay_near_the_float_gmm():
   x, w, bias, ct = _data(3)
   x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
@@ -264,12 +268,15 @@ def test_forward_mode_is_not_defined():
     jax.jvp(lambda x: gmm_jax.gmm(x, w, counts, quantization="fp8"), (x,), (x,))
 
 
-@pytest.mark.parametrize("kind", ["auto", "explicit"])
-@pytest.mark.parametrize("x_spec, w_spec", [
-    (("data",), ()),  # tokens sharded (data parallel)
-    ((), ("expert",)),  # experts sharded
-    ((None, "expert"), ()),  # the contraction sharded, on block boundaries
-], ids=["rows", "experts", "contraction"])
+@pytest.mark.parametrize("kind, x_spec, w_spec", [
+    ("auto", ("data",), ()),  # tokens sharded (data parallel)
+    ("explicit", (), ("expert",)),  # experts sharded
+    pytest.param("auto", (None, "expert"), (), marks=pytest.mark.slow),  # contraction
+    pytest.param("explicit", ("data",), (), marks=pytest.mark.slow),
+    pytest.param("auto", (), ("expert",), marks=pytest.mark.slow),
+    pytest.param("explicit", (None, "expert"), (), marks=pytest.mark.slow),
+], ids=["auto-rows", "explicit-experts", "auto-contraction", "explicit-rows",
+        "auto-experts", "explicit-contraction"])
 def test_sharded_under_plain_jit(kind, x_spec, w_spec):
   """Under plain jit on a mesh (Auto or Explicit axes), the op's three gmms are
   partitioned like any gmm; the gradients are the unsharded ones (up to sum order)."""
