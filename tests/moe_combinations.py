@@ -60,12 +60,13 @@ class MoECase:
   capacity_factor: float | None = None
   layout: str = "none"
   transport: str = "all_to_all"
+  weight_on: str = "output"
   seed: int = 0
 
   @property
   def ffn(self) -> gmm_jax.ExpertFFN:
     return gmm_jax.ExpertFFN(self.num_experts, self.activation, gated=self.gated,
-                             fused=self.fused)
+                             fused=self.fused, weight_on=self.weight_on)
 
   @property
   def token_shards(self) -> int:
@@ -86,6 +87,7 @@ def moe_cases(draw) -> MoECase:
       fused=draw(st.booleans()), bias=draw(st.booleans()),
       capacity_factor=draw(st.sampled_from([None, None, 1.0])), layout=layout,
       transport=draw(st.sampled_from(["all_to_all", "ragged"])),
+      weight_on=draw(st.sampled_from(["output", "input"])),
       seed=draw(st.integers(0, 2 ** 16)))
 
 
@@ -136,12 +138,16 @@ def _ffn_numpy(case: MoECase, row: np.ndarray, e: int, params) -> np.ndarray:
 
 
 def oracle_forward(case: MoECase, x, top_e, top_p, params, kept) -> np.ndarray:
-  """``y_t = sum_j kept_tj p_tj ffn_{e_tj}(x_t)``, a float64 loop per token and choice."""
+  """``y_t = sum_j kept_tj p_tj ffn_{e_tj}(x_t)`` (``weight_on="input"``: ``sum_j kept_tj
+  ffn_{e_tj}(p_tj x_t)``, Llama 4), a float64 loop per token and choice."""
   y = np.zeros((case.tokens, D))
   for t in range(case.tokens):
     for j in range(case.top_k):
       if kept[t, j]:
-        y[t] += top_p[t, j] * _ffn_numpy(case, x[t], top_e[t, j], params)
+        if case.weight_on == "input":
+          y[t] += _ffn_numpy(case, top_p[t, j] * x[t], top_e[t, j], params)
+        else:
+          y[t] += top_p[t, j] * _ffn_numpy(case, x[t], top_e[t, j], params)
   return y
 
 
@@ -152,14 +158,18 @@ def oracle_grads(case: MoECase, x, top_e, top_p, params, kept):
 
   def y_of(x, top_p, params):
     w_in, w_down = params["w_in"][top_e], params["w_down"][top_e]  # [T, k, ...]
-    z = jnp.einsum("td,tkdf->tkf", x, w_in)
+    rows = jnp.broadcast_to(x[:, None, :], top_p.shape + x.shape[-1:])
+    if case.weight_on == "input":
+      rows = rows * top_p[..., None]
+    z = jnp.einsum("tkd,tkdf->tkf", rows, w_in)
     if case.bias:
       z = z + params["b_in"][top_e]
     h = act(z[..., :F]) * z[..., F:] if case.gated else act(z)
     out = jnp.einsum("tkf,tkfd->tkd", h, w_down)
     if case.bias:
       out = out + params["b_down"][top_e]
-    return jnp.einsum("tk,tkd->td", top_p * kept, out)
+    weights = kept if case.weight_on == "input" else top_p * kept
+    return jnp.einsum("tk,tkd->td", weights, out)
 
   with jax.enable_x64(True):
     args = (jnp.asarray(x), jnp.asarray(top_p), jax.tree.map(jnp.asarray, params))

@@ -229,7 +229,8 @@ def test_two_runs_are_bitwise_equal_slow(case):
 
 
 # ------------------------------------------- the routed experts (gmm_jax.routed_experts)
-# FFN kind x activation x fused x biases x capacity x the layout the partitioner splits
+# FFN kind x activation x fused x biases x capacity x router weight on the output or the
+# input x the layout the partitioner splits
 # (unsharded, local, experts, travel with either transport) on a 2 x 4 CPU mesh, against
 # the float64 per-token oracle (`moe_combinations`).
 
@@ -237,7 +238,8 @@ def test_two_runs_are_bitwise_equal_slow(case):
 @pytest.mark.parametrize("case", [
     pytest.param(moe.MoECase(layout="travel", capacity_factor=1.0, bias=True), id="travel-cap"),
     pytest.param(moe.MoECase(layout="experts", gated=False, activation="relu", fused=False,
-                             top_k=1, num_experts=8), id="experts-plain-unfused"),
+                             top_k=1, num_experts=8, weight_on="input", bias=True,
+                             capacity_factor=1.0), id="experts-plain-unfused-input"),
 ])
 def test_routed_experts_cases(case):
   moe.check_routed_experts(case)
