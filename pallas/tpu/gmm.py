@@ -38,10 +38,12 @@ column scales ``[1, tile_n]``, summed. A K step (an item, for k-grouping) spans 
 number of scale blocks, `blocked_tile_k` of them (up to 512 elements when the tiles are the
 kernel's own choice, else one block), and takes one dot per block; the k-grouped items are
 aligned to global multiples of ``tile_k`` (`metadata.make_tile_metadata`, align "tile"), so
-their blocks are the scale blocks. On a chip with an fp8 MXU path (`cost_models.fp8_mxu`:
-TPU7x) the fp8 values go to the dot as they are (one type on both sides; e4m3 x e5m2 meets
-in bf16); elsewhere (v5e/v6e) they are converted in-kernel to bf16 (exact) before any mask or
-transpose.
+their blocks are the scale blocks. The scales stay lane-dense in HBM (lhs ``[M, Kb]``, rhs
+``[L, Kb, N]``: a ``[Kb, M, 1]`` layout would pad each value to a 128-lane row) and come in
+windows of 128 lanes / 8 rows of Kb, from which each block picks its column and row. On a
+chip with an fp8 MXU path (`cost_models.fp8_mxu`: TPU7x) the fp8 values go to the dot as
+they are (one type on both sides; e4m3 x e5m2 meets in bf16); elsewhere (v5e/v6e) they are
+converted in-kernel to bf16 (exact) before any mask or transpose.
 
 `cost_models.tpu_static_cost` models on the host what a call does (rows through the MXU,
 grid steps, bytes DMA'd from HBM given the grid order and the skipped DMAs); the VMEM model
@@ -222,11 +224,11 @@ def blocked_tile_k(tiling: Tiling, k: int, k_block: int, cfg: GmmConfig,
 
 def _blocked_scales(quant: common.QuantOperands, m: int, n: int, k: int, steps: int,
                     blocks_per_step: int):
-  """The blocked scales as the kernels' BlockSpecs address them: lhs ``[Kb, M, 1]`` (a
-  ``[blocks_per_step, tile_m, 1]`` block per K step) and rhs ``[L, Kb, 1, N]`` (a
-  ``[blocks_per_step, 1, tile_n]`` block per group and K step; ``[Kb, 1, N]`` for
-  k-grouping), Kb padded with ones to ``steps * blocks_per_step`` (a K edge step reads no
-  undefined scale). K = 0: one block of ones (nothing is summed)."""
+  """The blocked scales in lane-dense layouts (no padding of a unit dim to a whole vreg
+  tile in HBM): lhs ``[M, Kb]`` and rhs ``[L, Kb, N]`` (``[Kb, N]`` for k-grouping), Kb
+  padded with ones to ``steps * blocks_per_step`` (a K edge step reads no undefined scale),
+  and the lanes / rows of Kb one block of each holds (`_scale_window`). K = 0: one block of
+  ones (nothing is summed)."""
   lhs_scale, rhs_scale = quant.lhs_scale, quant.rhs_scale
   if k == 0:
     lhs_scale = jnp.ones((m, 1), jnp.float32)
@@ -235,7 +237,15 @@ def _blocked_scales(quant: common.QuantOperands, m: int, n: int, k: int, steps: 
   if pad > 0:
     lhs_scale = jnp.pad(lhs_scale, ((0, 0), (0, pad)), constant_values=1.0)
     rhs_scale = jnp.pad(rhs_scale, ((0, 0), (0, pad), (0, 0)), constant_values=1.0)
-  return lhs_scale.T[:, :, None], rhs_scale[:, :, None, :]
+  num_kb = lhs_scale.shape[1]
+  return lhs_scale, rhs_scale, _scale_window(num_kb, LANE), _scale_window(num_kb, 8)
+
+
+def _scale_window(num_kb: int, tile: int) -> int:
+  """Scale blocks per BlockSpec block along Kb: all of them up to a vreg tile's `tile`
+  (lanes for the lhs scales, sublanes for the rhs scales), else `tile`; a K step's
+  blocks (1, 2 or 4, or all of a single step) lie in one window."""
+  return num_kb if num_kb <= tile else tile
 
 
 def _block_widths(tile_k: int, k_block: int) -> list[int]:
@@ -244,15 +254,23 @@ def _block_widths(tile_k: int, k_block: int) -> list[int]:
   return [min(k_block, tile_k - lo) for lo in range(0, tile_k, k_block)]
 
 
-def _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, rows, cfg: GmmConfig,
-                     k_block: int, dot_dtype, acc_dtype, mask=None):
-  """sum over the scale blocks j of this K step of ``dot(x_j, w_j) * lhs_scale[j] *
-  rhs_scale[j]`` for the lhs rows (lanes, when lhs is stored ``[K, M]``) ``rows`` (a slice).
+def _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, rows, base,
+                     cfg: GmmConfig, k_block: int, dot_dtype, acc_dtype, mask=None):
+  """sum over the scale blocks j of this K step of ``dot(x_j, w_j) * lhs_scale[:, j] *
+  rhs_scale[j, :]`` for the lhs rows (lanes, when lhs is stored ``[K, M]``) ``rows`` (a
+  slice). The scale blocks are windows of Kb (`_scale_window`): ``[tile_m, lanes]`` and
+  ``[rows, tile_n]``; the step's first scale block is global block `base`.
   `mask`: None, or ``(first, lo, hi)``: zero the K indices (``first`` + position in the step)
   outside ``[lo, hi)``."""
+  lhs_scales = lhs_scale_ref[rows, :]  # [rows, lanes]: a lane per block of the window
+  lane = lax.broadcasted_iota(jnp.int32, lhs_scales.shape, 1)
   total = None
   for j, width in enumerate(_block_widths(lhs_ref.shape[0 if cfg.transpose_lhs else 1],
                                           k_block)):
+    # Block base + j's lhs scale column (a masked lane sum) and rhs scale row.
+    column = jnp.sum(jnp.where(lane == (base + j) % lhs_scales.shape[1], lhs_scales, 0.0),
+                     axis=1, keepdims=True)
+    row = rhs_scale_ref[pl.ds((base + j) % rhs_scale_ref.shape[0], 1), :]
     cols = slice(j * k_block, j * k_block + width)
     x = _values(lhs_ref[cols, rows] if cfg.transpose_lhs else lhs_ref[rows, cols], dot_dtype)
     w = _values(rhs_ref[:, cols] if cfg.transpose_rhs else rhs_ref[cols, :], dot_dtype)
@@ -260,7 +278,7 @@ def _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, rows, cfg: 
       first, lo, hi = mask
       x = _mask_k(x, first + j * k_block, lo, hi, 0 if cfg.transpose_lhs else 1)
       w = _mask_k(w, first + j * k_block, lo, hi, 1 if cfg.transpose_rhs else 0)
-    part = _dot(x, w, cfg, dot_dtype, acc_dtype) * lhs_scale_ref[j, rows, :] * rhs_scale_ref[j]
+    part = _dot(x, w, cfg, dot_dtype, acc_dtype) * column * row
     total = part if total is None else total + part
   return total
 
@@ -363,7 +381,9 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
     def product(masked: bool):
       if blocked:  # one dot per scale block of this K step, times its row and column scales
         return _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, scale_ref,
-                                slice(lo, lo + size), cfg, quant.k_block, dot_dtype,
+                                slice(lo, lo + size),
+                                k_step * len(_block_widths(tile_k, quant.k_block)), cfg,
+                                quant.k_block, dot_dtype,
                                 acc_dtype, (k_step * tile_k, 0, k) if masked else None)
       x = lhs_ref[:, lo:lo + size] if cfg.transpose_lhs else lhs_ref[lo:lo + size, :]
       x, w = _values(x, dot_dtype), _values(weights(), dot_dtype)
@@ -454,6 +474,7 @@ def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *re
   def product(masked: bool):
     if blocked:
       return _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, slice(None),
+                              tiles_ref[item] * len(_block_widths(tiling.tile_k, k_block)),
                               cfg, k_block, dot_dtype, acc_dtype,
                               (first, start, end) if masked else None)
     x, w = _values(lhs_ref[...], dot_dtype), _values(rhs_ref[...], dot_dtype)
@@ -640,22 +661,22 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
           quant_operands.append(jnp.expand_dims(array, axis))
           in_specs.append(pl.BlockSpec(block, scale_map))
     elif quant is not None and quant.mode == "blocked":
-      # Per K step (its scale blocks): the rhs scale rows [blocks, 1, tile_n] of the item's
-      # group and the lhs scale columns [blocks, tile_m, 1] of its rows.
+      # Per K step, the windows of Kb holding its scale blocks: rhs scale rows
+      # [rows, tile_n] of the item's group, lhs scale columns [tile_m, lanes] of its rows.
       blocks = info["blocks_per_step"]
-      lhs_scale, rhs_scale = _blocked_scales(quant, m, n, k, k_steps, blocks)
+      lhs_scale, rhs_scale, lanes, sublanes = _blocked_scales(quant, m, n, k, k_steps, blocks)
 
       def block_row_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real,
                         k_fixed):
-        return (groups[i], k_of(k_i, i, real, k_fixed), 0, n_i)
+        return (groups[i], k_of(k_i, i, real, k_fixed) * blocks // sublanes, n_i)
 
       def block_column_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real,
                            k_fixed):
-        return (k_of(k_i, i, real, k_fixed), lhs_tiles[i], 0)
+        return (lhs_tiles[i], k_of(k_i, i, real, k_fixed) * blocks // lanes)
 
       quant_operands = [rhs_scale, lhs_scale]
-      in_specs.append(pl.BlockSpec((None, blocks, 1, tile_n), block_row_map))
-      in_specs.append(pl.BlockSpec((blocks, tile_m, 1), block_column_map))
+      in_specs.append(pl.BlockSpec((None, sublanes, tile_n), block_row_map))
+      in_specs.append(pl.BlockSpec((tile_m, lanes), block_column_map))
     elif quant is not None:  # scaled: [L, 1, N] column scales, [M, 1] row scales
       quant_operands = [quant.rhs_scale[:, :1, :], quant.lhs_scale]
       in_specs.append(pl.BlockSpec((None, 1, tile_n), group_row_map))
@@ -707,12 +728,14 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   quant_operands = []
   if quant is not None:
     blocks = info["blocks_per_step"]
-    lhs_scale, rhs_scale = _blocked_scales(quant, m, n, k, pl.cdiv(max(k, 1), tile_k), blocks)
+    lhs_scale, rhs_scale, lanes, sublanes = _blocked_scales(
+        quant, m, n, k, pl.cdiv(max(k, 1), tile_k), blocks)
     quant_operands = [lhs_scale, rhs_scale[0]]
-    in_specs.append(pl.BlockSpec((blocks, tile_m, 1),
-                                 lambda m_i, n_i, i, groups, tiles, *_: (tiles[i], m_i, 0)))
-    in_specs.append(pl.BlockSpec((blocks, 1, tile_n),
-                                 lambda m_i, n_i, i, groups, tiles, *_: (tiles[i], 0, n_i)))
+    in_specs.append(pl.BlockSpec(
+        (tile_m, lanes), lambda m_i, n_i, i, groups, tiles, *_: (m_i, tiles[i] * blocks // lanes)))
+    in_specs.append(pl.BlockSpec(
+        (sublanes, tile_n),
+        lambda m_i, n_i, i, groups, tiles, *_: (tiles[i] * blocks // sublanes, n_i)))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),
       grid=(num_m_tiles, num_n_tiles, count),
