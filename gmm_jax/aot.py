@@ -6,9 +6,12 @@ and v6e, on a CPU host (and, when named with ``--targets``, NVIDIA B200 (sm_100a
 TPU7x). gmm picks its kernels itself: each program is traced under
 ``jax.default_device(<target device>)``, so the dispatcher serves the target's platform and
 the tile tables its device kind. It prints one row per kernel launch: the implementation,
-the tiles and where they came from, the grid, and (GPU) registers, spills and shared memory
-from ptxas. A compile error, a register spill, shared-memory or VMEM overflow, or a gmm that
-falls back to the XLA path on an accelerator is a failure (exit status 1).
+the operands it multiplies, the tiles and where they came from, the grid, and (GPU)
+registers, spills and shared memory from ptxas and the tensor-core instructions of the
+kernel's code ("mma": Triton's from the LLVM IR it hands to the PTX backend, Mosaic GPU's
+from its PTX). A compile error, a register spill, shared-memory or VMEM overflow, a gmm
+that falls back to the XLA path on an accelerator, or (cases marked ``fp8_mma``) a Hopper
+kernel without fp8 MMA instructions is a failure (exit status 1).
 
 Needs jax >= 0.12 with the CUDA plugin (GPU targets) and libtpu (TPU targets); see
 README.md ("Kernels compiled for real targets"). ``--setup DIR`` creates such a virtual
@@ -83,7 +86,15 @@ SHAPES = {
     # DeepSeek-V3's routed experts (256 of D=7168, F=2048; 8 routed per token): 3.76e9
     # weight elements, past what 32-bit offsets address in 1-byte dtypes.
     "deepseek-v3": (16384, 7168, 2048, 256),
+    # fp8 training of an MoE layer's expert gmms: 4096 routed rows, D = 2048, F = 1024, 16
+    # local experts; and DeepSeek-V3's expert shape (D = 7168, F = 2048) with 32 local
+    # experts (256 over 8-way expert parallelism), 8192 routed rows.
+    "fp8-moe": (4096, 2048, 1024, 16),
+    "deepseek-v3-ep8": (8192, 7168, 2048, 32),
 }
+# GPU targets whose kernels must multiply 8-bit floats with fp8 MMA (``Case.fp8_mma``):
+# Hopper's wgmma takes e4m3/e5m2 operands.
+FP8_MMA_TARGETS = ("h100", "h200")
 # Routed experts per token of the fused MoE cases: M = tokens * MOE_TOP_K grouped rows.
 MOE_TOP_K = 2
 _CHILD_ENV = "GMM_JAX_AOT_CHILD"
@@ -97,7 +108,12 @@ _DONE = "#done "
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-  """One program: ``kind`` "fwd" (gmm) or "train" (grad of a loss: forward, dlhs, drhs)."""
+  """One program: ``kind`` "fwd" (gmm), "train" (grad of a loss: forward, dlhs, drhs) or
+  "fp8-train" (fp8 training's three gmms on blockwise-quantized QArrays, as
+  ``gmm(..., quantization="fp8")`` issues them: the forward with e4m3 activations in 1 x 128
+  blocks and e4m3 weights in 128 x 128 blocks, the dlhs of a `grad_dtype` output gradient
+  in 1 x 128 blocks with the same weights transposed, the k-grouped drhs of activations and
+  gradients in 128 x 1 blocks; `activation` and `bias` apply to the forward)."""
 
   name: str
   shape: str
@@ -117,10 +133,17 @@ class Case:
   moe: str | None = None
   implementation: str | None = None  # None: the platform's chain picks
   platforms: tuple[str, ...] = ("gpu", "tpu")
+  grad_dtype: str = "float8_e4m3fn"  # "fp8-train": the output gradient's values
+  # On `FP8_MMA_TARGETS`, every kernel must hold fp8 MMA instructions.
+  fp8_mma: bool = False
 
   def describe(self) -> str:
     m, k, n, g = SHAPES[self.shape]
-    parts = [f"{self.kind} {self.group_type}-grouped M={m} K={k} N={n} G={g} {self.dtype}"]
+    if self.kind == "fp8-train":
+      parts = [f"fp8 training fwd/dlhs/drhs M={m} K={k} N={n} G={g}, blockwise e4m3 "
+               f"(gradients {self.grad_dtype})"]
+    else:
+      parts = [f"{self.kind} {self.group_type}-grouped M={m} K={k} N={n} G={g} {self.dtype}"]
     if self.weights:
       parts.append(f"{self.weights} weights" + (f" (K blocks of {self.weight_tile})"
                                                 if self.weight_tile else ""))
@@ -185,6 +208,18 @@ CASES = (
          platforms=("gpu",)),
     Case("deepseek-v3-fp8-weights", "deepseek-v3", weights="float8_e4m3fn",
          implementation="pallas_triton", platforms=("gpu",)),
+    # fp8 training (blockwise scales, "blocked" mode): the chain's kernels on every target,
+    # and the Triton kernels alone on GPUs (fp8 wgmma on Hopper in all three gmms).
+    Case("fp8-train", "fp8-moe", "fp8-train", fp8_mma=True),
+    Case("fp8-train-e5m2", "fp8-moe", "fp8-train", grad_dtype="float8_e5m2", fp8_mma=True),
+    Case("deepseek-v3-fp8-train", "deepseek-v3-ep8", "fp8-train", activation="silu",
+         bias=True, fp8_mma=True),
+    Case("fp8-train-triton", "fp8-moe", "fp8-train", implementation="pallas_triton",
+         platforms=("gpu",), fp8_mma=True),
+    Case("fp8-train-e5m2-triton", "fp8-moe", "fp8-train", grad_dtype="float8_e5m2",
+         implementation="pallas_triton", platforms=("gpu",), fp8_mma=True),
+    Case("deepseek-v3-fp8-train-triton", "deepseek-v3-ep8", "fp8-train", activation="silu",
+         bias=True, implementation="pallas_triton", platforms=("gpu",), fp8_mma=True),
 )
 
 
@@ -205,9 +240,43 @@ def _note(role):
 _ROLE_NOTES = gmm_jax.Tilings(fwd=_note("fwd"), dlhs=_note("dlhs"), drhs=_note("drhs"))
 
 
+def _fp8_training(case: Case, sharding):
+  """(function, abstract arguments) of an "fp8-train" case: its three gmms."""
+  m, k, n, g = SHAPES[case.shape]
+  e4m3, grad = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(case.grad_dtype)
+
+  def blocks(shape, dtype, channelwise, tiles):
+    spec = lambda a: gmm_jax.quantize(a, dtype, channelwise_axes=channelwise,  # noqa: E731
+                                      tiled_axes=tiles)
+    q = jax.eval_shape(spec, jax.ShapeDtypeStruct(shape, jnp.float32))
+    return jax.tree.map(lambda a: _abstract(a.shape, a.dtype, sharding), q)
+
+  args = (blocks((m, k), e4m3, (0,), {1: 128}),             # x, 1 x 128 blocks
+          blocks((g, k, n), e4m3, (0,), {1: 128, 2: 128}),  # w, 128 x 128 blocks
+          blocks((m, n), grad, (0,), {1: 128}),             # dy, 1 x 128 blocks
+          blocks((m, k), e4m3, (1,), {0: 128}),             # x, 128 x 1 blocks
+          blocks((m, n), grad, (1,), {0: 128}),             # dy, 128 x 1 blocks
+          _abstract((g,), jnp.int32, sharding),
+          _abstract((g, n), jnp.float32, sharding) if case.bias else None)
+  options = dict(implementation=case.implementation)
+
+  def step(x, w, dy, x_rows, dy_rows, sizes, bias):
+    y = gmm_jax.gmm(x, w, sizes, bias=bias, activation=case.activation,
+                    preferred_element_type=jnp.bfloat16, tiling=_note("fwd"), **options)
+    dx = gmm_jax.gmm(dy, w, sizes, transpose_rhs=True, preferred_element_type=jnp.float32,
+                     tiling=_note("dlhs"), **options)
+    dw = gmm_jax.gmm(x_rows, dy_rows, sizes, group_type="k", transpose_lhs=True,
+                     preferred_element_type=jnp.float32, tiling=_note("drhs"), **options)
+    return y, dx, dw
+
+  return step, args
+
+
 def build(case: Case, sharding):
   """(function, abstract arguments) of a case, placed on the target by `sharding`."""
 
+  if case.kind == "fp8-train":
+    return _fp8_training(case, sharding)
   m, k, n, g = SHAPES[case.shape]
   dtype = jnp.dtype(case.dtype)
   local = g // 2 if case.group_offset else g
@@ -272,6 +341,7 @@ class Row:
   case: str
   gmm: str  # "fwd", "dlhs", "drhs" (in trace order)
   implementation: str
+  operands: str = ""  # "<lhs values> x <rhs values> <quantized mode>"
   kernel: str = ""
   tiling: str = ""
   source: str = ""
@@ -280,6 +350,7 @@ class Row:
   spills: int | None = None
   smem: int | None = None
   vmem_limit: int | None = None
+  mma: str = ""  # GPU: the kernel's tensor-core instructions ("wgmma e4m3.e4m3", ...)
   seconds: float = 0.0
   status: str = "ok"
   error: str = ""
@@ -348,6 +419,127 @@ def ptxas_report(log: str) -> dict[str, list[dict]]:
   return kernels
 
 
+# The tensor-core instructions of a kernel: Hopper's wgmma, the warp-level mma.sync, and
+# Blackwell's tcgen05.mma.
+_MMA = re.compile(r"\b(wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.[a-z0-9.]+"
+                  r"|mma\.sync\.aligned\.m\d+n\d+k\d+\.[a-z0-9.]+|tcgen05\.mma[a-z0-9_:.]*)")
+# A glog line: its thread id, its source file, the message.
+_GLOG = re.compile(r"^[IWEF]\d{4} [\d:.]+\s+(\d+) ([\w.]+):\d+\] ?(.*)$")
+_IR_KERNEL = re.compile(r"define ptx_kernel void @([\w$.]+)\(")
+# Triton's warp-level MMA (MMA v2) is an NVVM intrinsic in the IR,
+# ``llvm.nvvm.mma.<shape>.row.col.<types>``: the types name the inputs (bf16, tf32, s8,
+# e4m3, ...) except for f16 inputs, where they are the accumulator's (f32.f32, f16.f16).
+_NVVM_MMA = re.compile(r"@llvm\.nvvm\.mma\.(m\d+n\d+k\d+)((?:\.\w+)*)\(")
+_NVVM_INPUTS = ("bf16", "tf32", "s8", "u8", "s4", "u4", "e4m3", "e5m2", "e2m1")
+_PTX_ENTRY = re.compile(r"^\s*(?:\.visible\s+)?\.entry\s+([\w$]+)")
+_FP8_NAMES = ("e4m3", "e5m2", "f8f6f4")
+
+
+def mma_kind(instruction: str) -> str:
+  """A short name of an MMA instruction: its family and operand types ("wgmma e4m3.e5m2",
+  "mma.sync f16.f16", "tcgen05.mma kind::f8f6f4")."""
+  parts = instruction.split(".")
+  if instruction.startswith("tcgen05"):
+    kind = re.search(r"kind::\w+", instruction)
+    return "tcgen05.mma" + (f" {kind.group(0)}" if kind else "")
+  shape = next((i for i, p in enumerate(parts) if re.fullmatch(r"m\d+n\d+k\d+", p)), None)
+  if shape is None:
+    return instruction
+  types = [p for p in parts[shape + 1:] if p not in ("row", "col", "satfinite")]
+  family = "wgmma" if instruction.startswith("wgmma") else "mma.sync"
+  return f"{family} {'.'.join(types[1:3])}"  # after the accumulator's type: A's, B's
+
+
+def has_fp8_mma(kinds: str) -> bool:
+  """Whether a row's `Row.mma` names an MMA instruction on 8-bit float operands."""
+  return any(name in kinds for name in _FP8_NAMES)
+
+
+def _nvvm_mma_kind(shape: str, suffix: str) -> str:
+  inputs = [part for part in suffix.split(".") if part in _NVVM_INPUTS]
+  return f"mma.sync {'.'.join(inputs) or 'f16'} ({shape})"
+
+
+def code_report(log: str) -> dict[str, list[dict]]:
+  """Per kernel name, one record per kernel of that name: ``{"mma": the MMA instructions
+  (`mma_kind`), "smem": shared memory in bytes (Triton's, else None)}``.
+
+  Read from a compile's log: the LLVM IR of each Triton kernel that XLA logs
+  (``TF_CPP_VMODULE=xtile_compiler=5``: Triton's wgmma lowering is inline PTX, so the
+  instructions appear verbatim, its MMA v2 an NVVM intrinsic; a compile thread logs the
+  kernel's shared memory, then its IR, so the lines of kernels compiled in parallel are told
+  apart by thread id) and the PTX of each Mosaic GPU kernel (``MOSAIC_GPU_DUMP_PTX=1``:
+  printed, one ``.entry`` per kernel).
+  """
+  kernels: dict[str, list[dict]] = {}
+  current: dict[str, dict] = {}
+  smem: dict[str, int] = {}
+  for line in log.splitlines():
+    if not any(word in line for word in ("mma", "define ptx_kernel", "Shared memory usage",
+                                         ".entry")):
+      continue  # most of the IR: no need to parse it
+    match = _GLOG.match(line)
+    if match:
+      thread, source, text = match.groups()
+      if source != "xtile_compiler.cc":
+        continue
+      if (found := _SMEM.search(text)):
+        smem[thread] = int(found.group(1))
+        continue
+      if (found := _IR_KERNEL.search(text)):
+        # The IR is logged twice (before and after LLVM's passes): one record per name.
+        records = kernels.setdefault(found.group(1), [{"mma": set(), "smem": None}])
+        if thread in smem:
+          records[0]["smem"] = smem.pop(thread)
+        current[thread] = records[0]
+        continue
+      if thread in current:
+        current[thread]["mma"].update(_nvvm_mma_kind(*m) for m in _NVVM_MMA.findall(text))
+    else:
+      thread, text = "stdout", line
+      if (found := _PTX_ENTRY.match(text)):
+        current[thread] = {"mma": set(), "smem": None}
+        kernels.setdefault(found.group(1), []).append(current[thread])
+        continue
+    if thread in current:
+      current[thread]["mma"].update(mma_kind(m) for m in _MMA.findall(text))
+  return kernels
+
+
+def match_kernels(launches, report: dict[str, list]) -> list:
+  """The record of `report` (kernel name -> records in compile order) of each launch.
+
+  XLA names repeated Triton kernels ``name``, ``name__1``, ``name__2``, ...: the i-th
+  launch of a name gets the i-th record of that sequence (the program's order). Mosaic GPU
+  kernels compile as ``anonymous_mosaic_gpu_kernel``: the Mosaic GPU launches take those in
+  order. None where there is no record.
+  """
+  records = dict(report)
+  mosaic = iter(records.pop("anonymous_mosaic_gpu_kernel", []))
+  seen: dict[str, int] = {}
+  matched = []
+  for launch in launches:
+    if launch.implementation == "pallas_mosaic_gpu" and launch.name not in records:
+      matched.append(next(mosaic, None))
+      continue
+    index = seen.get(launch.name, 0)
+    seen[launch.name] = index + 1
+    flat = list(records.get(launch.name, []))
+    suffix = 1
+    while f"{launch.name}__{suffix}" in records:
+      flat.extend(records[f"{launch.name}__{suffix}"])
+      suffix += 1
+    matched.append(flat[index] if index < len(flat) else None)
+  return matched
+
+
+def _operands(problem) -> str:
+  if problem is None:
+    return ""
+  names = lambda dtype: np.dtype(dtype).name.replace("float8_", "")  # noqa: E731
+  return f"{names(problem.lhs_dtype)} x {names(problem.rhs_dtype)} {problem.quant_mode}"
+
+
 def compile_case(target: str, case: Case) -> list[Row]:
   """Lowers and compiles one case for one target; one `Row` per kernel launch."""
 
@@ -359,6 +551,7 @@ def compile_case(target: str, case: Case) -> list[Row]:
   fn, args = build(case, sharding)
   rows: list[Row] = []
   _ROLE_OF.clear()
+  launches: list = []
   try:
     with jax.default_device(topology.devices[0]), dispatch.record() as decisions, \
         tuning.record() as choices, tuning.record_launches() as launches:
@@ -370,23 +563,25 @@ def compile_case(target: str, case: Case) -> list[Row]:
     error = f"{type(err).__name__}: {err}"
     captured = None
   seconds = time.perf_counter() - start
-  report = ptxas_report(captured.text) if captured is not None else {}
-  seen: dict[str, int] = {}
-  for i, launch in enumerate(launches):
+  log = captured.text if captured is not None else ""
+  stats = match_kernels(launches, ptxas_report(log))
+  codes = match_kernels(launches, code_report(log))
+  for launch, stat, code in zip(launches, stats, codes):
     row = Row(target, case.name, _ROLE_OF.get(launch.problem, "?"),
-              launch.implementation, kernel=launch.name,
+              launch.implementation, operands=_operands(launch.problem), kernel=launch.name,
               grid="x".join("dyn" if g < 0 else str(g) for g in launch.grid),
               vmem_limit=launch.vmem_limit, seconds=seconds)
     row.tiling = "x".join(str(v) for v in launch.tiles)
     choice = next((c for c in reversed(choices) if c.problem == launch.problem), None)
     row.source = choice.source if choice is not None else ""
-    index = seen.get(launch.name, 0)
-    seen[launch.name] = index + 1
-    stats = report.get(launch.name, [])
-    if platform == "gpu" and index < len(stats):
-      row.registers = stats[index]["registers"]
-      row.spills = stats[index]["spills"]
-      row.smem = stats[index]["smem"]
+    if platform == "gpu" and stat is not None:
+      row.registers = stat["registers"]
+      row.spills = stat["spills"]
+      row.smem = stat["smem"]
+    if platform == "gpu" and code is not None and code["smem"] is not None:
+      row.smem = code["smem"]  # Triton's dynamic shared memory, told apart by thread
+    if platform == "gpu" and captured is not None:
+      row.mma = ", ".join(sorted(code["mma"])) if code and code["mma"] else "-"
     rows.append(row)
   served = [d.implementation for d in decisions]
   problems = []
@@ -399,6 +594,9 @@ def compile_case(target: str, case: Case) -> list[Row]:
   for row in rows:
     if row.spills:
       problems.append(f"{row.kernel} spills {row.spills} bytes")
+    if case.fp8_mma and target in FP8_MMA_TARGETS and not error and not has_fp8_mma(row.mma):
+      problems.append(f"{row.kernel} ({row.gmm}) holds no fp8 MMA instruction: "
+                      f"{row.mma or 'none found'}")
   if problems:
     if not rows:
       rows.append(Row(target, case.name, "-", ",".join(served) or "-", seconds=seconds))
@@ -443,7 +641,10 @@ def _line(row: Row) -> str:
     stats = f" regs={row.registers} spills={row.spills} smem={row.smem}"
   if row.vmem_limit:
     stats += f" vmem_limit={row.vmem_limit}"
-  text = (f"[{row.status}] {row.target} {row.case} {row.gmm}: {row.implementation} "
+  if row.mma:
+    stats += f" mma=[{row.mma}]"
+  operands = f" [{row.operands}]" if row.operands else ""
+  text = (f"[{row.status}] {row.target} {row.case} {row.gmm}: {row.implementation}{operands} "
           f"{row.kernel} tiles={row.tiling} ({row.source}) grid={row.grid}{stats} "
           f"{row.seconds:.1f}s")
   return text + (f"\n    {row.error}" if row.error else "")
@@ -451,17 +652,18 @@ def _line(row: Row) -> str:
 
 def markdown(rows: list[dict]) -> str:
   """The results as a Markdown table."""
-  head = ("| target | case | gmm | implementation | kernel | tiles (m x k x n) | tile source | "
-          "grid | registers | spills (B) | shared memory (B) | VMEM limit (B) | compile s | "
-          "status |")
-  lines = [head, "|" + "---|" * 14]
+  head = ("| target | case | gmm | implementation | operands | kernel | tiles (m x k x n) | "
+          "tile source | grid | registers | spills (B) | shared memory (B) | VMEM limit (B) | "
+          "MMA instructions | compile s | status |")
+  lines = [head, "|" + "---|" * 16]
   blank = lambda v: "" if v is None else str(v)
   for r in rows:
     lines.append(
-        f"| {r['target']} | {r['case']} | {r['gmm']} | {r['implementation']} | {r['kernel']} | "
+        f"| {r['target']} | {r['case']} | {r['gmm']} | {r['implementation']} | "
+        f"{r.get('operands', '')} | {r['kernel']} | "
         f"{r['tiling']} | {r['source']} | {r['grid']} | {blank(r['registers'])} | "
         f"{blank(r['spills'])} | {blank(r['smem'])} | {blank(r['vmem_limit'])} | "
-        f"{r['seconds']:.1f} | {r['status']} |")
+        f"{r.get('mma', '')} | {r['seconds']:.1f} | {r['status']} |")
   return "\n".join(lines) + "\n"
 
 
@@ -470,8 +672,11 @@ def _child_env() -> dict[str, str]:
   env[_CHILD_ENV] = "1"
   env["JAX_PLATFORMS"] = "cpu"  # the plugins register without touching a device
   env["TF_CPP_MIN_LOG_LEVEL"] = "0"
-  env["TF_CPP_VMODULE"] = "nvjitlink=3,xtile_compiler=2"
+  # nvjitlink: ptxas's report; xtile_compiler: Triton's shared memory (2) and each Triton
+  # kernel's LLVM IR (5), which `mma_report` reads.
+  env["TF_CPP_VMODULE"] = "nvjitlink=3,xtile_compiler=5"
   env["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  env["MOSAIC_GPU_DUMP_PTX"] = "1"
   env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # the compile processes each load libtpu
   flags = env.get("XLA_FLAGS", "")
   if _SPILL_FLAG not in flags:

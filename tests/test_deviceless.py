@@ -10,7 +10,10 @@ a topology that cannot be described fails.
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
+import subprocess
+import sys
 
 import gmm_jax
 import jax
@@ -147,3 +150,39 @@ def test_triton_split_k_memory_deterministic_vs_atomic():
         f"{atomic_temp} B; grid {ordered.grid}, tiles {ordered.tiles}")
   assert atomic_temp >= partial
   assert chunks >= 2 and ordered_temp >= chunks * partial > atomic_temp
+
+
+# ------------------------------------------------------ fp8 training: fp8 MMA on sm_90a
+
+
+def test_triton_fp8_training_gmms_use_fp8_wgmma(tmp_path):
+  # fp8 training's three gmms (blockwise scales, "blocked" mode) on the Triton kernels,
+  # compiled for an H200 by `python -m gmm_jax.aot` (a process of its own: it reads the
+  # kernels' instructions from XLA's log, which must be switched on before XLA starts): the
+  # forward, the dlhs (rhs^T) and the k-grouped drhs (lhs^T) each hold Hopper's fp8 wgmma,
+  # e4m3 x e4m3 and, with e5m2 gradients, e5m2 x e4m3 (dlhs) and e4m3 x e5m2 (drhs).
+  _require_compiler("gpu")
+  out = tmp_path / "rows.json"
+  cases = ["fp8-train-triton", "fp8-train-e5m2-triton"]
+  run = subprocess.run([sys.executable, "-m", "gmm_jax.aot", "--targets", "h200", "--cases",
+                        *cases, "--jobs", "1", "--json", str(out), "--noprogress"],
+                       capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+  rows = json.loads(out.read_text())
+  print("\n".join(f"{r['case']} {r['gmm']}: {r['kernel']} [{r['operands']}] mma=[{r['mma']}] "
+                  f"regs={r['registers']} spills={r['spills']} smem={r['smem']}" for r in rows))
+  want = {
+      ("fp8-train-triton", "fwd"): "wgmma e4m3.e4m3",
+      ("fp8-train-triton", "dlhs"): "wgmma e4m3.e4m3",
+      ("fp8-train-triton", "drhs"): "wgmma e4m3.e4m3",
+      ("fp8-train-e5m2-triton", "fwd"): "wgmma e4m3.e4m3",
+      ("fp8-train-e5m2-triton", "dlhs"): "wgmma e5m2.e4m3",
+      ("fp8-train-e5m2-triton", "drhs"): "wgmma e4m3.e5m2",
+  }
+  got = {(r["case"], r["gmm"]): r for r in rows}
+  assert set(got) == set(want)
+  for key, instruction in want.items():
+    row = got[key]
+    assert row["implementation"] == "pallas_triton" and row["operands"].endswith("blocked")
+    assert instruction in row["mma"].split(", "), (key, row["mma"])
+    assert row["status"] == "ok" and row["spills"] == 0, row
