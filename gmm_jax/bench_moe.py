@@ -4,6 +4,7 @@ and a MaxText-style block on `jax.lax.ragged_dot`.
 
     python -m gmm_jax.bench_moe                       # T=4096 D=1024 F=2048 E=64 k=2, f32 and bf16
     python -m gmm_jax.bench_moe --tokens 1024 --embed 256 --mlp 512 --experts 16
+    JAX_PLATFORMS=cpu python -m gmm_jax.bench_moe --dtypes bfloat16 --deviceless h200 v5e
 
 Each block is the same function of the same parameter values: a softmax top-k router, a
 gated SwiGLU expert FFN and the probability-weighted combine. The fused block holds the
@@ -17,6 +18,16 @@ temporary memory from XLA's compiled memory analysis
 results), and the ratios to the unfused block. The ragged_dot block does dense work per
 group on CPU: at large shapes it is compiled (memory) but only timed with ``--time-ragged``.
 
+``moe_fused`` and ``moe_unfused`` are the expert FFN as `gmm_jax.nn.MoE` runs it under
+plain jit where it may be partitioned (several devices, or a deviceless target):
+`gmm_jax.routed_experts`, whose backward recomputes its forward; each is compared with
+``moe_unfused``. ``--deviceless h200 v5e`` also compiles every block's step for one
+NVIDIA H200 and one TPU v5e chip without the hardware (jax >= 0.12 with the CUDA plugin
+and libtpu: the environment ``bash .ci/aot_env.sh`` prints, run with
+``JAX_PLATFORMS=cpu``) and prints their temporaries beside the CPU ones: the memory the
+accelerators' compilers plan, where XLA:CPU's figures carry copies of its own. Nothing
+runs there, so those rows have no time.
+
 Floor 6: public API only.
 """
 
@@ -24,11 +35,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
+import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import custom_partitioning  # noqa: F401  (its plugin callback; private)
+from jax._src import xla_bridge  # private: the PJRT plugin registry
+from jax._src.lib import xla_client  # private: the PJRT plugin loader
+from jax.experimental import topologies
 
 import gmm_jax
 from gmm_jax._src.autotune import min_wall_time
@@ -127,8 +145,27 @@ def copy_free_floor(params, x, top_k: int):
   return jnp.sum(weighted, axis=1).astype(x.dtype)
 
 
+def _moe_block(fused: bool):
+  def block(params, x, top_k: int):
+    top_p, top_e = _router(params, x, top_k)
+    experts = params["gate_up"].shape[0]
+    spec = gmm_jax.ExpertFFN(experts, "silu", gated=True, fused=fused,
+                             options=(("preferred_element_type", x.dtype),))
+    y, _ = gmm_jax.routed_experts(spec, x, top_e, top_p,
+                                  dict(w_in=params["gate_up"], w_down=params["down"]))
+    return y.astype(x.dtype)
+  block.__doc__ = (f"nn.MoE's routed experts under plain jit (`gmm_jax.routed_experts`), "
+                   f"{'fused' if fused else 'unfused'}.")
+  return block
+
+
 BLOCKS = {"fused": fused_block, "unfused": unfused_block, "ragged_dot": ragged_dot_block,
-          "copy_free_floor": copy_free_floor}
+          "copy_free_floor": copy_free_floor, "moe_fused": _moe_block(True),
+          "moe_unfused": _moe_block(False)}
+# The block each one is compared with.
+BASELINE = {name: "moe_unfused" if name.startswith("moe_") else "unfused" for name in BLOCKS}
+# The parameters' layout: gate and up as one [E, D, 2F] parameter.
+JOINT_GATE_UP = ("fused", "moe_fused", "moe_unfused")
 
 
 @dataclasses.dataclass
@@ -137,6 +174,7 @@ class Row:
   dtype: str
   seconds: float | None
   temp_bytes: int
+  target: str = "cpu"  # "cpu" (this machine) or a deviceless target of `DEVICELESS`
 
 
 def training_step(block, top_k: int):
@@ -147,8 +185,8 @@ def training_step(block, top_k: int):
 
 
 def layout(name: str, params: dict) -> dict:
-  """The parameters as block `name` holds them (the fused block: gate and up as one)."""
-  if name != "fused":
+  """The parameters as block `name` holds them (`JOINT_GATE_UP`: gate and up as one)."""
+  if name not in JOINT_GATE_UP:
     return params
   rest = {k: v for k, v in params.items() if k not in ("gate", "up")}
   return dict(rest, gate_up=jnp.concatenate([params["gate"], params["up"]], axis=-1))
@@ -164,7 +202,7 @@ def run(tokens: int, embed: int, mlp: int, experts: int, top_k: int, dtypes, *,
     for name in blocks:
       args = (layout(name, params), x)
       compiled[name] = (training_step(BLOCKS[name], top_k).lower(*args).compile(), args)
-      if name != "ragged_dot" or time_ragged:
+      if repeats and (name != "ragged_dot" or time_ragged):
         timed[name] = float("inf")
     for _ in range(repeats):
       for name in timed:
@@ -177,17 +215,78 @@ def run(tokens: int, embed: int, mlp: int, experts: int, top_k: int, dtypes, *,
   return rows
 
 
+# Deviceless targets: (platform, topology, GPU target config under gmm_jax/targets).
+DEVICELESS = {"h200": ("cuda", "1x1x1", "nvidia_h200.txtpb"),
+              "h100": ("cuda", "1x1x1", "nvidia_h100.txtpb"),
+              "v5e": ("tpu", "v5e:1x1", None), "v6e": ("tpu", "v6e:1x1", None)}
+TARGET_DIR = pathlib.Path(__file__).with_name("targets")
+
+
+def _register_tpu_partitioner():
+  """`custom_partitioning`'s partitioner registered with libtpu, as jax does when a TPU
+  backend starts (a deviceless TPU compile of the moe blocks needs it; the same steps as
+  `gmm_jax.aot_pod.register_tpu_partitioner`, see ../shared/notes/deviceless-compile.md).
+  """
+  if xla_client.pjrt_plugin_loaded("tpu"):
+    return
+  c_api = xla_client.load_pjrt_plugin_dynamically("tpu", xla_bridge.get_tpu_library_path())
+  if not xla_client.pjrt_plugin_initialized("tpu"):
+    xla_client.initialize_pjrt_plugin("tpu")
+  for callback in xla_bridge._plugin_callbacks:
+    if getattr(callback, "keywords", {}).get("name") == "CustomSPMDPartitioning":
+      callback(c_api=c_api)
+
+
+def deviceless_device(target: str):
+  """The first device of one chip of `target` (a key of `DEVICELESS`), described without
+  the hardware."""
+  if target not in DEVICELESS:
+    raise ValueError(f"unknown deviceless target {target!r}; use one of {sorted(DEVICELESS)}")
+  platform, topology, config = DEVICELESS[target]
+  if platform == "tpu":
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other compiles may hold it
+    _register_tpu_partitioner()
+    return topologies.get_topology_desc(topology, platform="tpu").devices[0]
+  return topologies.get_topology_desc(
+      platform="cuda", topology=topology,
+      target_config=(TARGET_DIR / config).read_text()).devices[0]
+
+
+def compile_deviceless(target: str, tokens: int, embed: int, mlp: int, experts: int,
+                       top_k: int, dtypes, blocks=tuple(BLOCKS)) -> list[Row]:
+  """Each block's training step compiled for one chip of `target` without the hardware
+  (abstract arguments, traced and compiled under that chip as the default device, so that
+  gmm picks its kernels); rows of temporary bytes, no time."""
+  device = deviceless_device(target)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  rows = []
+  for dtype in dtypes:
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), embed, mlp, experts, dtype))
+    x = jax.ShapeDtypeStruct((tokens, embed), dtype, sharding=sharding)
+    for name in blocks:
+      args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                          jax.eval_shape(functools.partial(layout, name), params))
+      with jax.default_device(device):
+        step = training_step(BLOCKS[name], top_k).lower(args, x).compile()
+      rows.append(Row(name, np.dtype(dtype).name, None,
+                      int(step.memory_analysis().temp_size_in_bytes), target))
+  return rows
+
+
 def table(rows: list[Row]) -> str:
-  lines = ["| block | dtype | fwd+bwd ms | / unfused | peak temp MB | / unfused |",
-           "|---|---|---|---|---|---|"]
-  base = {r.dtype: r for r in rows if r.block == "unfused"}
+  lines = ["| block | dtype | target | fwd+bwd ms | / baseline | peak temp MB | / baseline "
+           "| baseline |",
+           "|---|---|---|---|---|---|---|---|"]
+  found = {(r.block, r.dtype, r.target): r for r in rows}
   for r in rows:
-    ref = base.get(r.dtype)
+    base = BASELINE[r.block]
+    ref = found.get((base, r.dtype, r.target))
     time_ratio = (f"{r.seconds / ref.seconds:.2f}" if ref and r.seconds and ref.seconds
                   else "-")
     ms = "-" if r.seconds is None else f"{r.seconds * 1e3:.0f}"
-    lines.append(f"| {r.block} | {r.dtype} | {ms} | {time_ratio} | {r.temp_bytes / 1e6:.0f} | "
-                 f"{r.temp_bytes / ref.temp_bytes if ref else float('nan'):.2f} |")
+    mem_ratio = f"{r.temp_bytes / ref.temp_bytes:.2f}" if ref and ref.temp_bytes else "-"
+    lines.append(f"| {r.block} | {r.dtype} | {r.target} | {ms} | {time_ratio} | "
+                 f"{r.temp_bytes / 1e6:.0f} | {mem_ratio} | {base} |")
   return "\n".join(lines)
 
 
@@ -202,14 +301,24 @@ def main(argv=None) -> list[Row]:
   parser.add_argument("--blocks", nargs="+", default=list(BLOCKS), choices=list(BLOCKS))
   parser.add_argument("--time-ragged", action="store_true",
                       help="also time the ragged_dot block (dense work per group on CPU)")
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="timing rounds on this machine (0: compile for memory only)")
+  parser.add_argument("--deviceless", nargs="*", default=[], choices=sorted(DEVICELESS),
+                      help="also compile each step for one chip of these targets, without "
+                           "the hardware (jax >= 0.12 with the CUDA plugin and libtpu)")
   args = parser.parse_args(argv)
-  rows = run(args.tokens, args.embed, args.mlp, args.experts, args.top_k,
-             [jnp.dtype(d) for d in args.dtypes], time_ragged=args.time_ragged,
-             repeats=args.repeats, blocks=tuple(args.blocks))
+  dtypes = [jnp.dtype(d) for d in args.dtypes]
+  blocks = tuple(args.blocks)
+  rows = run(args.tokens, args.embed, args.mlp, args.experts, args.top_k, dtypes,
+             time_ragged=args.time_ragged, repeats=args.repeats, blocks=blocks)
+  # TPU first: libtpu must be loaded by the partitioner's registration.
+  for target in sorted(args.deviceless, key=lambda t: DEVICELESS[t][0] != "tpu"):
+    rows += compile_deviceless(target, args.tokens, args.embed, args.mlp, args.experts,
+                               args.top_k, dtypes, blocks)
   print(f"MoE layer training step (fwd+bwd), T={args.tokens} D={args.embed} F={args.mlp} "
         f"E={args.experts} k={args.top_k}, jax {jax.__version__}, "
-        f"{jax.devices()[0].platform}")
+        f"{jax.devices()[0].platform}"
+        + (f"; deviceless: {', '.join(args.deviceless)}" if args.deviceless else ""))
   print(table(rows))
   return rows
 

@@ -17,8 +17,8 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import ad
 
-from gmm_jax._src.config import GmmConfig, saved_preactivation_dtype
-from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, resolve_activation
+from gmm_jax._src.config import GmmConfig, is_gated, saved_preactivation_dtype
+from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gated_f32, resolve_activation
 from gmm_jax._src.op.primitive import (PREACTIVATION, PRIMITIVES, as_float, gmm, grouped_rows,
                                        row_ids, row_operands, unpack)
 from gmm_jax._src.qarray import QArray, dequantize
@@ -97,6 +97,17 @@ def _in_f32(fn):
   return lambda z: fn(_widen(z))
 
 
+def _activation_jvp(activation, z, dz):
+  """(activation(z), its tangent along dz), in f32 (a 16-bit z widened). Rematerialized:
+  the backward keeps z alone and recomputes the activation's derivative (elementwise)
+  instead of keeping its intermediates (two or three arrays like z). A gated activation's
+  tangent is one op (`epilogue.gated_tangent`) whose transpose writes the ``[R, 2N]``
+  cotangent in one elementwise pass from z and the result's cotangent."""
+  fn = (functools.partial(gated_f32, activation) if is_gated(activation)
+        else _in_f32(resolve_activation(activation)))
+  return jax.jvp(jax.checkpoint(fn), (z,), (dz,))
+
+
 def _jvp(primals, tangents, *, cfg, trees, has_bias, out_hint):
   if cfg.has_rows:
     return _jvp_rows(primals, tangents, cfg=cfg, trees=trees, has_bias=has_bias,
@@ -123,9 +134,7 @@ def _jvp(primals, tangents, *, cfg, trees, has_bias, out_hint):
     return out, zero
   if z is None:
     return out, dz
-  # Rematerialized: the backward keeps z alone and recomputes the activation's derivative
-  # (elementwise) instead of keeping its intermediates (two or three arrays like z).
-  _, dy = jax.jvp(jax.checkpoint(_in_f32(resolve_activation(cfg.activation))), (z,), (dz,))
+  _, dy = _activation_jvp(cfg.activation, z, dz)
   return out, finish(dy, None, cfg.out_dtype,
                      row_ids=row_ids(counts, group_offset, cfg, z.shape[0]))
 
@@ -167,7 +176,7 @@ def _jvp_rows(primals, tangents, *, cfg, trees, has_bias, out_hint):
   elif dz is None:
     a, da = fn(_widen(z)), None
   else:
-    a, da = jax.jvp(jax.checkpoint(_in_f32(fn)), (z,), (dz,))
+    a, da = _activation_jvp(cfg.activation, z, dz)
   weights = rows.row_weights if cfg.row_weights else None
   out = finish(a, None, cfg.out_dtype, row_ids=ids, row_weights=weights, **scatter)
   if not float_out or (da is None and not weights_vary):
