@@ -350,7 +350,9 @@ class Row:
   spills: int | None = None
   smem: int | None = None
   vmem_limit: int | None = None
-  mma: str = ""  # GPU: the kernel's tensor-core instructions ("wgmma e4m3.e4m3", ...)
+  # GPU: the kernel's tensor-core instructions ("wgmma e4m3.e4m3", ...; "-" none, "?" not
+  # reported).
+  mma: str = ""
   seconds: float = 0.0
   status: str = "ok"
   error: str = ""
@@ -493,6 +495,10 @@ def code_report(log: str) -> dict[str, list[dict]]:
           records[0]["smem"] = smem.pop(thread)
         current[thread] = records[0]
         continue
+      if text.startswith("declare"):
+        # A module's declarations may print before its kernel's definition (after the last
+        # kernel's on this thread): only the calls in a kernel's body count.
+        continue
       if thread in current:
         current[thread]["mma"].update(_nvvm_mma_kind(*m) for m in _NVVM_MMA.findall(text))
     else:
@@ -506,21 +512,27 @@ def code_report(log: str) -> dict[str, list[dict]]:
   return kernels
 
 
-def match_kernels(launches, report: dict[str, list]) -> list:
+def match_kernels(launches, report: dict[str, list], mosaic: bool = True) -> list:
   """The record of `report` (kernel name -> records in compile order) of each launch.
 
   XLA names repeated Triton kernels ``name``, ``name__1``, ``name__2``, ...: the i-th
   launch of a name gets the i-th record of that sequence (the program's order). Mosaic GPU
   kernels compile as ``anonymous_mosaic_gpu_kernel``: the Mosaic GPU launches take those in
-  order. None where there is no record.
+  order, only where there are as many (a kernel that this process compiled before, for an
+  earlier case, is not compiled, so not reported, again) and `mosaic` (ptxas reports each
+  Mosaic GPU kernel more than once: not matched). None where there is no record.
   """
   records = dict(report)
-  mosaic = iter(records.pop("anonymous_mosaic_gpu_kernel", []))
+  anonymous = records.pop("anonymous_mosaic_gpu_kernel", [])
+  if not mosaic or len(anonymous) != sum(launch.implementation == "pallas_mosaic_gpu"
+                                         for launch in launches):
+    anonymous = []
+  anonymous = iter(anonymous)
   seen: dict[str, int] = {}
   matched = []
   for launch in launches:
     if launch.implementation == "pallas_mosaic_gpu" and launch.name not in records:
-      matched.append(next(mosaic, None))
+      matched.append(next(anonymous, None))
       continue
     index = seen.get(launch.name, 0)
     seen[launch.name] = index + 1
@@ -564,7 +576,7 @@ def compile_case(target: str, case: Case) -> list[Row]:
     captured = None
   seconds = time.perf_counter() - start
   log = captured.text if captured is not None else ""
-  stats = match_kernels(launches, ptxas_report(log))
+  stats = match_kernels(launches, ptxas_report(log), mosaic=False)
   codes = match_kernels(launches, code_report(log))
   for launch, stat, code in zip(launches, stats, codes):
     row = Row(target, case.name, _ROLE_OF.get(launch.problem, "?"),
@@ -581,7 +593,8 @@ def compile_case(target: str, case: Case) -> list[Row]:
     if platform == "gpu" and code is not None and code["smem"] is not None:
       row.smem = code["smem"]  # Triton's dynamic shared memory, told apart by thread
     if platform == "gpu" and captured is not None:
-      row.mma = ", ".join(sorted(code["mma"])) if code and code["mma"] else "-"
+      # "-": the kernel's code holds no MMA instruction; "?": its code was not reported.
+      row.mma = "?" if code is None else ", ".join(sorted(code["mma"])) or "-"
     rows.append(row)
   served = [d.implementation for d in decisions]
   problems = []
@@ -594,7 +607,8 @@ def compile_case(target: str, case: Case) -> list[Row]:
   for row in rows:
     if row.spills:
       problems.append(f"{row.kernel} spills {row.spills} bytes")
-    if case.fp8_mma and target in FP8_MMA_TARGETS and not error and not has_fp8_mma(row.mma):
+    if (case.fp8_mma and target in FP8_MMA_TARGETS and not error and row.mma != "?"
+        and not has_fp8_mma(row.mma)):
       problems.append(f"{row.kernel} ({row.gmm}) holds no fp8 MMA instruction: "
                       f"{row.mma or 'none found'}")
   if problems:
