@@ -50,7 +50,8 @@ STEPS = [
     ("python -m pytest", "python -m pytest -q -ra -p no:cacheprovider -o addopts= "
                   "tests/test_deviceless.py tests/test_deviceless_partition.py "
                   "tests/test_aot_pod_deviceless.py tests/test_pallas_mosaic_gpu.py "
-                  "tests/test_chips.py"),
+                  "tests/test_chips.py tests/test_deviceless_mosaic_fp8.py "
+                  "tests/test_deviceless_tpu_fp8.py"),
     ("python -m gmm_jax.aot", "python -m gmm_jax.aot --require"),
 ]
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import gmm_jax
-from tests import fp8_oracle
+import fp8_oracle
 
 M, K, N, G = 200, 256, 384, 3
 
@@ -281,7 +281,7 @@ def test_sharded_under_plain_jit(kind, x_spec, w_spec):
   """Under plain jit on a mesh (Auto or Explicit axes), the op's three gmms are
   partitioned like any gmm; the gradients are the unsharded ones (up to sum order)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from tests import meshes
+  import meshes
   mesh = meshes.mesh((2, 2), ("data", "expert"), kind)
   x, w, _, _ = _data(11, m=256, g=4)
   counts = jnp.asarray([64, 0, 100, 60], jnp.int32)
