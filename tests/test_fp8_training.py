@@ -4,6 +4,8 @@ implementation, with the options and transformations it combines with."""
 
 from __future__ import annotations
 
+import functools
+
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -38,18 +40,25 @@ def _close(actual, expected, rel=2e-5):
   np.testing.assert_allclose(actual, expected, rtol=0, atol=rel * scale)
 
 
+@functools.lru_cache(maxsize=None)
+def _library_quantizer(dtype, blocks, e8m0):
+  recipe = gmm_jax.Fp8Training(dtype=dtype, block=max(b for b in blocks),
+                               scale_dtype=jnp.float8_e8m0fnu if e8m0 else None)
+  if len(blocks) == 3:
+    return jax.jit(recipe.weights)
+  return jax.jit(functools.partial(recipe.activations, axis=blocks.index(recipe.block)))
+
+
 def library_blocks(x, dtype, blocks, e8m0=False):
   """The oracle's quantizer fed gmm_jax's quantized values (see fp8_oracle), for the
   quantization the op uses: `Fp8Training.activations` / `.weights`."""
-  recipe = gmm_jax.Fp8Training(dtype=dtype, block=max(b for b in blocks),
-                               scale_dtype=jnp.float8_e8m0fnu if e8m0 else None)
-  q = recipe.weights(x) if len(blocks) == 3 else recipe.activations(x, blocks.index(
-      recipe.block))
+  q = _library_quantizer(np.dtype(dtype), tuple(blocks), bool(e8m0))(jnp.asarray(x))
   return fp8_oracle.expand(q.qvalue, q.scale, q.tile)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
-@pytest.mark.parametrize("e8m0", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, pytest.param(jnp.float8_e5m2,
+                                                                   marks=pytest.mark.slow)])
+@pytest.mark.parametrize("e8m0", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_recipe_quantizes_in_the_blocks_of_the_recipe(dtype, e8m0):
   """Per token 1 x 128 and per column 128 x 1 activations, per expert 128 x 128 weights:
   the same blocks and scales as the numpy quantization, values equal but for XLA's rare
@@ -81,7 +90,8 @@ sizes_strategy = st.lists(st.integers(0, 90), min_size=G, max_size=G).filter(
 
 @pytest.mark.parametrize("implementation", [
     "xla", pytest.param("reference", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("transpose_rhs", [False, True])
+# transpose_rhs=False: the recipe and row-operand tests below check it against the oracle.
+@pytest.mark.parametrize("transpose_rhs", [pytest.param(False, marks=pytest.mark.slow), True])
 @hypothesis.given(sizes=sizes_strategy)
 @hypothesis.settings(max_examples=2, deadline=None)
 def test_forward_and_gradients_match_the_blockwise_oracle(implementation, transpose_rhs,
@@ -191,6 +201,7 @@ def test_activation_row_operands_and_row_weights():
   assert np.all(np.asarray(dweights)[sum(sizes):] == 0)
 
 
+@pytest.mark.slow
 def test_group_offset_keeps_only_local_groups():
   sizes = [40, 50, 30, 20]
   x, w, _, ct = _data(5, g=2)
@@ -227,6 +238,7 @@ def test_vmap_and_jit_compose():
   np.testing.assert_array_equal(grads[1], jax.jit(jax.grad(loss))(xs[1], w))
 
 
+@pytest.mark.slow
 def test_masked_lhs():
   """The decode layout goes through the same op (row operands over the slots)."""
   x, w, _, _ = _data(7, m=3 * 16)
@@ -270,7 +282,7 @@ def test_forward_mode_is_not_defined():
 
 @pytest.mark.parametrize("kind, x_spec, w_spec", [
     ("auto", ("data",), ()),  # tokens sharded (data parallel)
-    ("explicit", (), ("expert",)),  # experts sharded
+    pytest.param("explicit", (), ("expert",), marks=pytest.mark.slow),  # experts sharded
     pytest.param("auto", (None, "expert"), (), marks=pytest.mark.slow),  # contraction
     pytest.param("explicit", ("data",), (), marks=pytest.mark.slow),
     pytest.param("auto", (), ("expert",), marks=pytest.mark.slow),
