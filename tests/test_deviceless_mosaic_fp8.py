@@ -10,34 +10,24 @@ the reason, where it is not importable. Numerics: tests/test_pallas_mosaic_gpu_f
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import h200
 
 import gmm_jax
 from gmm_jax._src import dispatch
 
-H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 M, K, N, G = 512, 256, 256, 4
 
 
 def _h200():
-  try:
-    found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:  # no jax_plugins package at all
-    found = False
-  if not found:
-    pytest.skip("jax_plugins.xla_cuda12 is not importable: this jax install has no GPU compiler")
-  assert H200.exists(), f"the package's GPU target description is missing: {H200}"
   from jax.experimental import topologies
-  topology = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                          target_config=H200.read_text())
+  topology = h200.topology()
   placed = jax.sharding.NamedSharding(topologies.make_mesh(topology, (1,), ("x",)),
                                       jax.sharding.PartitionSpec())
   return topology, placed

@@ -6,14 +6,13 @@ then falls back to Triton), the target-GPU detection, and a deviceless compile f
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
 
 import hypothesis
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
+import h200
 import pytest
 from gmm_test_base import make_operands
 from oracle import f64, gmm_oracle, local_rows, tolerances
@@ -26,7 +25,6 @@ mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")
 plgpu = mosaic.plgpu
 
-H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
 HAS_INTERPRETER = hasattr(plgpu, "InterpretGPUParams")
 NO_INTERPRETER = (f"jax {jax.__version__} has no Mosaic GPU interpreter that runs this kernel "
                   "(jax 0.10.2's lacks a memory space for Ref operands; jax 0.12 runs it)")
@@ -360,18 +358,7 @@ def test_is_first_in_the_gpu_chain():
 
 
 def _h200():
-  # Skip only where this jax has no GPU compiler at all; with the plugin installed, a target
-  # that cannot be described is a failure, not a skip.
-  try:
-    found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:  # no jax_plugins package at all
-    found = False
-  if not found:
-    pytest.skip("jax_plugins.xla_cuda12 is not importable: this jax install has no GPU compiler")
-  assert H200.exists(), f"the package's GPU target description is missing: {H200}"
-  from jax.experimental import topologies
-  return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                      target_config=H200.read_text())
+  return h200.topology()
 
 
 def test_deviceless_h200_compile_picks_the_mosaic_kernel():

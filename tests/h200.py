@@ -1,0 +1,28 @@
+"""The deviceless H200 target of the GPU tests (a test helper, not a test module)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+import gmm_jax
+
+H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
+
+
+def topology():
+  """The 1-chip H200 topology from the package's target description. Skips only where this
+  jax has no GPU compiler at all; with the plugin installed, a target that cannot be
+  described is a failure, not a skip."""
+  try:
+    found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # no jax_plugins package at all
+    found = False
+  if not found:
+    pytest.skip("jax_plugins.xla_cuda12 is not importable: this jax install has no GPU compiler")
+  assert H200.exists(), f"the package's GPU target description is missing: {H200}"
+  from jax.experimental import topologies  # noqa: PLC0415  (needs the plugin checked above)
+  return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                      target_config=H200.read_text())
