@@ -12,6 +12,11 @@ A failing check's exception carries a note with a one-line reproducer (run from 
 NotImplementedError is a legal outcome only for combinations the documentation says are
 unsupported (`documented_refusal`, from `gmm`'s docstring and docs/support.md); drawn
 cases avoid them where they can, and any other exception fails the check.
+
+fp8 training (``quantization="fp8"``) has draws and checks of its own at the end
+(`fp8_cases`, ``check_fp8_*``, driven by tests/test_fp8_combinations.py): its blocks need K
+and N in multiples of 128, its definition is the blockwise formula of tests/fp8_oracle.py,
+and its refusals (k-grouping, a transposed lhs, jvp) are asserted, not skipped.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import fp8_oracle
+from oracle import ACTIVATION_GRADS, ACTIVATIONS as NUMPY_ACTIVATIONS
 from oracle import GATED, f64, gmm_oracle, local_rows, rows_oracle, tolerances
 
 import gmm_jax
@@ -38,6 +45,7 @@ ELEMENTWISE = ("silu", "gelu_tanh")
 GATED_NAMES = ("swiglu", "geglu", "swiglu_clamped")
 ACTIVATIONS = (None,) + ELEMENTWISE + GATED_NAMES
 QUANT_MODES = ("none", "weight_only", "scaled")
+FP8_QUANTS = ("fp8", "fp8_e5m2_grads")  # fp8 training (`fp8_cases`), drawn on their own
 DTYPES = ("float32", "bfloat16")
 ROW_OPERANDS = ("lhs_indices", "row_weights", "out_indices")
 
@@ -72,6 +80,8 @@ class Case:
     rows: the row operands passed (m-grouping only).
     out_rows: rows of the result with out_indices (m or 2m).
     seed: the operands' random seed.
+    quant: "none", "weight_only", "scaled" (QArray operands), or "fp8" /
+      "fp8_e5m2_grads": fp8 training of float operands (``quantization=quant``).
   """
 
   implementation: str = "xla"
@@ -134,6 +144,11 @@ class Case:
     return dataclasses.replace(self, **changes)
 
 
+def is_fp8(case: Case) -> bool:
+  """Whether `case` is trained in fp8 (``quantization=case.quant``, float operands)."""
+  return case.quant in FP8_QUANTS
+
+
 def reproducer(check: str, *args) -> str:
   """A command that reruns one check of one case (from the tests/ directory)."""
   arguments = ", ".join(repr(a) if not isinstance(a, Case) else "c." + repr(a) for a in args)
@@ -162,6 +177,8 @@ def documented_refusal(case: Case) -> str | None:
     return "lhs_indices need an untransposed float lhs"
   if case.rows and case.quant == "scaled":
     return "row operands with quantized weights are weight-only only"
+  if is_fp8(case) and (case.group_type != "m" or case.transpose_lhs):
+    return "fp8 training covers m-grouped gmms with an untransposed lhs"
   if case.implementation == "pallas_mosaic_gpu":
     # Through gmm the dispatcher hands interpret mode to Triton (support.md, footnote 1);
     # the kernel also refuses k-grouping, f32, a transposed lhs and quantized operands.
@@ -250,10 +267,16 @@ def vmap_operands(case: Case) -> tuple[str, ...]:
 
 
 @st.composite
-def vmap_cases(draw, **case_options) -> tuple[Case, str, tuple]:
-  """(case, batched operand, its batch of group sizes or offsets where it is one)."""
-  case = draw(cases(**case_options))
-  operand = draw(st.sampled_from(vmap_operands(case)))
+def vmap_cases(draw, *, strategy=None, operands=None, **case_options
+               ) -> tuple[Case, str, tuple]:
+  """(case, batched operand, its batch of group sizes or offsets where it is one).
+
+  Args:
+    strategy: the cases to draw (default: ``cases(**case_options)``).
+    operands: the operands to batch (default: any of `vmap_operands`).
+  """
+  case = draw(cases(**case_options) if strategy is None else strategy)
+  operand = draw(st.sampled_from(operands or vmap_operands(case)))
   batch = ()
   if operand == "group_sizes":
     dim = case.m if case.group_type == "m" else case.k
@@ -325,9 +348,12 @@ def make_operands(case: Case, seed_offset: int = 0) -> dict[str, Any]:
   rng = np.random.default_rng(case.seed + 7919 * seed_offset)
   dtype = jnp.dtype(case.dtype)
   shapes = _stored_shapes(case)
-  lhs = jnp.asarray(_uniform(rng, shapes["lhs"]), dtype)
-  rhs = jnp.asarray(_uniform(rng, shapes["rhs"]) * math.sqrt(3.0 / case.k), dtype)
-  if case.quant != "none":
+  lhs = _uniform(rng, shapes["lhs"])
+  rhs = _uniform(rng, shapes["rhs"]) * math.sqrt(3.0 / case.k)
+  if is_fp8(case):
+    lhs, rhs = _fp8_magnitudes(case, lhs, rhs)
+  lhs, rhs = jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype)
+  if case.quant in ("weight_only", "scaled"):
     rhs = gmm_jax.quantize(rhs, jnp.int8, channelwise_axes=(0, _n_axis(case))
                            if case.group_type == "m" else (_n_axis(case),), scale_dtype=dtype)
   if case.quant == "scaled":  # per token (the M axis of the stored lhs)
@@ -354,7 +380,7 @@ def float_operands(case: Case) -> tuple[str, ...]:
   """The operands gradients are taken for (QArrays and integers have none)."""
   names = []
   names += ["lhs"] if case.quant != "scaled" else []
-  names += ["rhs"] if case.quant == "none" else []
+  names += ["rhs"] if case.quant == "none" or is_fp8(case) else []
   names += ["bias"] if case.bias else []
   names += ["row_weights"] if "row_weights" in case.rows else []
   return tuple(names)
@@ -370,7 +396,8 @@ def apply(case: Case, ops: dict[str, Any], **options):
       implementation=case.implementation, interpret=case.implementation.startswith("pallas"),
       lhs_indices=ops["lhs_indices"], row_weights=ops["row_weights"],
       out_indices=ops["out_indices"],
-      out_rows=case.out_rows if "out_indices" in case.rows else None, **options)
+      out_rows=case.out_rows if "out_indices" in case.rows else None,
+      quantization=case.quant if is_fp8(case) else None, **options)
 
 
 @functools.lru_cache(maxsize=256)
@@ -750,3 +777,347 @@ def check_bitwise(case: Case):
     assert_bitwise(runs[0][0], runs[1][0], "forward, two runs")
     for name in params:
       assert_bitwise(runs[0][1][name], runs[1][1][name], f"d/d{name}, two runs")
+
+
+# ------------------------------------------------------------------------ fp8 training
+# ``gmm(..., quantization="fp8" | "fp8_e5m2_grads")`` has draws of its own (`fp8_cases`):
+# its blocks need K and N in multiples of 128 (the shapes above are 8 wide), and its
+# definition is the blockwise formula of tests/fp8_oracle.py (`fp8_expected`), not the
+# float oracle. The transformations: jit and eager (`check_fp8_oracle`), vmap over any
+# operand with the gradient of the batch (`check_fp8_vmap`), jvp (`check_fp8_jvp`: refused
+# by the custom_vjp), and the calls it refuses (`check_fp8_refused`).
+
+FP8_BLOCK = 128
+# (M, K, N, G): two K blocks (of different magnitudes, `_fp8_magnitudes`), or two blocks of
+# rows for the weight gradient's 128 x 1 blocks (the second one partial).
+FP8_SHAPES = ((40, 256, 128, 3), (160, 128, 128, 2))
+# What serves fp8 training on CPU; the kernels' interpret mode compiles slower (`-m slow`).
+FP8_IMPLEMENTATIONS = ("xla", "reference")
+FP8_KERNELS = ("pallas_tpu", "pallas_triton")
+# An activation the oracle differentiates (oracle.ACTIVATION_GRADS) and a gated one.
+FP8_ACTIVATIONS = (None, "silu", "gelu_tanh", "swiglu")
+FP8_GRAD_DTYPES = {"fp8": fp8_oracle.E4M3, "fp8_e5m2_grads": fp8_oracle.E5M2}
+
+
+@st.composite
+def fp8_cases(draw, *, implementations=FP8_IMPLEMENTATIONS, refused: bool = False) -> Case:
+  """Draws a float32 `Case` trained in fp8: m-grouped calls it serves (transpose_rhs, bias,
+  activation, row operands, group_offset, group sizes with an empty local group half the
+  time), or with ``refused=True`` the calls it refuses (k-grouping or a transposed lhs:
+  NotImplementedError, `check_fp8_refused`)."""
+  implementation = draw(st.sampled_from(implementations))
+  m, k, n, num_groups = draw(st.sampled_from(FP8_SHAPES))
+  common = dict(implementation=implementation, quant=draw(st.sampled_from(FP8_QUANTS)),
+                transpose_rhs=draw(st.booleans()), bias=draw(st.booleans()),
+                activation=draw(st.sampled_from(FP8_ACTIVATIONS)), m=m, k=k, n=n,
+                seed=draw(st.integers(0, 2**16)))
+  if refused:
+    group_type = draw(st.sampled_from(("m", "k")))
+    transpose_lhs = group_type == "m" or draw(st.booleans())
+    sizes = draw(group_sizes(num_groups, m if group_type == "m" else k))
+    return Case(group_type=group_type, transpose_lhs=transpose_lhs, num_local=num_groups,
+                sizes=sizes, out_rows=m, **common)
+  rows = tuple(name for name in ROW_OPERANDS if draw(st.booleans()))
+  num_local = draw(st.integers(1, num_groups))
+  group_offset = draw(st.integers(0, num_groups - num_local))
+  sizes = list(draw(group_sizes(num_groups, m)))
+  if draw(st.booleans()):
+    sizes[group_offset + draw(st.integers(0, num_local - 1))] = 0
+  return Case(rows=rows, num_local=num_local, group_offset=group_offset, sizes=tuple(sizes),
+              out_rows=m * draw(st.sampled_from((1, 2))) if "out_indices" in rows else m,
+              **common)
+
+
+def _fp8_magnitudes(case: Case, lhs: np.ndarray, rhs: np.ndarray):
+  """lhs's K blocks and rhs's N blocks alternately scaled by 1 and 1/4 (numpy), so that a
+  scale applied to the wrong block shows."""
+  def scaled(x, axis, size):
+    factor = 0.25 ** (np.arange(size) // FP8_BLOCK % 2)
+    return x * factor.astype(x.dtype).reshape([-1 if a == axis else 1
+                                              for a in range(x.ndim)])
+  lhs = scaled(lhs, 0 if case.transpose_lhs else 1, case.k)
+  return lhs, scaled(rhs, _n_axis(case), case.rhs_cols)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_quantizer(dtype: np.dtype, blocks: tuple[int, ...]) -> Callable:
+  recipe = gmm_jax.Fp8Training(dtype=dtype, block=FP8_BLOCK)
+  if len(blocks) == 3:
+    return jax.jit(recipe.weights)
+  return jax.jit(functools.partial(recipe.activations, axis=blocks.index(FP8_BLOCK)))
+
+
+def fp8_blocks(x, dtype, blocks, e8m0: bool = False) -> np.ndarray:
+  """fp8_oracle's `quantizer` fed gmm_jax's quantized blocks (`Fp8Training.activations` /
+  `.weights`, read by numpy: `fp8_oracle.expand`): XLA may round a value to the
+  neighbouring fp8 value, so the formula is tested on the library's own blocks (the
+  quantization itself: tests/test_fp8_training.py)."""
+  assert not e8m0, "the drawn recipes have f32 scales"
+  q = _fp8_quantizer(np.dtype(dtype), tuple(blocks))(jnp.asarray(x))
+  return fp8_oracle.expand(q.qvalue, q.scale, q.tile)
+
+
+def _activation_vjp(activation: str | None, z: np.ndarray, ct: np.ndarray) -> np.ndarray:
+  """The cotangent of the pre-activation `z` (float64) for the cotangent `ct` of its
+  activation."""
+  if activation is None:
+    return ct
+  if activation == "swiglu":  # silu(gate) * up
+    gate, up = np.split(z, 2, axis=-1)
+    return np.concatenate([ct * up * ACTIVATION_GRADS["silu"](gate),
+                           ct * NUMPY_ACTIVATIONS["silu"](gate)], axis=-1)
+  return ct * ACTIVATION_GRADS[activation](z)
+
+
+def _activated(activation: str | None, z: np.ndarray) -> np.ndarray:
+  if activation is None:
+    return z
+  return (GATED[activation](z) if activation in GATED
+          else NUMPY_ACTIVATIONS[activation](z))
+
+
+def _fp8_forward(case: Case, ops: dict) -> dict[str, Any]:
+  """The numpy pieces of the forward: the library's blocks of lhs and rhs (dequantized,
+  rhs as [G_local, K, N]), each grouped row's token and local group (-1: none), and the
+  pre-activation z (float64, 0 on rows of no local group)."""
+  assert is_fp8(case) and case.group_type == "m" and not case.transpose_lhs, case
+  sizes = [int(s) for s in np.asarray(ops["group_sizes"])]
+  offset = 0 if ops["group_offset"] is None else int(ops["group_offset"])
+  lhs, rhs = np.asarray(ops["lhs"], np.float32), np.asarray(ops["rhs"], np.float32)
+  bias = None if ops["bias"] is None else f64(ops["bias"])
+  # 1 x 128 blocks along K: per token, so quantizing before the gather is the same.
+  lhs_q = fp8_blocks(lhs, fp8_oracle.E4M3, (1, FP8_BLOCK))
+  rhs_q = fp8_blocks(rhs, fp8_oracle.E4M3, (1, FP8_BLOCK, FP8_BLOCK))
+  rhs_q = np.swapaxes(rhs_q, 1, 2) if case.transpose_rhs else rhs_q
+  tokens = (np.arange(case.m) if ops["lhs_indices"] is None
+            else np.asarray(ops["lhs_indices"]))
+  local = np.full(case.m, -1)
+  start = 0
+  for g, size in enumerate(sizes):
+    if 0 <= g - offset < case.num_local:
+      local[start:min(start + size, case.m)] = g - offset
+    start += size
+  z = np.zeros((case.m, case.rhs_cols))
+  for r in np.flatnonzero(local >= 0):
+    z[r] = lhs_q[tokens[r]] @ rhs_q[local[r]] + (0.0 if bias is None else bias[local[r]])
+  return dict(sizes=sizes, offset=offset, lhs=lhs, rhs=rhs, lhs_q=lhs_q, rhs_q=rhs_q,
+              tokens=tokens, local=local, z=z)
+
+
+def fp8_gmm_cotangent(case: Case, ops: dict, cot) -> tuple[np.ndarray, np.ndarray | None]:
+  """(the cotangent of the fp8 gmm's result z, float64 ``[M, N]`` and 0 on rows of no
+  local group; d/d row_weights or None) for the result's cotangent `cot`: back through the
+  scatter to out_indices, the row weights and the activation, in numpy."""
+  forward = _fp8_forward(case, ops)
+  z, held = forward["z"], forward["local"] >= 0
+  cot = f64(cot)
+  ct = cot[np.asarray(ops["out_indices"])] if ops["out_indices"] is not None else cot
+  d_weights = None
+  if ops["row_weights"] is not None:
+    d_weights = np.where(held, np.sum(_activated(case.activation, z) * ct, 1), 0.0)
+    ct = ct * f64(ops["row_weights"])[:, None]
+  ct_z = _activation_vjp(case.activation, z, ct)
+  ct_z[~held] = 0
+  return ct_z, d_weights
+
+
+def fp8_expected(case: Case, ops: dict, cot=None, *, gmm_cotangent=None
+                 ) -> tuple[np.ndarray, dict | None]:
+  """float64 ``(result, gradients by float operand)`` of `apply(case, ops)` trained in fp8
+  (gradients only given the result's cotangent `cot`).
+
+  The fp8 gmm is fp8_oracle's blockwise formula on the library's blocks (`fp8_blocks`):
+  forward ``Q(lhs, 1 x 128) Q(rhs, 128 x 128)``, dlhs ``Q(ct, 1 x 128) Q(rhs)^T``, drhs
+  ``Q(lhs, 128 x 1)^T Q(ct, 128 x 1)`` over the gathered rows (the cotangent zero on rows
+  of no local group). Around it, in numpy: the gather of lhs_indices (its gradient summed
+  back per token), bias, activation, row weights and the scatter to out_indices.
+
+  `gmm_cotangent` replaces the fp8 gmm's cotangent (`fp8_gmm_cotangent` of this call): a
+  gmm whose result several calls share receives their sum, quantized once.
+  """
+  forward = _fp8_forward(case, ops)
+  sizes, offset = forward["sizes"], forward["offset"]
+  out = rows_oracle(forward["lhs_q"], forward["rhs_q"], sizes,
+                    lhs_indices=ops["lhs_indices"] if ops["lhs_indices"] is None
+                    else np.asarray(ops["lhs_indices"]),
+                    row_weights=None if ops["row_weights"] is None
+                    else f64(ops["row_weights"]),
+                    out_indices=None if ops["out_indices"] is None
+                    else np.asarray(ops["out_indices"]),
+                    out_rows=case.out_rows if ops["out_indices"] is not None else None,
+                    bias=None if ops["bias"] is None else f64(ops["bias"]),
+                    activation=case.activation, group_offset=offset,
+                    num_local=case.num_local)
+  if cot is None:
+    return out, None
+  ct_z, d_weights = fp8_gmm_cotangent(case, ops, cot)
+  ct_z = ct_z if gmm_cotangent is None else gmm_cotangent
+  lhs, rhs, tokens = forward["lhs"], forward["rhs"], forward["tokens"]
+  # The formula over all groups, those not held as zero weights (held groups past the
+  # list, with a batched group_offset, as empty ones).
+  num_all = max(len(sizes), offset + case.num_local)
+  full_rhs = np.zeros((num_all,) + rhs.shape[1:], np.float32)
+  full_rhs[offset:offset + case.num_local] = rhs
+  dx, drhs, dbias = fp8_oracle.fp8_vjp(
+      lhs[tokens], full_rhs, sizes + [0] * (num_all - len(sizes)), ct_z.astype(np.float32),
+      transpose_rhs=case.transpose_rhs, block=FP8_BLOCK,
+      grad_dtype=FP8_GRAD_DTYPES[case.quant], quantizer=fp8_blocks)
+  dlhs = np.zeros(lhs.shape)
+  np.add.at(dlhs, tokens, dx)
+  grads = {"lhs": dlhs, "rhs": drhs[offset:offset + case.num_local]}
+  if ops["bias"] is not None:
+    grads["bias"] = dbias[offset:offset + case.num_local]
+  if d_weights is not None:
+    grads["row_weights"] = d_weights
+  return out, grads
+
+
+# Relative to the largest expected entry (as tests/test_fp8_training.py): f32 accumulation
+# of the same fp8 products. With an activation, the oracle's cotangent of the
+# pre-activation is computed in float64 and the library's in f32: where an entry lies at a
+# rounding midpoint of its fp8 block, a 1-ulp difference rounds it to the neighbouring fp8
+# value (one step, <= 2^-3 of it; rare: within an ulp of a midpoint), which moves one row of dlhs
+# and one column of drhs by up to ~1e-2 of the largest entry. Such cases hold every entry
+# to FP8_LOOSE and nine in ten to the tight tolerance (a wrong formula moves most).
+FP8_TOLERANCE = 2e-5
+FP8_LOOSE = 3e-2
+FP8_TIGHT_SHARE = 0.9
+
+
+def assert_fp8_close(got, want, what: str, loose: bool = False):
+  got, want = f64(got), f64(want)
+  assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+  scale = max(np.max(np.abs(want), initial=0.0), 1e-30)
+  if loose and want.size:
+    tight = np.mean(np.abs(got - want) <= FP8_TOLERANCE * scale)
+    assert tight >= FP8_TIGHT_SHARE, f"{what}: only {tight:.3f} of the entries are close"
+  tolerance = FP8_LOOSE if loose else FP8_TOLERANCE
+  np.testing.assert_allclose(got, want, rtol=0, atol=tolerance * scale, err_msg=what)
+
+
+def _loose(case: Case, name: str) -> bool:
+  """Whether the gradient `name` goes through an fp8 quantization of the pre-activation's
+  cotangent computed in float64 by the oracle (see FP8_LOOSE)."""
+  return case.activation is not None and name in ("lhs", "rhs")
+
+
+def check_fp8_oracle(case: Case, jit: bool = True):
+  """fp8 training equals its blockwise formula (`fp8_expected`), the result in the
+  operands' dtype with rows no local group writes exactly 0, and every gradient (one
+  `jax.vjp`, under jit or eagerly)."""
+  with _reproducible("check_fp8_oracle", case, jit):
+    ops = make_operands(case)
+    params, others = split(case, ops)
+    cot = cotangent(case)
+
+    def run(params, cot):
+      out, vjp = jax.vjp(lambda p: apply(case, {**others, **p}), params)
+      return out, vjp(cot)[0]
+
+    out, grads = (jax.jit(run) if jit else run)(params, cot)
+    assert out.shape == case.out_shape and out.dtype == case.out_dtype, (
+        f"{jax.typeof(out)}, want {case.out_dtype}{list(case.out_shape)}")
+    want, want_grads = fp8_expected(case, ops, cot)
+    assert_fp8_close(out, want, "fp8 gmm vs the blockwise formula")
+    assert not np.any(f64(out)[unwritten_rows(case, ops)]), "unwritten rows are not 0"
+    for name in params:
+      assert grads[name].dtype == params[name].dtype, name
+      assert_fp8_close(grads[name], want_grads[name], f"d/d{name} vs the blockwise formula",
+                       _loose(case, name))
+
+
+# Operands applied after the fp8 gmm (`epilogue.finish`): batching only them leaves the
+# gmm unbatched.
+FP8_AFTER_THE_GMM = ("row_weights", "out_indices")
+
+
+def check_fp8_vmap(case: Case, operand: str, batch: tuple = ()):
+  """vmap over one operand: each batch element's result is its own formula
+  (`fp8_expected`), and the gradient of the batch (summed against a cotangent per element)
+  stacks the batched operand's gradients and adds up the others'. Batching only operands
+  applied after the fp8 gmm (FP8_AFTER_THE_GMM) leaves one gmm, whose backward quantizes
+  the sum of the batch's cotangents: the unbatched operands' gradients are then the
+  formula's for that sum, not the sum of each element's formula."""
+  with _reproducible("check_fp8_vmap", case, operand, batch):
+    each, stacked = _batched(case, operand, batch)
+    params, _ = split(case, each[0])
+    cot = jnp.stack([cotangent(case, i) for i in range(BATCH)])
+    rest = {name: v for name, v in params.items() if name != operand}
+    batched = operand in params
+
+    def run(rest, value):
+      def loss(rest, value):
+        out = jax.vmap(lambda v: apply(case, {**each[0], **rest, operand: v}))(value)
+        return jnp.sum(out * cot), out
+      grads, out = jax.grad(loss, argnums=(0, 1) if batched else 0, has_aux=True)(rest, value)
+      return out, ({**grads[0], operand: grads[1]} if batched else grads)
+
+    out, grads = jax.jit(run)(rest, stacked)
+    assert out.shape == (BATCH,) + case.out_shape, out.shape
+    each = [_with_offsets(case, ops) for ops in each]
+    shared = None
+    if operand in FP8_AFTER_THE_GMM:
+      # The fp8 gmm is not batched: its one result's cotangent is the batch's sum,
+      # quantized once (its backward is not linear in it: no loop of gradients).
+      shared = sum(fp8_gmm_cotangent(case, ops, cot[i])[0] for i, ops in enumerate(each))
+    expected = [fp8_expected(case, ops, cot[i], gmm_cotangent=shared)
+                for i, ops in enumerate(each)]
+    for i, (want, _) in enumerate(expected):
+      assert_fp8_close(out[i], want, f"vmap over {operand}: element {i} vs its formula")
+    for name in params:
+      if name == operand:
+        for i, (_, want_grads) in enumerate(expected):
+          assert_fp8_close(grads[name][i], want_grads[name],
+                           f"d/d{name} of vmap over {operand}: element {i} vs its formula",
+                           _loose(case, name))
+      elif shared is not None and name != "row_weights":  # the one gmm's gradient
+        assert_fp8_close(grads[name], expected[0][1][name],
+                         f"d/d{name} of vmap over {operand} vs the formula of the summed "
+                         f"cotangent", _loose(case, name))
+      else:
+        assert_fp8_close(grads[name], sum(g[name] for _, g in expected),
+                         f"d/d{name} of vmap over {operand} vs the sum of the formulas",
+                         _loose(case, name))
+
+
+def check_fp8_jvp(case: Case, names: tuple[str, ...]):
+  """jax.jvp along the float operands `names`: refused with a TypeError naming the
+  custom_vjp (forward mode is not defined) when a tangent reaches the fp8 gmm (lhs, rhs,
+  bias); along the row weights alone (applied after it) the tangent is the result with
+  the tangent as row weights (the result is linear in them)."""
+  with _reproducible("check_fp8_jvp", case, names):
+    ops = make_operands(case)
+    rng = np.random.default_rng(case.seed + 2)
+    primals = {name: ops[name] for name in names}
+    tangents = {name: jnp.asarray(_uniform(rng, v.shape), v.dtype)
+                for name, v in primals.items()}
+    run = jax.jit(lambda p, t: jax.jvp(lambda p: apply(case, {**ops, **p}), (p,), (t,)))
+    if set(names) & {"lhs", "rhs", "bias"}:
+      try:
+        run(primals, tangents)
+      except TypeError as err:
+        assert "forward-mode" in str(err) and "custom_vjp" in str(err), err
+        return
+      raise AssertionError(f"jvp along {names} of an fp8-trained gmm did not raise")
+    out, tangent = run(primals, tangents)
+    assert_fp8_close(out, fp8_expected(case, ops)[0], "jvp's primal vs the formula")
+    assert_fp8_close(tangent, fp8_expected(case, {**ops, **tangents})[0],
+                     "jvp along the row weights vs the formula with them as row weights")
+
+
+def check_fp8_refused(case: Case):
+  """fp8 training refuses k-grouping and a transposed lhs with a NotImplementedError that
+  says what it covers and what it got, eagerly and under jit."""
+  assert documented_refusal(case) is not None, case
+  with _reproducible("check_fp8_refused", case):
+    ops = make_operands(case)
+    for fn in (functools.partial(apply, case), jitted(case)):
+      try:
+        fn(ops)
+      except NotImplementedError as err:
+        message = str(err)
+        assert "fp8 training" in message and "m-grouped" in message, message
+        assert (f"group_type={case.group_type!r}" in message
+                and f"transpose_lhs={case.transpose_lhs}" in message), message
+        continue
+      raise AssertionError("an fp8 call fp8 training does not cover did not raise")

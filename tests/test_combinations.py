@@ -9,7 +9,9 @@ grad of vmap = loop of grads, jvp = finite difference, jit = eager, empty groups
 exactly 0, two runs bitwise equal. The routed experts of the MoE layer
 (`gmm_jax.routed_experts`) get their own draws (`moe_combinations`): FFN kind x activation x
 fused x biases x capacity x the layout the partitioner splits, forward and gradients against
-a float64 per-token oracle.
+a float64 per-token oracle. fp8 training (``quantization=``) gets its own draws and
+properties in tests/test_fp8_combinations.py (K, N multiples of its 128 blocks; the
+blockwise formula as definition).
 
 The default run is deterministic (the "gmm" profile derandomizes) with a few examples per
 property and tiny shapes; each ``*_slow`` twin (``-m slow``) draws SLOW times as many.
