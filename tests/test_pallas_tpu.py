@@ -376,3 +376,100 @@ def test_unlowerable_activation_and_tiling_fall_back_to_xla():
   for options in (dict(activation=erfc_gelu), dict(tiling=Tiling(tile_m=16))):
     text = _lower_for_tpu(lambda l, r: gmm_jax.gmm(l, r, sizes, **options), lhs, rhs)
     assert mosaic_calls(text) == 0  # served by "xla"
+
+
+# ------------------------------------------------- epilogue features: gated, row weights
+
+# The kernels keep a gated activation's gate and up column blocks (and accumulators) side
+# by side and apply row weights in the epilogue (`FEATURES`); against the reference on
+# several tiles per dimension, several K steps with a ragged K edge, both group types.
+EPILOGUE_CASES = [
+    pytest.param("m", "swiglu", False, (32, 128, 128), False, False, 300, id="m-swiglu"),
+    pytest.param("m", "swiglu", True, (32, 128, 128), False, False, 300, id="m-swiglu-weighted"),
+    pytest.param("m", "gelu", True, (32, 128, 128), False, True, 300, id="m-gelu-weighted-tr"),
+    pytest.param("m", "geglu", True, None, False, True, 300, id="m-geglu-default-tiles"),
+    pytest.param("m", "swiglu_clamped", False, (128, 128, 128), True, True, 300,
+                 id="m-clamped-tl-tr"),
+    pytest.param("m", "swiglu", True, (32, 512, 256), False, False, 384, id="m-one-k-step"),
+    pytest.param("k", "swiglu", False, (32, 128, 128), False, False, 300, id="k-swiglu"),
+    pytest.param("k", "geglu", False, (128, 128, 128), True, True, 300, id="k-geglu-tl-tr"),
+]
+
+
+@pytest.mark.parametrize("group_type, activation, weighted, tiles, transpose_lhs, "
+                         "transpose_rhs, k", EPILOGUE_CASES)
+def test_gated_and_row_weights_epilogue(group_type, activation, weighted, tiles,
+                                        transpose_lhs, transpose_rhs, k):
+  from gmm_jax._src.epilogue import Rows
+  gated = activation in ("swiglu", "geglu", "swiglu_clamped")
+  m, n_out, num_local = (230, 256, 3) if group_type == "m" else (70, 256, 3)
+  sizes = [70, 0, 41, 100] if group_type == "m" else [130, 0, 41, 100]
+  lhs, rhs, bias = make_operands(group_type, m=m, k=k, n=2 * n_out if gated else n_out,
+                                 num_local=num_local, transpose_lhs=transpose_lhs,
+                                 transpose_rhs=transpose_rhs, with_bias=True, seed=11)
+  weights = jnp.asarray(np.random.default_rng(5).standard_normal(m), jnp.float32)
+  rows = Rows(None, weights if weighted else None, None)
+  cfg = GmmConfig(group_type=group_type, num_local=num_local, transpose_lhs=transpose_lhs,
+                  transpose_rhs=transpose_rhs, activation=activation, row_weights=weighted,
+                  out_dtype=np.dtype("float32"), interpret=True)
+  tiling = None if tiles is None else Tiling(*tiles)
+  counts, group_offset = jnp.asarray(sizes, jnp.int32), jnp.int32(1)
+  got = jax.jit(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, tiling, rows))(
+      lhs, rhs, counts, group_offset, bias)
+  assert got.shape == ((m, n_out) if group_type == "m" else (num_local, m, n_out))
+  want = jax.jit(lambda *a: gmm_reference(*a, cfg, rows=rows) if weighted
+                 else gmm_reference(*a, cfg))(lhs, rhs, counts, group_offset, bias)
+  # f32 sums of another order, each rounding error times the other factor of gate * up
+  # (at most the largest pre-activation, from the reference without the activation).
+  z = gmm_reference(lhs, rhs, counts, group_offset, bias, cfg.replace(activation=None,
+                                                                      row_weights=False))
+  scale = (float(jnp.max(jnp.abs(lhs)) * jnp.max(jnp.abs(rhs)))
+           * max(1.0, float(jnp.max(jnp.abs(z)))) * float(jnp.max(jnp.abs(weights))))
+  np.testing.assert_allclose(f64(got), f64(want), **tolerances(jnp.float32, k=k, scale=scale))
+
+
+def test_gated_tiles_must_divide_the_output_columns():
+  cfg = GmmConfig(group_type="m", num_local=2, activation="swiglu")
+  # 2N = 1024 product columns: N = 512 output columns, which 384 does not divide.
+  with pytest.raises(NotImplementedError, match="divides the 512 output columns"):
+    tpu_gmm.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=384), 256, 128, 1024, cfg)
+  with pytest.raises(NotImplementedError, match="multiple of 128"):  # 96 divides 192
+    tpu_gmm.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=96), 256, 128, 384, cfg)
+  tpu_gmm.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=256), 256, 128, 1024, cfg)
+  tpu_gmm.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=1024), 256, 128, 1024, cfg)
+  tiling = tpu_gmm.default_tiling(4096, 1024, 2 * 1408, cfg)
+  assert 1408 % tiling.tile_n == 0 and tiling.tile_n % 128 == 0
+
+
+@pytest.mark.parametrize("n_out, fused", [(256, True), (64, False)])
+def test_dispatch_fuses_what_the_kernel_does_and_moves_the_rest_around(n_out, fused):
+  # Gathered rows, a gated activation and row weights on TPU: the kernel does the gated
+  # activation and the weights in its epilogue; the gather is done before it (exact). With
+  # N/2 = 64 output columns (no 128-lane tile divides it) the kernel refuses the fused form
+  # and serves the plain gmm, the activation and weights done after it in f32.
+  from gmm_jax._src import dispatch
+  tokens, k, num_local = 50, 128, 3
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((tokens, k)), jnp.float32)
+  rhs = jnp.asarray(np.random.default_rng(2).standard_normal((num_local, k, 2 * n_out)) / 8,
+                    jnp.float32)
+  sizes = jnp.asarray([40, 0, 60], jnp.int32)
+  indices = jnp.asarray(np.random.default_rng(3).integers(0, tokens, 100), jnp.int32)
+  weights = jnp.asarray(np.random.default_rng(4).random(100), jnp.float32)
+
+  def f(x, rhs, implementation, interpret):
+    return gmm_jax.gmm(x, rhs, sizes, activation="swiglu", lhs_indices=indices,
+                       row_weights=weights, implementation=implementation,
+                       interpret=interpret)
+
+  with dispatch.record() as decisions:
+    got = jax.jit(lambda x, r: f(x, r, "pallas_tpu", True))(x, rhs)
+  (decision,) = decisions
+  assert decision.implementation == "pallas_tpu"
+  assert decision.materialized == (("gather",) if fused
+                                   else ("gather", "row_weights", "gated"))
+  want = f(x, rhs, "reference", False)
+  np.testing.assert_allclose(f64(got), f64(want), rtol=1e-5, atol=1e-5)
+  if fused:  # lowered for a TPU: one Mosaic kernel gives the [R, N] result itself
+    text = _lower_for_tpu(lambda x, r: f(x, r, None, False), x, rhs)
+    assert mosaic_calls(text) == 1
+    assert f"tensor<100x{2 * n_out}xf32>" not in text.split("tpu_custom_call")[-1]

@@ -24,7 +24,7 @@ import numpy as np
 
 from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gather_rows
+from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gather_rows, scatter_rows
 from gmm_jax._src.qarray import quant_mode as _quant_mode
 
 # What an implementation may do natively beyond the plain gmm (`Backend.features`):
@@ -254,26 +254,42 @@ def needed_features(cfg: GmmConfig) -> tuple[str, ...]:
 
 
 def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
-            rows: Rows):
-  """`backend` on a call whose row operations (or gated activation) it lacks: lhs gathered
-  before it; after it, on its f32 result, the finishing step (`epilogue.finish`: the
-  activation when gated or weighted, the row weights, the row mask and the scatter)."""
-  if cfg.gather_rows is not None:
+            rows: Rows, missing: tuple[str, ...]):
+  """`backend` on a call whose `missing` features it lacks (or refused), those done around
+  it and the others in it.
+
+  A missing gather (data movement, exact) gathers lhs before it; a missing scatter scatters
+  its result after it. A missing gated activation or row weights moves both, with the
+  scatter, to the finishing step after it (`epilogue.finish`, on its f32 result), so that
+  every path rounds once, after the activation and the weights, as the fused kernels do.
+  """
+  if cfg.gather_rows is not None and any(f in missing for f in ("gather", "gather_k")):
     lhs = gather_rows(lhs, rows.lhs_indices)
-  after = cfg.gated or cfg.row_weights
-  inner = cfg.without_rows()
+    cfg, rows = cfg.replace(gather_rows=None), rows._replace(lhs_indices=None)
+  after = (cfg.gated or cfg.row_weights) and any(f in missing for f in ("gated", "row_weights"))
+  scatter = cfg.out_rows is not None and (after or "scatter" in missing)
+  inner, inner_rows = cfg, rows
   if after:
-    inner = inner.replace(activation=None, out_dtype=np.dtype(np.float32))
-  y = backend.fn(lhs, rhs, counts, group_offset, bias, inner)
-  if not after and cfg.out_rows is None:
+    inner = inner.replace(activation=None, row_weights=False,
+                          out_dtype=np.dtype(np.float32))
+    inner_rows = inner_rows._replace(row_weights=None)
+  if scatter:
+    inner, inner_rows = inner.replace(out_rows=None), inner_rows._replace(out_indices=None)
+  if needed_features(inner):
+    y = backend.fn(lhs, rhs, counts, group_offset, bias, inner, rows=inner_rows)
+  else:
+    y = backend.fn(lhs, rhs, counts, group_offset, bias, inner)
+  if not after and not scatter:
     return y
   row_ids = None
   if cfg.group_type == "m":
     row_ids = metadata.row_group_ids(counts, y.shape[0], group_offset, cfg.num_local)
-  return finish(y, cfg.activation if after else None, cfg.out_dtype, row_ids=row_ids,
+  if not after:  # the kernel's rows as they are, each written to its target row
+    return scatter_rows(y, rows.out_indices, cfg.out_rows, row_ids >= 0)
+  return finish(y, cfg.activation, cfg.out_dtype, row_ids=row_ids,
                 row_weights=rows.row_weights if cfg.row_weights else None,
-                out_indices=rows.out_indices if cfg.out_rows is not None else None,
-                out_rows=cfg.out_rows)
+                out_indices=rows.out_indices if scatter else None,
+                out_rows=cfg.out_rows if scatter else None)
 
 
 def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, platform: str,
@@ -294,12 +310,23 @@ def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, platform: str,
     missing = tuple(f for f in needed if f not in backend.features)
     try:
       _check_support(backend, cfg, mode, platform)
-      if missing:
-        out = _around(backend, lhs, rhs, counts, group_offset, bias, cfg, rows)
-      elif needed:
-        out = backend.fn(lhs, rhs, counts, group_offset, bias, cfg, rows=rows)
-      else:
+      if not needed:
         out = backend.fn(lhs, rhs, counts, group_offset, bias, cfg)
+      else:
+        try:
+          if missing:
+            out = _around(backend, lhs, rhs, counts, group_offset, bias, cfg, rows, missing)
+          else:
+            out = backend.fn(lhs, rhs, counts, group_offset, bias, cfg, rows=rows)
+        except NotImplementedError as err:
+          if set(missing) == set(needed):
+            raise
+          # A kernel may refuse a fused form for some operands (tiles, quantization): it
+          # then serves the plain gmm, with everything done around it.
+          reasons.append(f"{name} (fused {', '.join(f for f in needed if f not in missing)})"
+                         f": {err}")
+          missing = needed
+          out = _around(backend, lhs, rhs, counts, group_offset, bias, cfg, rows, missing)
     except NotImplementedError as err:
       reasons.append(f"{name}: {err}")
     else:

@@ -45,6 +45,16 @@ chip with an fp8 MXU path (`cost_models.fp8_mxu`: TPU7x) the fp8 values go to th
 they are (one type on both sides; e4m3 x e5m2 meets in bf16); elsewhere (v5e/v6e) they are
 converted in-kernel to bf16 (exact) before any mask or transpose.
 
+Epilogue features (`FEATURES`; the dispatcher gathers and scatters rows around the kernels):
+a gated activation (rhs columns ``[gate | up]``, both group types) passes rhs (and the
+bias) twice, one BlockSpec for the gate column block ``n`` and one for the up block
+``n + N/2 / tile_n``; ``tile_n`` counts output columns, a multiple of 128 dividing N/2; the
+program keeps one accumulator per half and applies the activation to the pair in its
+epilogue. Row weights (m-grouping) come as ``[tile_m, 1]`` f32 blocks of the item's row
+tile and multiply the rows after the activation, in f32 before the cast (`_epilogue`:
+`epilogue.finish`'s numerics). Quantized operands with a gated activation are refused
+(the dispatcher then applies it after the plain kernel).
+
 `cost_models.tpu_static_cost` models on the host what a call does (rows through the MXU,
 grid steps, bytes DMA'd from HBM given the grid order and the skipped DMAs); the VMEM model
 and the work items live there too.
@@ -63,12 +73,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gmm_jax._src import cost_models, metadata
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src import cost_models, epilogue, metadata
+from gmm_jax._src.config import GmmConfig, Tiling, is_gated, out_columns
 from gmm_jax._src.cost_models import (DEQUANT_ROWS, LANE, fit_tile, k_items, m_items,
                                       modelled_seconds, mxu_rows, vmem_bytes, vmem_capacity,
                                       vmem_limit)
-from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
+from gmm_jax._src.epilogue import NO_ROWS, Rows, apply_epilogue, resolve_activation
 from gmm_jax._src.qarray import QArray
 from gmm_jax.pallas import common
 
@@ -77,6 +87,10 @@ ALIGN = cost_models.TPU_ALIGN  # BlockSpec index maps address whole tiles
 # model lives in `cost_models`).
 static_cost = cost_models.tpu_static_cost
 VMEM_RESERVE = cost_models.VMEM_RESERVE
+# What the kernels do in their epilogue beyond the plain gmm (`dispatch.Backend.features`):
+# row weights (m-grouping) and gated activations (both group types). Gathered and scattered
+# rows are done around them by the dispatcher (exact data movement).
+FEATURES = ("row_weights", "gated")
 
 
 # ------------------------------------------------------------------------------ tiling
@@ -109,46 +123,74 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
   Candidates: m-grouping: 128/256/512 rows (or M), K whole or split evenly into multiples of
   128 (>= 512), N whole up to 2048 or split evenly (>= 256, a ragged power of two when N
   has no such divisor). k-grouping: output tiles with M and N whole up to 2048 or split
-  likewise, and K items of 128/256/512 columns by the mean group size.
+  likewise, and K items of 128/256/512 columns by the mean group size. A gated activation
+  tiles its N/2 output columns (``tile_n`` counts them; `paired` blocks of both halves are
+  in VMEM) by tiles that divide N/2, so that the up block is a whole block index away.
   """
   budget = vmem_capacity() // 2
   out_itemsize = cfg.out_dtype.itemsize
-  m, k, n = max(m, 1), max(k, 1), max(n, 1)
+  m, k, n = max(m, 1), max(k, 1), max(out_columns(n, cfg), 1)
 
   def fits(tiling, k_steps):
-    return vmem_bytes(tiling, cfg.group_type, lhs_itemsize=itemsize, rhs_itemsize=itemsize,
-                      out_itemsize=out_itemsize, dot_itemsize=itemsize, k_steps=k_steps,
-                      transpose_lhs=cfg.transpose_lhs, weight_cache=True,
+    return vmem_bytes(paired(tiling, cfg), cfg.group_type, lhs_itemsize=itemsize,
+                      rhs_itemsize=itemsize, out_itemsize=out_itemsize, dot_itemsize=itemsize,
+                      k_steps=k_steps, transpose_lhs=cfg.transpose_lhs, weight_cache=True,
                       has_bias=True) <= budget
+
+  def columns(largest):
+    tiles = _lane_tiles(n, largest)
+    if not cfg.gated:
+      return tiles
+    return [t for t in tiles if n % t == 0 and t % LANE == 0] or [n]
 
   if cfg.group_type == "m":
     candidates = [Tiling(tile_m=tm, tile_k=tk, tile_n=tn)
                   for tm in ([t for t in (512, 256, 128) if t <= m] or [m])
                   for tk in _lane_tiles(k, 16384, smallest=512)
-                  for tn in _lane_tiles(n, 2048)]
+                  for tn in columns(2048)]
     fallback = Tiling(tile_m=min(128, m), tile_k=min(512, k), tile_n=min(512, n))
   else:
     mean = k // max(1, cfg.num_local)
     tile_k = 128 if mean < 256 else (256 if mean < 512 else 512)
     candidates = [Tiling(tile_m=tm, tile_k=tile_k, tile_n=tn)
-                  for tm in _lane_tiles(m, 2048) for tn in _lane_tiles(n, 2048)]
+                  for tm in _lane_tiles(m, 2048) for tn in columns(2048)]
     fallback = Tiling(tile_m=min(256, m), tile_k=tile_k, tile_n=min(512, n))
   candidates = [t for t in candidates if fits(t, math.ceil(k / t.tile_k))]
   if not candidates:
     return fallback
   # Ties (within 1%) go to the larger tiles (fewer steps, fewer re-reads).
-  scored = [(modelled_seconds(t, m, k, n, cfg, itemsize), t) for t in candidates]
+  scored = [(modelled_seconds(paired(t, cfg), m, k, n * (2 if cfg.gated else 1), cfg,
+                              itemsize), t) for t in candidates]
   best = min(score for score, _ in scored)
   return max((t for score, t in scored if score <= best * 1.01),
              key=lambda t: (t.tile_k, t.tile_n, t.tile_m))
+
+
+def paired(tiling: Tiling, cfg: GmmConfig) -> Tiling:
+  """The tiles as VMEM holds them: a gated activation's program keeps the gate and the up
+  column blocks (and accumulators) of its ``tile_n`` output columns."""
+  if not cfg.gated:
+    return tiling
+  return Tiling(tile_m=tiling.tile_m, tile_k=tiling.tile_k, tile_n=2 * tiling.tile_n)
 
 
 def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig) -> None:
   """Raises NotImplementedError for a tile Mosaic cannot block.
 
   Each tile must be a multiple of 128 or cover its whole dimension; with lhs stored
-  untransposed, ``tile_m`` (a sublane dimension) may also be a multiple of 32.
+  untransposed, ``tile_m`` (a sublane dimension) may also be a multiple of 32. A gated
+  activation's ``tile_n`` counts output columns (N/2 of the N product columns) and must
+  be a multiple of 128 dividing N/2 (its blocks never cover the 2N columns): the up block
+  is then N/2 / tile_n block indices after the gate block.
   """
+  if cfg.gated:
+    n = out_columns(n, cfg)
+    tile_n = min(tiling.tile_n, n)
+    if n % tile_n or tile_n % LANE:
+      raise NotImplementedError(
+          f"a gated activation in the TPU kernel needs tile_n to be a multiple of {LANE} that "
+          f"divides the {n} output columns (the up half is then a whole number of blocks "
+          f"away), got tile_n={tiling.tile_n}")
   dims = dict(tile_m=m, tile_k=k, tile_n=n)
   for name, dim in dims.items():
     tile = getattr(tiling, name)
@@ -168,6 +210,13 @@ def kernel_activation(activation):
   return activation
 
 
+# The gated activations on the gate and up halves, which the kernels keep in two blocks and
+# accumulators ("geglu"'s gate through `kernel_activation`'s erf).
+GATED_PAIRS = {
+    name: epilogue.gated_pair(name, lambda gate: resolve_activation(kernel_activation(gate)))
+    for name in epilogue.GATED_ACTIVATIONS}
+
+
 def unsupported_primitives(activation) -> set[str]:
   """Primitives of `activation` without a Mosaic TPU (TensorCore) lowering rule.
 
@@ -180,6 +229,9 @@ def unsupported_primitives(activation) -> set[str]:
       rules = next(table for core, table in rules.items() if str(core).lower() == "tc")
   except (ImportError, AttributeError, StopIteration):
     return set()
+  if is_gated(activation):
+    pair = GATED_PAIRS[activation]
+    return common.unsupported_primitives(lambda z: pair(z, z), rules)
   return common.unsupported_primitives(resolve_activation(kernel_activation(activation)), rules)
 
 
@@ -320,19 +372,44 @@ def _dequantized(w_ref, scale_ref, zero_ref, cfg: GmmConfig, dot_dtype):
                                 cfg.transpose_rhs, dot_dtype)
 
 
+def _epilogue(accs, biases, cfg: GmmConfig, row_weights=None):
+  """`epilogue.finish`'s numerics on one output tile: ``cast(activation(acc + bias) *
+  row_weights)`` in f32, a gated activation on its gate and up accumulators (``accs``
+  holds both, `biases` their bias rows ``[1, tile_n]`` or None); `row_weights`
+  ``[rows, 1]``."""
+  if not cfg.gated:
+    if row_weights is None:
+      return apply_epilogue(accs[0], biases[0], kernel_activation(cfg.activation),
+                            cfg.out_dtype)
+    y = apply_epilogue(accs[0], biases[0], kernel_activation(cfg.activation), jnp.float32)
+  else:
+    gate, up = (acc.astype(jnp.float32) for acc in accs)
+    if biases[0] is not None:
+      gate, up = gate + biases[0].astype(jnp.float32), up + biases[1].astype(jnp.float32)
+    y = GATED_PAIRS[cfg.activation](gate, up)
+  if row_weights is not None:
+    y = y * row_weights.astype(jnp.float32)
+  return y.astype(cfg.out_dtype)
+
+
 def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, real_ref,
-              k_fixed_ref, lhs_ref, rhs_ref, *refs, dims, tiling: Tiling, cfg: GmmConfig,
+              k_fixed_ref, *refs, dims, tiling: Tiling, cfg: GmmConfig,
               dot_dtype, acc_dtype, has_bias: bool, k_steps: int, row_chunk: int,
-              weight_cache: bool, quant: common.QuantStatic | None = None):
+              weight_cache: bool, quant: common.QuantStatic | None = None,
+              gated: bool = False, weighted: bool = False):
   del lhs_tiles_ref, k_fixed_ref  # index maps only
   refs = list(refs)
-  bias_ref = refs.pop(0) if has_bias else None
+  lhs_ref, rhs_ref = refs.pop(0), refs.pop(0)
+  # A gated activation: the up column block (N/2 later) of rhs and of the bias.
+  up_ref = refs.pop(0) if gated else None
+  bias_refs = [refs.pop(0) for _ in range(2 if gated else 1)] if has_bias else None
   scale_ref = refs.pop(0) if quant is not None else None
   zero_ref = refs.pop(0) if quant is not None and quant.has_zero else None
   blocked = quant is not None and quant.mode == "blocked"
   lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode != "weight_only" else None
+  weights_ref = refs.pop(0) if weighted else None  # [tile_m, 1] f32 row weights
   out_ref = refs.pop(0)
-  acc_ref = refs.pop(0) if k_steps > 1 else None
+  acc_refs = [refs.pop(0) for _ in range(2 if gated else 1)] if k_steps > 1 else None
   cache_ref, cached_ref = (refs.pop(0), refs.pop(0)) if weight_cache else (None, None)
   weight_only = quant is not None and quant.mode == "weight_only"
   k = dims[1]
@@ -368,73 +445,83 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
                                                      cfg.transpose_rhs, dot_dtype)
       cached_ref[0] = group
 
-  def weights():
+  def weights(w_ref):
     if weight_cache:
       return cache_ref[...]
     if weight_only:
-      return _dequantized(rhs_ref, scale_ref, zero_ref, cfg, dot_dtype)
-    return rhs_ref[...]
+      return _dequantized(w_ref, scale_ref, zero_ref, cfg, dot_dtype)
+    return w_ref[...]
 
   def rows(lo: int, size: int):
     """The item's work on the rows ``[lo, lo + size)`` of the tile (static slice)."""
+    own = (slice(lo, lo + size), slice(None))
 
-    def product(masked: bool):
+    def products(masked: bool):
+      """The step's product for each rhs column block (gate and up when gated)."""
       if blocked:  # one dot per scale block of this K step, times its row and column scales
-        return _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, scale_ref,
-                                slice(lo, lo + size),
-                                k_step * len(_block_widths(tile_k, quant.k_block)), cfg,
-                                quant.k_block, dot_dtype,
-                                acc_dtype, (k_step * tile_k, 0, k) if masked else None)
-      x = lhs_ref[:, lo:lo + size] if cfg.transpose_lhs else lhs_ref[lo:lo + size, :]
-      x, w = _values(x, dot_dtype), _values(weights(), dot_dtype)
+        return [_blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, scale_ref,
+                                 slice(lo, lo + size),
+                                 k_step * len(_block_widths(tile_k, quant.k_block)), cfg,
+                                 quant.k_block, dot_dtype,
+                                 acc_dtype, (k_step * tile_k, 0, k) if masked else None)]
+      x = _values(lhs_ref[:, lo:lo + size] if cfg.transpose_lhs else lhs_ref[lo:lo + size, :],
+                  dot_dtype)
       if masked:  # the padded K edge of the last step reads garbage: zero it in both
-        first = k_step * tile_k
-        x = _mask_k(x, first, 0, k, 0 if cfg.transpose_lhs else 1)
-        w = _mask_k(w, first, 0, k, 1 if cfg.transpose_rhs else 0)
-      return _dot(x, w, cfg, dot_dtype, acc_dtype)
+        x = _mask_k(x, k_step * tile_k, 0, k, 0 if cfg.transpose_lhs else 1)
+      out = []
+      for w_ref in (rhs_ref, up_ref) if gated else (rhs_ref,):
+        w = _values(weights(w_ref), dot_dtype)
+        if masked:
+          w = _mask_k(w, k_step * tile_k, 0, k, 1 if cfg.transpose_rhs else 0)
+        out.append(_dot(x, w, cfg, dot_dtype, acc_dtype))
+      return out
 
-    def finish(acc):
+    def finish(accs):
       if lhs_scale_ref is not None and not blocked:  # int8 x int8: int32 sums, then scales
-        acc = acc.astype(jnp.float32) * lhs_scale_ref[lo:lo + size, :] * scale_ref[...]
-      bias = None if bias_ref is None else bias_ref[...]  # [1, tile_n]
-      y = apply_epilogue(acc, bias, kernel_activation(cfg.activation), cfg.out_dtype)
+        accs = [acc.astype(jnp.float32) * lhs_scale_ref[lo:lo + size, :] * scale_ref[...]
+                for acc in accs]
+      biases = [None] * len(accs) if bias_refs is None else [b[...] for b in bias_refs]
+      row_weights = None if weights_ref is None else weights_ref[lo:lo + size, :]
+      y = _epilogue(accs, biases, cfg, row_weights)
       row = tile_lo + lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
       mine = (row >= start) & (row < end)
       out_ref[lo:lo + size, :] = jnp.where(mine, y, out_ref[lo:lo + size, :])
 
     if k_steps == 1:
-      finish(product(False))
+      finish(products(False))
       return
 
     if blocked:  # one copy of the (per-block unrolled) product per variant, not three
-      own = (slice(lo, lo + size), slice(None))
-
       @pl.when(k_step == 0)
       def _():
-        acc_ref[own] = jnp.zeros((size, acc_ref.shape[1]), acc_ref.dtype)
+        for acc_ref in acc_refs:
+          acc_ref[own] = jnp.zeros((size, acc_ref.shape[1]), acc_ref.dtype)
 
       def accumulate(masked: bool):
-        acc_ref[own] += product(masked)
+        for acc_ref, part in zip(acc_refs, products(masked)):
+          acc_ref[own] += part
 
       if mask_edge:  # the padded K edge only on the last step
         pl.when(~last_k)(functools.partial(accumulate, False))
         pl.when(last_k)(functools.partial(accumulate, True))
       else:
         accumulate(False)
-      pl.when(last_k)(lambda: finish(acc_ref[own]))
+      pl.when(last_k)(lambda: finish([acc_ref[own] for acc_ref in acc_refs]))
       return
 
     @pl.when(k_step == 0)
     def _():
-      acc_ref[lo:lo + size, :] = product(False)
+      for acc_ref, part in zip(acc_refs, products(False)):
+        acc_ref[own] = part
 
     @pl.when((k_step > 0) & ~last_k)
     def _():
-      acc_ref[lo:lo + size, :] += product(False)
+      for acc_ref, part in zip(acc_refs, products(False)):
+        acc_ref[own] += part
 
     @pl.when(last_k)
     def _():
-      finish(acc_ref[lo:lo + size, :] + product(mask_edge))
+      finish([acc_ref[own] + part for acc_ref, part in zip(acc_refs, products(mask_edge))])
 
   chunks = tile_m // row_chunk if row_chunk < tile_m and tile_m % row_chunk == 0 else 1
   if chunks == 1:
@@ -450,14 +537,16 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
 
 def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *refs, dims,
               tiling: Tiling, cfg: GmmConfig, dot_dtype, acc_dtype, has_bias: bool,
-              k_block: int | None = None):
+              k_block: int | None = None, gated: bool = False):
   refs = list(refs)
-  bias_ref = refs.pop(0) if has_bias else None
+  # A gated activation: the up column block (N/2 later) of rhs and of the bias.
+  up_ref = refs.pop(0) if gated else None
+  bias_refs = [refs.pop(0) for _ in range(2 if gated else 1)] if has_bias else None
   # Blocked fp8 (k_block given): the item's K tile spans whole scale blocks; their lhs row
   # scales [blocks, tile_m, 1] and rhs column scales [blocks, 1, tile_n].
   blocked = k_block is not None
   lhs_scale_ref, rhs_scale_ref = (refs.pop(0), refs.pop(0)) if blocked else (None, None)
-  out_ref, acc_ref = refs
+  out_ref, *acc_refs = refs
   item = pl.program_id(2)
   last_item = pl.num_programs(2) - 1
   group = groups_ref[item]
@@ -469,33 +558,41 @@ def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *re
 
   @pl.when(first_of_group)
   def _():
-    acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+    for acc_ref in acc_refs:
+      acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
-  def product(masked: bool):
+  def products(masked: bool):
+    """The item's product for each rhs column block (gate and up when gated)."""
     if blocked:
-      return _blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, slice(None),
-                              tiles_ref[item] * len(_block_widths(tiling.tile_k, k_block)),
-                              cfg, k_block, dot_dtype, acc_dtype,
-                              (first, start, end) if masked else None)
-    x, w = _values(lhs_ref[...], dot_dtype), _values(rhs_ref[...], dot_dtype)
+      return [_blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, slice(None),
+                               tiles_ref[item] * len(_block_widths(tiling.tile_k, k_block)),
+                               cfg, k_block, dot_dtype, acc_dtype,
+                               (first, start, end) if masked else None)]
+    x = _values(lhs_ref[...], dot_dtype)
     if masked:  # columns of other groups in this K tile, and the padded K edge: zero in both
       x = _mask_k(x, first, start, end, 0 if cfg.transpose_lhs else 1)
-      w = _mask_k(w, first, start, end, 1 if cfg.transpose_rhs else 0)
-    return _dot(x, w, cfg, dot_dtype, acc_dtype)
+    out = []
+    for w_ref in (rhs_ref, up_ref) if gated else (rhs_ref,):
+      w = _values(w_ref[...], dot_dtype)
+      if masked:
+        w = _mask_k(w, first, start, end, 1 if cfg.transpose_rhs else 0)
+      out.append(_dot(x, w, cfg, dot_dtype, acc_dtype))
+    return out
 
   @pl.when(full)
   def _():
-    acc_ref[...] += product(False)
+    for acc_ref, part in zip(acc_refs, products(False)):
+      acc_ref[...] += part
 
   @pl.when(~full & (end > start))
   def _():
-    acc_ref[...] += product(True)
+    for acc_ref, part in zip(acc_refs, products(True)):
+      acc_ref[...] += part
 
   @pl.when(last_of_group)
   def _():
-    bias = None if bias_ref is None else bias_ref[...]  # [1, tile_n]
-    out_ref[...] = apply_epilogue(acc_ref[...], bias, kernel_activation(cfg.activation),
-                                  cfg.out_dtype)
+    biases = [None] * len(acc_refs) if bias_refs is None else [b[...] for b in bias_refs]
+    out_ref[...] = _epilogue([acc_ref[...] for acc_ref in acc_refs], biases, cfg)
 
 
 # --------------------------------------------------------------------------- entry point
@@ -529,6 +626,21 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
                              blocked_types=common.FP8_BLOCKED)
   m, k, n = prepared.dims
   quant = prepared.quant
+  if cfg.gather_rows is not None or cfg.out_rows is not None:
+    raise NotImplementedError("the TPU kernels take grouped rows as they are (the dispatcher "
+                              "gathers and scatters rows around them)")
+  if cfg.gated:
+    if n % 2:
+      raise ValueError(f"a gated activation ({cfg.activation!r}) needs an even number of rhs "
+                       f"columns [gate | up], got {n}")
+    if quant is not None:
+      raise NotImplementedError(
+          f"a gated activation in the TPU kernel takes unquantized operands, not "
+          f"{quant.mode!r} ones (the dispatcher applies it after the kernel)")
+    # From here on n counts the output columns; the up half is n columns later.
+    n = out_columns(n, cfg)
+    prepared = prepared._replace(out_shape=(m, n) if cfg.group_type == "m"
+                                 else (cfg.num_local, m, n))
   blocked = quant is not None and quant.mode == "blocked"
   if blocked:
     prepared = prepared._replace(dot_dtype=_blocked_dot_dtype(prepared.lhs.dtype,
@@ -550,14 +662,16 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
   weight_cache = cfg.group_type == "m" and k_steps == 1 and weight_only
   rhs_dtype = prepared.rhs.dtype
   needed = vmem_bytes(
-      tiling, cfg.group_type, lhs_itemsize=prepared.lhs.dtype.itemsize,
+      paired(tiling, cfg), cfg.group_type, lhs_itemsize=prepared.lhs.dtype.itemsize,
       rhs_itemsize=rhs_dtype.itemsize, out_itemsize=cfg.out_dtype.itemsize,
       dot_itemsize=prepared.dot_dtype.itemsize, k_steps=k_steps,
       transpose_lhs=cfg.transpose_lhs, weight_cache=weight_cache,
       has_bias=True, scales=0 if quant is None else (1 if blocked else 2),
       lhs_scale=quant is not None)
+  if cfg.row_weights:  # the [tile_m, 1] f32 weights pad to 128 lanes, double-buffered
+    needed += 2 * tiling.tile_m * LANE * 4
   info = dict(tiling=tiling, k_steps=k_steps, weight_cache=weight_cache, vmem_bytes=needed,
-              row_chunk=mxu_rows(), prepared=prepared,
+              row_chunk=mxu_rows(), prepared=prepared, out_columns=n,
               blocks_per_step=len(_block_widths(tiling.tile_k, quant.k_block)) if blocked else 0)
   if prepared.empty:
     return info
@@ -573,7 +687,7 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
 
 
 def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
-            tiling: Tiling | None = None):
+            tiling: Tiling | None = None, rows: Rows = NO_ROWS):
   """gmm on canonical operands (see `GmmConfig`) with the Pallas Mosaic TPU kernels.
 
   Args:
@@ -583,8 +697,12 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     counts: int32 ``[G]`` global group sizes.
     group_offset: int32 scalar, the first global group held locally.
     bias: None or ``[num_local, N]``.
-    cfg: the static options (``cfg.tiling`` overrides `default_tiling`).
+    cfg: the static options (``cfg.tiling`` overrides `default_tiling`). A gated activation
+      takes 2N columns ``[gate | up]`` (rhs and bias) and gives N; ``tile_n`` then counts
+      output columns.
     tiling: overrides ``cfg.tiling``.
+    rows: with ``cfg.row_weights`` (m-grouping), ``row_weights`` ``[M]``: each result row
+      is multiplied by its weight after the activation, in f32 before the cast.
 
   Returns:
     ``[M, N]`` (m-grouping) or ``[num_local, M, N]`` (k-grouping) of ``cfg.out_dtype``.
@@ -602,7 +720,7 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     out = gmm_tpu(widen(lhs), widen(rhs), counts, group_offset,
                   None if bias is None else widen(bias),
                   cfg.replace(out_dtype=jnp.float32 if cfg.out_dtype == jnp.float16
-                              else cfg.out_dtype), tiling)
+                              else cfg.out_dtype), tiling, rows)
     return out.astype(cfg.out_dtype)
   info = plan(lhs, rhs, counts, cfg, tiling)
   prepared = info["prepared"]
@@ -614,12 +732,18 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   tile_m, tile_k, tile_n = tiling.tile_m, tiling.tile_k, tiling.tile_n
   k_steps = info["k_steps"]
   has_bias = bias is not None
+  gated = cfg.gated
   kernel_options = dict(dims=(m, k, n), tiling=tiling, cfg=cfg, dot_dtype=dot_dtype,
-                        acc_dtype=acc_dtype, has_bias=has_bias)
+                        acc_dtype=acc_dtype, has_bias=has_bias, gated=gated)
   lhs_block = (tile_k, tile_m) if cfg.transpose_lhs else (tile_m, tile_k)
   rhs_block = (tile_n, tile_k) if cfg.transpose_rhs else (tile_k, tile_n)
-  biases = [] if bias is None else [bias.reshape(cfg.num_local, 1, n)]
-  num_m_tiles, num_n_tiles = pl.cdiv(m, tile_m), pl.cdiv(n, tile_n)
+  n_out = info["out_columns"]
+  # A gated activation's up column blocks are `up` block indices after its gate blocks; rhs
+  # and bias are passed twice, one BlockSpec for each half.
+  up = n_out // tile_n if gated else 0
+  halves = (0, up) if gated else (0,)
+  biases = [] if bias is None else [bias.reshape(cfg.num_local, 1, n)] * len(halves)
+  num_m_tiles, num_n_tiles = pl.cdiv(m, tile_m), pl.cdiv(n_out, tile_n)
   out_bytes = _nbytes(out_shape, cfg.out_dtype)
   lhs_bytes, rhs_bytes = _nbytes(lhs.shape, lhs.dtype), _nbytes(rhs.shape, rhs.dtype)
   flops = 2 * m * k * n
@@ -630,25 +754,30 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     def k_of(k_i, i, real, k_fixed):
       return k_i * real[i] + k_fixed[i]  # a zero item keeps its neighbour's K block
 
-    def lhs_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed):
+    def lhs_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed, *_):
       kb = k_of(k_i, i, real, k_fixed)
       return (kb, lhs_tiles[i]) if cfg.transpose_lhs else (lhs_tiles[i], kb)
 
-    def rhs_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed):
+    def rhs_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed, *_,
+                shift=0):
       kb = k_of(k_i, i, real, k_fixed)
-      return (groups[i], n_i, kb) if cfg.transpose_rhs else (groups[i], kb, n_i)
+      return (groups[i], n_i + shift, kb) if cfg.transpose_rhs else (groups[i], kb, n_i + shift)
 
-    def group_row_map(n_i, i, k_i, groups, *_):
-      return (groups[i], 0, n_i)
+    def group_row_map(n_i, i, k_i, groups, *_, shift=0):
+      return (groups[i], 0, n_i + shift)
 
-    in_specs = [pl.BlockSpec(lhs_block, lhs_map), pl.BlockSpec((None, *rhs_block), rhs_map)]
+    in_specs = [pl.BlockSpec(lhs_block, lhs_map)]
+    in_specs += [pl.BlockSpec((None, *rhs_block), functools.partial(rhs_map, shift=shift))
+                 for shift in halves]
     if has_bias:
-      in_specs.append(pl.BlockSpec((None, 1, tile_n), group_row_map))
+      in_specs += [pl.BlockSpec((None, 1, tile_n), functools.partial(group_row_map, shift=shift))
+                   for shift in halves]
     quant_operands = []
     if quant is not None and quant.mode == "weight_only":
       per_group = quant.k_block < max(k, 1)
 
-      def scale_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed):
+      def scale_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed,
+                    *_):
         kb = k_of(k_i, i, real, k_fixed) if per_group else 0
         return (groups[i], kb, n_i, 0) if cfg.transpose_rhs else (groups[i], kb, 0, n_i)
 
@@ -667,11 +796,11 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       lhs_scale, rhs_scale, lanes, sublanes = _blocked_scales(quant, m, n, k, k_steps, blocks)
 
       def block_row_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real,
-                        k_fixed):
+                        k_fixed, *_):
         return (groups[i], k_of(k_i, i, real, k_fixed) * blocks // sublanes, n_i)
 
       def block_column_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real,
-                           k_fixed):
+                           k_fixed, *_):
         return (lhs_tiles[i], k_of(k_i, i, real, k_fixed) * blocks // lanes)
 
       quant_operands = [rhs_scale, lhs_scale]
@@ -682,7 +811,12 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       in_specs.append(pl.BlockSpec((None, 1, tile_n), group_row_map))
       in_specs.append(pl.BlockSpec((tile_m, 1), lambda n_i, i, k_i, g, o, lhs_tiles, *_: (
           lhs_tiles[i], 0)))
-    scratch = [pltpu.VMEM((tile_m, tile_n), acc_dtype)] if k_steps > 1 else []
+    row_operands = []
+    if cfg.row_weights:  # [M, 1] f32, a block per row tile (a zero item's is not read)
+      row_operands = [rows.row_weights.astype(jnp.float32).reshape(m, 1)]
+      in_specs.append(pl.BlockSpec((tile_m, 1), lambda n_i, i, k_i, g, o, lhs_tiles, *_: (
+          lhs_tiles[i], 0)))
+    scratch = [pltpu.VMEM((tile_m, tile_n), acc_dtype)] * len(halves) if k_steps > 1 else []
     if info["weight_cache"]:
       scratch += [pltpu.VMEM(rhs_block, dot_dtype), pltpu.SMEM((1,), jnp.int32)]
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -698,7 +832,7 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     return common.pallas_call(
         functools.partial(_m_kernel, quant=common.quant_static(quant), k_steps=k_steps,
                           row_chunk=info["row_chunk"], weight_cache=info["weight_cache"],
-                          **kernel_options),
+                          weighted=cfg.row_weights, **kernel_options),
         info["prepared"], tiles=(tile_m, tile_k, tile_n),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
@@ -707,21 +841,26 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
             vmem_limit_bytes=info["vmem_limit_bytes"]),
         interpret=cfg.interpret,
         name="gmm_m_tpu",
-        **_cost_estimate(flops, _transcendentals(cfg, m * n), hbm),
-    )(*scalars, lhs, rhs, *biases, *quant_operands)
+        **_cost_estimate(flops, _transcendentals(cfg, m * n_out), hbm),
+    )(*scalars, lhs, *[rhs] * len(halves), *biases, *quant_operands, *row_operands)
 
   scalars, count = k_items(counts, max(k, 1) if k else 0, tile_k, group_offset, cfg.num_local)
 
   def k_lhs_map(m_i, n_i, i, groups, tiles, *_):
     return (tiles[i], m_i) if cfg.transpose_lhs else (m_i, tiles[i])
 
-  def k_rhs_map(m_i, n_i, i, groups, tiles, *_):
-    return (n_i, tiles[i]) if cfg.transpose_rhs else (tiles[i], n_i)
+  def k_rhs_map(m_i, n_i, i, groups, tiles, *_, shift=0):
+    return (n_i + shift, tiles[i]) if cfg.transpose_rhs else (tiles[i], n_i + shift)
 
-  in_specs = [pl.BlockSpec(lhs_block, k_lhs_map), pl.BlockSpec(rhs_block, k_rhs_map)]
+  def k_bias_map(m_i, n_i, i, groups, *_, shift=0):
+    return (groups[i], 0, n_i + shift)
+
+  in_specs = [pl.BlockSpec(lhs_block, k_lhs_map)]
+  in_specs += [pl.BlockSpec(rhs_block, functools.partial(k_rhs_map, shift=shift))
+               for shift in halves]
   if has_bias:
-    in_specs.append(pl.BlockSpec((None, 1, tile_n),
-                                 lambda m_i, n_i, i, groups, *_: (groups[i], 0, n_i)))
+    in_specs += [pl.BlockSpec((None, 1, tile_n), functools.partial(k_bias_map, shift=shift))
+                 for shift in halves]
   # Blocked (the only quantized mode the k-grouped kernel serves): the item's K tile spans
   # the scale blocks of tile tiles[i].
   k_block = None if quant is None else quant.k_block
@@ -742,7 +881,7 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       in_specs=in_specs,
       out_specs=pl.BlockSpec((None, tile_m, tile_n),
                              lambda m_i, n_i, i, groups, *_: (groups[i], m_i, n_i)),
-      scratch_shapes=[pltpu.VMEM((tile_m, tile_n), acc_dtype)],
+      scratch_shapes=[pltpu.VMEM((tile_m, tile_n), acc_dtype)] * len(halves),
   )
   hbm = lhs_bytes * num_n_tiles + rhs_bytes * num_m_tiles + out_bytes
   return common.pallas_call(
@@ -755,5 +894,5 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
           vmem_limit_bytes=info["vmem_limit_bytes"]),
       interpret=cfg.interpret,
       name="gmm_k_tpu",
-      **_cost_estimate(flops, _transcendentals(cfg, cfg.num_local * m * n), hbm),
-  )(*scalars, lhs, rhs, *biases, *quant_operands)
+      **_cost_estimate(flops, _transcendentals(cfg, cfg.num_local * m * n_out), hbm),
+  )(*scalars, lhs, *[rhs] * len(halves), *biases, *quant_operands)
