@@ -44,8 +44,9 @@ class Backend:
   given, is the static part of that refusal (shapes and dtypes only, so it also runs on
   abstract values): the layers above the op ask it before they hand over QArrays.
   ``features`` (of `FEATURES`) are the row operations and gated activations it does
-  natively; for the others the dispatcher gathers lhs before it and applies the
-  activation, row weights and scatter after it (`run`).
+  natively; for the others the dispatcher gathers lhs before it and scatters the rows
+  after it, and applies the activation and row weights after it (both, in f32) when it
+  lacks either (`_around`, `run`).
   """
 
   name: str
