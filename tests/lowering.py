@@ -8,6 +8,7 @@ told that the target is a GPU or a TPU.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 
 import jax
 from gmm_jax._src import dispatch
@@ -50,3 +51,11 @@ def implementations_used(fn, *args) -> list[str]:
   with dispatch.record() as decisions:
     jax.jit(fn).lower(*args)
   return [decision.implementation for decision in decisions]
+
+
+def has_module(module: str) -> bool:
+  """Whether `module` can be imported (a missing parent package counts as missing)."""
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    return False

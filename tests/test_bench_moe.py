@@ -5,12 +5,12 @@ TPU v5e where this jax has their compilers. Timing and memory are never asserted
 
 from __future__ import annotations
 
-import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from lowering import has_module
 
 from gmm_jax import bench_moe
 
@@ -50,11 +50,7 @@ def test_unknown_deviceless_target_is_refused():
     bench_moe.deviceless_device("a100")
 
 
-def _has(module: str) -> bool:
-  try:
-    return importlib.util.find_spec(module) is not None
-  except ModuleNotFoundError:  # its parent package is missing
-    return False
+_has = has_module  # tests/lowering.py
 
 
 @pytest.mark.slow

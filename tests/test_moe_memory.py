@@ -6,10 +6,10 @@ deviceless-compile environment (.ci/aot_env.sh: jax >= 0.12 with the CUDA plugin
 
 from __future__ import annotations
 
-import importlib.util
 
 import jax.numpy as jnp
 import pytest
+from lowering import has_module
 
 from gmm_jax import bench_moe
 
@@ -18,11 +18,7 @@ SHAPE = (4096, 1024, 2048, 64, 2)
 BOUND = 0.3
 
 
-def _has(module: str) -> bool:
-  try:
-    return importlib.util.find_spec(module) is not None
-  except ModuleNotFoundError:  # its parent package is missing
-    return False
+_has = has_module  # tests/lowering.py
 
 
 @pytest.mark.slow
