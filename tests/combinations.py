@@ -57,6 +57,20 @@ SHAPES = {
     "k": ((8, 16, 8, 4), (16, 32, 4, 2)),
 }
 
+# The shape the TPU kernel's gated epilogue serves (N a multiple of its 128-lane column
+# tiles; smaller N falls back to the plain kernel with the activation after it): drawn for
+# pallas_tpu with a gated activation, so that the draws reach the in-kernel epilogue too.
+EPILOGUE_SHAPES = {"m": (16, 8, 128, 2), "k": (8, 16, 128, 2)}
+
+
+def shapes_for(implementation: str, group_type: str, activation: str | None) -> tuple:
+  """The (M, K, N, G) shapes drawn for one implementation, group type and activation."""
+  shapes = SHAPES[group_type]
+  if implementation == "pallas_tpu" and activation in GATED_NAMES:
+    shapes += (EPILOGUE_SHAPES[group_type],)
+  return shapes
+
+
 # The meshes the sharded property draws from: all 8 host CPU devices (tests/conftest.py).
 MESHES = {"8": ((8,), ("x",)), "2x4": ((2, 4), ("x", "y"))}
 
@@ -234,8 +248,9 @@ def cases(draw, *, implementations=None, group_types=("m", "k"), activations=ACT
   """
   implementation = draw(st.sampled_from(implementations or available_implementations()))
   group_type = draw(st.sampled_from(group_types))
-  m, k, n, num_groups = draw(st.sampled_from(SHAPES[group_type]))
   activation = draw(st.sampled_from(activations))
+  m, k, n, num_groups = draw(st.sampled_from(shapes_for(implementation, group_type,
+                                                        activation)))
   quant = draw(st.sampled_from(quants))
   row_operands = ()
   if rows and group_type == "m" and quant != "scaled":

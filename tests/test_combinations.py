@@ -44,6 +44,8 @@ def _with_float_operands(strategy):
 # given run of the drawn tests below may not meet them).
 _M_CASE = comb.Case(m=16, k=8, n=8, sizes=(4, 0, 5, 3))
 _K_CASE = comb.Case(group_type="k", m=8, k=16, n=8, sizes=(3, 0, 6, 2))
+_M_WIDE = _M_CASE.replace(n=128, implementation="pallas_tpu")
+_K_WIDE = _K_CASE.replace(n=128, implementation="pallas_tpu")
 REGRESSIONS = [
     pytest.param(comb.check_vmap, (_M_CASE.replace(activation="swiglu"), "rhs"),
                  id="vmap-rhs-swiglu"),
@@ -65,6 +67,18 @@ REGRESSIONS = [
     pytest.param(comb.check_sharded, (_K_CASE.replace(activation="swiglu", bias=True), "8",
                                       (("rhs", 1, "x"), ("bias", 1, "x"))),
                  id="k-swiglu-columns-sharded"),
+    # The TPU kernel's gated epilogue (N = 128: its column tiles split the gate and up
+    # halves in the kernel; see test_tpu_epilogue_cases_are_fused).
+    pytest.param(comb.check_oracle, (_M_WIDE.replace(activation="swiglu", bias=True,
+                                                     rows=("lhs_indices", "row_weights")),),
+                 id="m-swiglu-rows-epilogue-pallas_tpu"),
+    pytest.param(comb.check_oracle, (_K_WIDE.replace(activation="geglu", bias=True,
+                                                     transpose_rhs=True),),
+                 id="k-geglu-transpose_rhs-epilogue-pallas_tpu"),
+    pytest.param(comb.check_vmap, (_M_WIDE.replace(activation="swiglu_clamped"), "rhs"),
+                 id="vmap-rhs-swiglu_clamped-epilogue-pallas_tpu"),
+    pytest.param(comb.check_grad_of_vmap, (_K_WIDE.replace(activation="swiglu"), "lhs"),
+                 id="grad-of-vmap-lhs-k-swiglu-epilogue-pallas_tpu"),
     # Found by the draws: the transpose of a batched out_indices call read an lhs leaf that
     # is not there (IndexError).
     pytest.param(comb.check_grad_of_vmap, (_M_CASE.replace(rows=("out_indices",)),
@@ -76,6 +90,20 @@ REGRESSIONS = [
 @pytest.mark.parametrize("check, args", REGRESSIONS)
 def test_reported_combinations(check, args):
   check(*args)
+
+
+@pytest.mark.parametrize("case", [
+    _M_WIDE.replace(activation="geglu", rows=("row_weights",)),
+    _K_WIDE.replace(activation="swiglu", transpose_rhs=True)], ids=["m", "k"])
+def test_tpu_epilogue_cases_are_fused(case):
+  # The drawn and fixed N = 128 gated cases of pallas_tpu reach the kernel's own epilogue:
+  # nothing of the finishing step is moved around the kernel (a smaller N would be).
+  from gmm_jax._src import dispatch
+  assert comb.shapes_for("pallas_tpu", case.group_type, case.activation)[-1][2] == case.n
+  with dispatch.record() as decisions:
+    comb.apply(case, comb.make_operands(case))
+  (decision,) = decisions
+  assert decision.implementation == "pallas_tpu" and decision.materialized == (), decision
 
 
 # ------------------------------------------------------------------------- the oracle
