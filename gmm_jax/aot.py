@@ -136,6 +136,9 @@ class Case:
   grad_dtype: str = "float8_e4m3fn"  # "fp8-train": the output gradient's values
   # On `FP8_MMA_TARGETS`, every kernel must hold fp8 MMA instructions.
   fp8_mma: bool = False
+  # A gated prologue: lhs [M, 2K] is the pre-activation the product reads through it; the
+  # training step's dlhs gmm writes its [M, 2K] cotangent (the TPU kernel's epilogue).
+  lhs_activation: str | None = None
 
   def describe(self) -> str:
     m, k, n, g = SHAPES[self.shape]
@@ -154,7 +157,8 @@ class Case:
                     "combine": "row weights, rows scattered"}[self.moe])
     if self.implementation:
       parts.append(self.implementation)
-    for flag, text in ((self.activation, f"{self.activation}"), (self.bias, "bias"),
+    for flag, text in ((self.lhs_activation, f"lhs_activation {self.lhs_activation}"),
+                       (self.activation, f"{self.activation}"), (self.bias, "bias"),
                        (self.transpose_lhs, "lhs^T"), (self.transpose_rhs, "rhs^T"),
                        (self.group_offset, "group_offset")):
       if flag:
@@ -201,6 +205,10 @@ CASES = (
          weights="int8", transpose_rhs=True, implementation="pallas_triton",
          platforms=("gpu",)),
     Case("small-moe-train", "small", "train", activation="swiglu", moe="gather"),
+    # The down projection reading the gate|up pre-activation through a gated prologue: its
+    # dlhs gmm writes the [M, 2F] cotangent (TPU: in the kernel's epilogue, by DMA).
+    Case("mixtral-moe-down-prologue-train", "mixtral-down", "train", lhs_activation="swiglu",
+         moe="combine"),
     # 1-byte weights of 2**31+ elements (read as 16-bit words): fp8 x fp8 on the tensor
     # cores, and fp8 weights dequantized in-kernel for bf16 tokens.
     Case("deepseek-v3-fp8xfp8", "deepseek-v3", weights="float8_e4m3fn",
@@ -283,7 +291,8 @@ def build(case: Case, sharding):
   n = 2 * n if is_gated(case.activation) else n  # [gate | up] columns
   if case.group_type == "m":
     lhs_rows = m // MOE_TOP_K if case.moe == "gather" else m
-    lhs_shape = (k, lhs_rows) if case.transpose_lhs else (lhs_rows, k)
+    lhs_cols = 2 * k if case.lhs_activation else k
+    lhs_shape = (k, lhs_rows) if case.transpose_lhs else (lhs_rows, lhs_cols)
     rhs_shape = (local, n, k) if case.transpose_rhs else (local, k, n)
   else:
     lhs_shape = (k, m) if case.transpose_lhs else (m, k)
@@ -295,7 +304,7 @@ def build(case: Case, sharding):
   bias = _abstract((local, n), dtype, sharding) if case.bias else None
   options = dict(group_type=case.group_type, activation=case.activation, tiling=_ROLE_NOTES,
                  transpose_lhs=case.transpose_lhs, transpose_rhs=case.transpose_rhs,
-                 implementation=case.implementation)
+                 implementation=case.implementation, lhs_activation=case.lhs_activation)
   rows = {}
   if case.moe == "gather":
     rows["lhs_indices"] = _abstract((m,), jnp.int32, sharding)

@@ -320,6 +320,14 @@ class Prepared(NamedTuple):
   automatic: bool = False
 
 
+def require_lowerable(missing: set, what: str, backend: str) -> None:
+  """NotImplementedError when `what` (an activation, an epilogue) uses the `missing`
+  primitives, which the `backend` lowering has no rule for."""
+  if missing:
+    raise NotImplementedError(f"{what} uses {sorted(missing)}, which the {backend} "
+                              "lowering does not support")
+
+
 def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
              default_tiling: Callable[..., Tiling], check_tiling: Callable[..., None],
              unsupported: Callable[[object], set], backend: str,
@@ -361,11 +369,7 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
   tiling = with_quant_k_step(tiling, quant, k)
   check_tiling(tiling, m, k, n, cfg)
   if not cfg.interpret:
-    missing = unsupported(cfg.activation)
-    if missing:
-      raise NotImplementedError(
-          f"activation {cfg.activation!r} uses {sorted(missing)}, which the {backend} "
-          "lowering does not support")
+    require_lowerable(unsupported(cfg.activation), f"activation {cfg.activation!r}", backend)
   out_shape = (m, n) if cfg.group_type == "m" else (cfg.num_local, m, n)
   # No group or an empty output: nothing is written (as the XLA path), and the kernels get
   # no zero-sized grid.

@@ -96,6 +96,8 @@ class Case:
     seed: the operands' random seed.
     quant: "none", "weight_only", "scaled" (QArray operands), or "fp8" /
       "fp8_e5m2_grads": fp8 training of float operands (``quantization=quant``).
+    lhs_activation: None or a gated activation applied to lhs ``[M, 2K]`` before the
+      product (a gated prologue; m-grouping, untransposed float lhs, not gathered).
   """
 
   implementation: str = "xla"
@@ -115,6 +117,12 @@ class Case:
   sizes: tuple[int, ...] = (4, 0, 5, 3)
   out_rows: int = 16
   seed: int = 0
+  lhs_activation: str | None = None
+
+  @property
+  def lhs_cols(self) -> int:
+    """Stored lhs columns: 2K with a gated prologue."""
+    return 2 * self.k if self.lhs_activation else self.k
 
   @property
   def gated(self) -> bool:
@@ -193,6 +201,9 @@ def documented_refusal(case: Case) -> str | None:
     return "row operands with quantized weights are weight-only only"
   if is_fp8(case) and (case.group_type != "m" or case.transpose_lhs):
     return "fp8 training covers m-grouped gmms with an untransposed lhs"
+  if case.lhs_activation and (case.group_type != "m" or case.transpose_lhs or case.quant != "none"
+                              or "lhs_indices" in case.rows):
+    return "lhs_activation needs an m-grouped float lhs, not transposed or gathered"
   if case.implementation == "pallas_mosaic_gpu":
     # Through gmm the dispatcher hands interpret mode to Triton (support.md, footnote 1);
     # the kernel also refuses k-grouping, f32, a transposed lhs and quantized operands.
@@ -237,7 +248,8 @@ def group_sizes(draw, num_groups: int, dim: int) -> tuple[int, ...]:
 
 @st.composite
 def cases(draw, *, implementations=None, group_types=("m", "k"), activations=ACTIVATIONS,
-          dtypes=DTYPES, quants=QUANT_MODES, rows=True, empty_local_group=False) -> Case:
+          dtypes=DTYPES, quants=QUANT_MODES, rows=True, empty_local_group=False,
+          lhs_activations=(None,) + GATED_NAMES) -> Case:
   """Draws a `Case` that the documentation says gmm serves.
 
   Args:
@@ -245,6 +257,8 @@ def cases(draw, *, implementations=None, group_types=("m", "k"), activations=ACT
     group_types, activations, dtypes, quants: the values to draw from.
     rows: whether m-grouped cases may have row operands.
     empty_local_group: force at least one locally held group to be empty.
+    lhs_activations: the gated prologues to draw (where the case allows one: m-grouping,
+      an untransposed float lhs that is not gathered).
   """
   implementation = draw(st.sampled_from(implementations or available_implementations()))
   group_type = draw(st.sampled_from(group_types))
@@ -268,6 +282,10 @@ def cases(draw, *, implementations=None, group_types=("m", "k"), activations=ACT
       dtype=draw(st.sampled_from(dtypes)), m=m, k=k, n=n, sizes=tuple(sizes),
       out_rows=m * draw(st.sampled_from((1, 2))) if "out_indices" in row_operands else m,
       seed=draw(st.integers(0, 2**16)))
+  prologue_allowed = (group_type == "m" and not transpose_lhs and quant == "none"
+                      and "lhs_indices" not in row_operands)
+  if prologue_allowed:
+    case = case.replace(lhs_activation=draw(st.sampled_from(lhs_activations)))
   hypothesis.assume(documented_refusal(case) is None)
   return case
 
@@ -306,7 +324,8 @@ def vmap_cases(draw, *, strategy=None, operands=None, **case_options
 def _stored_shapes(case: Case) -> dict[str, tuple[int, ...]]:
   """The stored shape of each array operand (a QArray's values)."""
   shapes = {"group_sizes": (case.num_groups,)}
-  shapes["lhs"] = (case.k, case.tokens) if case.transpose_lhs else (case.tokens, case.k)
+  shapes["lhs"] = (case.k, case.tokens) if case.transpose_lhs else (case.tokens,
+                                                                      case.lhs_cols)
   matrix = (case.rhs_cols, case.k) if case.transpose_rhs else (case.k, case.rhs_cols)
   shapes["rhs"] = ((case.num_local,) + matrix) if case.group_type == "m" else matrix
   if case.bias:
@@ -412,7 +431,8 @@ def apply(case: Case, ops: dict[str, Any], **options):
       lhs_indices=ops["lhs_indices"], row_weights=ops["row_weights"],
       out_indices=ops["out_indices"],
       out_rows=case.out_rows if "out_indices" in case.rows else None,
-      quantization=case.quant if is_fp8(case) else None, **options)
+      quantization=case.quant if is_fp8(case) else None,
+      lhs_activation=case.lhs_activation, **options)
 
 
 @functools.lru_cache(maxsize=256)
@@ -475,6 +495,9 @@ def oracle(case: Case, ops: dict) -> np.ndarray:
   rhs = np.swapaxes(rhs, -1, -2) if case.transpose_rhs else rhs
   if case.group_type == "m":
     lhs = lhs.T if case.transpose_lhs else lhs
+    if case.lhs_activation:  # the prologue in f32, rounded to lhs's dtype
+      lhs = f64(jnp.asarray(GATED[case.lhs_activation](lhs).astype(np.float32),
+                            jnp.dtype(case.dtype)))
     as_np = lambda x: None if x is None else np.asarray(x)  # noqa: E731
     return rows_oracle(lhs, rhs, sizes, lhs_indices=as_np(ops["lhs_indices"]),
                        row_weights=None if ops["row_weights"] is None else f64(
@@ -694,17 +717,22 @@ EPS = 1e-2
 FD_TOLERANCE = dict(rtol=2e-3, atol=2e-3)
 
 
+def _tangent_problem(case: Case, seed: int):
+  """(float operands, random tangents for them, ``params -> gmm``) of an f32 case."""
+  assert case.dtype == "float32", case
+  ops = make_operands(case)
+  params, others = split(case, ops)
+  assert params, "the property needs a float operand (the strategies draw only such cases)"
+  rng = np.random.default_rng(case.seed + seed)
+  tangents = {k: jnp.asarray(_uniform(rng, v.shape), v.dtype) for k, v in params.items()}
+  return params, tangents, lambda p: apply(case, {**others, **p})
+
+
 def check_jvp_fd(case: Case):
   """jax.jvp along random tangents of every float operand equals a central finite
   difference (f32 cases)."""
-  assert case.dtype == "float32", case
   with _reproducible("check_jvp_fd", case):
-    ops = make_operands(case)
-    params, others = split(case, ops)
-    assert params, "the property needs a float operand (the strategies draw only such cases)"
-    rng = np.random.default_rng(case.seed + 1)
-    tangents = {k: jnp.asarray(_uniform(rng, v.shape), v.dtype) for k, v in params.items()}
-    f = lambda p: apply(case, {**others, **p})  # noqa: E731
+    params, tangents, f = _tangent_problem(case, seed=1)
     out, jvp = call(case, jax.jit(lambda p, t: jax.jvp(f, (p,), (t,))), params, tangents)
     step = lambda s: {k: v + s * tangents[k] for k, v in params.items()}  # noqa: E731
     forward = jax.jit(f)
@@ -712,6 +740,24 @@ def check_jvp_fd(case: Case):
     want = (f64(plus) - f64(minus)) / (2 * EPS)
     assert_close(out, call(case, forward, params), tolerance(case), "jvp's primal")
     assert_close(jvp, want, FD_TOLERANCE, "jvp vs a central finite difference")
+
+
+def check_vjp_adjoint(case: Case):
+  """Reverse mode is the adjoint of forward mode (f32 cases): for random tangents t of the
+  float operands and a random cotangent c of the result, ``<c, jvp(t)> == <vjp(c), t>``.
+  With `check_jvp_fd` (jvp = a finite difference) it checks every transpose rule against
+  a definition."""
+  with _reproducible("check_vjp_adjoint", case):
+    params, tangents, f = _tangent_problem(case, seed=2)
+    cot = cotangent(case, seed_offset=3)
+    _, jvp = call(case, jax.jit(lambda p, t: jax.jvp(f, (p,), (t,))), params, tangents)
+    grads = call(case, jax.jit(jax.grad(lambda p: jnp.sum(
+        f(p).astype(jnp.float32) * cot))), params)
+    forward = float(np.sum(f64(jvp) * f64(cot)))
+    reverse = sum(float(np.sum(f64(grads[k]) * f64(tangents[k]))) for k in params)
+    scale = float(np.sum(np.abs(f64(jvp) * f64(cot)))) + 1e-6
+    assert abs(forward - reverse) <= 1e-4 * scale, (
+        f"<c, jvp(t)> = {forward} but <vjp(c), t> = {reverse}")
 
 
 def check_jit_eager(case: Case):

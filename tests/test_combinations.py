@@ -1,12 +1,13 @@
 """Combinations of gmm's options, each drawn case held to properties written as definitions.
 
 Hypothesis draws implementation x group type x transposes x activation (none, elementwise,
-gated) x bias x row operands x group_offset x quantization (none, int8 weight-only, int8 x
-int8 scaled) x dtype (f32, bf16), with group sizes that leave groups empty and rows past
-the total (`combinations.cases`). Each test checks one property (`combinations.check_*`):
-the float64 oracle, gated = gate of the ungated halves, vmap = loop, sharded = unsharded,
-grad of vmap = loop of grads, jvp = finite difference, jit = eager, empty groups' gradients
-exactly 0, two runs bitwise equal. The routed experts of the MoE layer
+gated) x gated prologue (lhs_activation) x bias x row operands x group_offset x
+quantization (none, int8 weight-only, int8 x int8 scaled) x dtype (f32, bf16), with group
+sizes that leave groups empty and rows past the total (`combinations.cases`). Each test
+checks one property (`combinations.check_*`): the float64 oracle, gated = gate of the
+ungated halves, vmap = loop, sharded = unsharded, grad of vmap = loop of grads, jvp =
+finite difference, vjp = the adjoint of jvp, jit = eager, empty groups' gradients exactly
+0, two runs bitwise equal. The routed experts of the MoE layer
 (`gmm_jax.routed_experts`) get their own draws (`moe_combinations`): FFN kind x activation x
 fused x biases x capacity x the layout the partitioner splits, forward and gradients against
 a float64 per-token oracle. fp8 training (``quantization=``) gets its own draws and
@@ -79,6 +80,23 @@ REGRESSIONS = [
                  id="vmap-rhs-swiglu_clamped-epilogue-pallas_tpu"),
     pytest.param(comb.check_grad_of_vmap, (_K_WIDE.replace(activation="swiglu"), "lhs"),
                  id="grad-of-vmap-lhs-k-swiglu-epilogue-pallas_tpu"),
+    # A gated prologue (lhs_activation): its dlhs gmm writes z's cotangent in the TPU
+    # kernel's epilogue (M, K multiples of the tiles), with row weights and a scatter, and
+    # under vmap over z and sharded z columns.
+    pytest.param(comb.check_vjp_adjoint, (_M_CASE.replace(
+        implementation="pallas_tpu", lhs_activation="swiglu", m=256, k=128, n=128,
+        sizes=(60, 0, 100, 40)),), id="adjoint-lhs_activation-epilogue-pallas_tpu"),
+    pytest.param(comb.check_oracle, (_M_CASE.replace(
+        lhs_activation="geglu", rows=("row_weights", "out_indices"), out_rows=32,
+        activation="silu", bias=True),), id="lhs_activation-rows"),
+    pytest.param(comb.check_vjp_adjoint, (_M_CASE.replace(
+        lhs_activation="swiglu_clamped", rows=("row_weights", "out_indices"),
+        out_rows=32),), id="adjoint-lhs_activation-rows"),
+    pytest.param(comb.check_grad_of_vmap, (_M_CASE.replace(lhs_activation="swiglu"), "lhs"),
+                 id="grad-of-vmap-lhs-lhs_activation"),
+    pytest.param(comb.check_sharded, (_M_CASE.replace(lhs_activation="swiglu"), "8",
+                                      (("lhs", 1, "x"),)),
+                 id="lhs_activation-columns-sharded"),
     # Found by the draws: the transpose of a batched out_indices call read an lhs leaf that
     # is not there (IndexError).
     pytest.param(comb.check_grad_of_vmap, (_M_CASE.replace(rows=("out_indices",)),
@@ -206,6 +224,22 @@ def test_jvp_is_a_finite_difference(case):
 @hypothesis.given(case=F32_CASES)
 def test_jvp_is_a_finite_difference_slow(case):
   comb.check_jvp_fd(case)
+
+
+# ------------------------------------------------------------- vjp = adjoint of jvp
+
+
+@_settings(4, slow=False)
+@hypothesis.given(case=F32_CASES)
+def test_vjp_is_the_adjoint_of_jvp(case):
+  comb.check_vjp_adjoint(case)
+
+
+@pytest.mark.slow
+@_settings(4, slow=True)
+@hypothesis.given(case=F32_CASES)
+def test_vjp_is_the_adjoint_of_jvp_slow(case):
+  comb.check_vjp_adjoint(case)
 
 
 # ------------------------------------------------------------------------ jit = eager

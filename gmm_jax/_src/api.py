@@ -18,7 +18,8 @@ from gmm_jax._src import backends  # noqa: F401  (registers the implementations)
 from gmm_jax._src import dispatch, fp8_training, group_list, op, quantized
 from gmm_jax._src import sharding as sharding_lib
 from gmm_jax._src import metadata
-from gmm_jax._src.config import GROUP_TYPES, PLATFORMS, GmmConfig, Tiling, Tilings, is_gated
+from gmm_jax._src.config import (GATED_ACTIVATIONS, GROUP_TYPES, PLATFORMS, GmmConfig, Tiling,
+                                 Tilings, is_gated)
 from gmm_jax._src.epilogue import NO_ROWS, Rows, resolve_activation
 from gmm_jax._src.errors import GmmShapeError
 from gmm_jax._src import grouped_array
@@ -87,7 +88,7 @@ def _check_plain_dtypes(lhs, rhs) -> None:
         "plain arrays must be both floating or both integer")
 
 
-def _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs):
+def _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs, gated_lhs=False):
   rhs_rank = 3 if group_type == "m" else 2
   if lhs.ndim != 2 or rhs.ndim != rhs_rank:
     raise GmmShapeError(
@@ -95,11 +96,42 @@ def _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs):
         f"{_describe(lhs)} and rhs {_describe(rhs)}")
   m, k = (lhs.shape[1], lhs.shape[0]) if transpose_lhs else lhs.shape
   rhs_k, n = (rhs.shape[-1], rhs.shape[-2]) if transpose_rhs else rhs.shape[-2:]
+  if gated_lhs:
+    if k != 2 * rhs_k:
+      raise GmmShapeError(
+          f"a gated lhs_activation reads lhs [M, 2K] (gate half, then up half) against rhs "
+          f"with K rows: lhs {lhs.shape} has {k} columns, rhs {rhs.shape} "
+          f"(transpose_rhs={transpose_rhs}) has K={rhs_k} (needs {2 * rhs_k})")
+    k = rhs_k
   if rhs_k != k:
     raise GmmShapeError(
         f"contraction sizes differ: lhs {lhs.shape} (transpose_lhs={transpose_lhs}) has "
         f"K={k}, rhs {rhs.shape} (transpose_rhs={transpose_rhs}) has K={rhs_k}")
   return m, k, n
+
+
+def _lhs_activation(lhs_activation, *, group_type, transpose_lhs, lhs, rhs, quantized,
+                    lhs_indices, quantization):
+  """The gated prologue's name, after the checks of what it combines with."""
+  if lhs_activation is None:
+    return None
+  if not is_gated(lhs_activation):
+    raise ValueError(f"lhs_activation must be None or a gated activation name "
+                     f"{GATED_ACTIVATIONS}, got {lhs_activation!r}")
+  given = [name for name, v in (
+      ("group_type='k'", group_type == "k"), ("transpose_lhs", transpose_lhs),
+      ("quantized operands", quantized), ("lhs_indices", lhs_indices is not None),
+      ("quantization=", quantization is not None)) if v]
+  if given:
+    raise NotImplementedError(
+        f"lhs_activation (a gated prologue) supports an m-grouped float lhs [M, 2K] that is "
+        f"not transposed or gathered, with any rhs layout, bias, activation, row_weights, "
+        f"out_indices; got {', '.join(given)}")
+  if not jnp.issubdtype(lhs.dtype, jnp.floating) or not jnp.issubdtype(rhs.dtype,
+                                                                       jnp.floating):
+    raise ValueError(f"lhs_activation needs float operands, got lhs {_describe(lhs)} and "
+                     f"rhs {_describe(rhs)}")
+  return lhs_activation
 
 
 def _check_static(**operands) -> None:
@@ -420,7 +452,7 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
               implementation, interpret, tiling, output_scale, output_offset, quantize_lhs,
               quantize_rhs, straight_through, sharding, platform, lhs_indices=None,
               row_weights=None, out_indices=None, out_rows=None,
-              deterministic=True, quantization=None) -> _Call:
+              deterministic=True, quantization=None, lhs_activation=None) -> _Call:
   """Every check of a gmm call, and its canonical form."""
   transpose_lhs = _check_bool(transpose_lhs, "transpose_lhs")
   transpose_rhs = _check_bool(transpose_rhs, "transpose_rhs")
@@ -453,7 +485,11 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
   elif not lhs_q and not jnp.issubdtype(lhs.dtype, jnp.floating):
     raise ValueError(f"with a quantized rhs, lhs must be a float array or a QArray, got "
                      f"{_describe(lhs)}")
-  m, k, n = _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs)
+  lhs_activation = _lhs_activation(
+      lhs_activation, group_type=group_type, transpose_lhs=transpose_lhs, lhs=lhs, rhs=rhs,
+      quantized=quantized_call, lhs_indices=lhs_indices, quantization=quantization)
+  m, k, n = _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs,
+                          lhs_activation is not None)
   rows, gather_rows, out_rows, num_rows = _row_operands(
       lhs, lhs_indices, row_weights, out_indices, out_rows, group_type=group_type,
       transpose_lhs=transpose_lhs,
@@ -491,7 +527,7 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
       implementation=dispatch.check_implementation(implementation), interpret=interpret,
       tiling=tiling, platform=_platform(platform), gather_rows=gather_rows,
       row_weights=rows.row_weights is not None, out_rows=out_rows,
-      deterministic=deterministic)
+      deterministic=deterministic, lhs_activation=lhs_activation)
   if rows.row_weights is not None and not jnp.issubdtype(cfg.out_dtype, jnp.floating):
     raise NotImplementedError(f"row_weights need a floating result, got {cfg.out_dtype}")
   if quantization is not None:
@@ -525,7 +561,7 @@ def _route(call: _Call):
 # The options a masked lhs does not take (unset: None, "counts" or False).
 _MASKED_UNSUPPORTED = ("group_list_type", "num_groups", "transpose_lhs", "group_offset",
                        "quantize_lhs", "quantize_rhs", "sharding", "lhs_indices",
-                       "out_indices", "out_rows")
+                       "out_indices", "out_rows", "lhs_activation")
 
 
 def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray:
@@ -597,7 +633,8 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray,
         sharding: sharding_lib.GmmSharding | None = None,
         platform: str | None = None, lhs_indices=None, row_weights=None, out_indices=None,
         out_rows: int | None = None, deterministic: bool = True,
-        quantization: str | Fp8Training | None = None) -> Array | GroupedArray | MaskedArray:
+        quantization: str | Fp8Training | None = None,
+        lhs_activation: str | None = None) -> Array | GroupedArray | MaskedArray:
   """Grouped matrix multiplication with a fused bias + activation epilogue.
 
   m-grouping (``group_type="m"``): lhs ``[M, K]`` (``[K, M]`` if transpose_lhs), rhs
@@ -679,6 +716,15 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray,
       Kernels that serve the "blocked" mode run them with fp8 MMA (see
       `gmm_jax.explain`), others dequantize. Not combined with QArray operands,
       quantize_lhs/quantize_rhs, output_scale/offset or sharding=.
+    lhs_activation: None, or a gated activation ("swiglu", "geglu", "geglu_tanh",
+      "swiglu_clamped") applied to lhs before the product (a gated prologue; m-grouping,
+      float lhs, not transposed or gathered): lhs ``[M, 2K]`` is a pre-activation z, gate
+      half then up half, and the product reads ``act(z[:, :K]) * z[:, K:]`` (in f32,
+      rounded to lhs's dtype), so ``gmm(z, w_down, lhs_activation="swiglu")`` is an MoE
+      down projection reading the up projection's output. Its input gradient is written
+      by one gmm: the dlhs gmm's epilogue forms the ``[M, 2K]`` cotangent of z from its
+      product and z (natively on the TPU kernel, see `gmm_jax.explain`), with no ``[M,
+      K]`` cotangent of the activation kept beside it.
     deterministic: True (default): the result, and every gradient, is bitwise identical
       from run to run on every implementation (split-K partial sums are summed in a fixed
       order, token rows in a fixed order). False lets an implementation add partial sums
@@ -739,7 +785,8 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray,
       output_offset=output_offset, quantize_lhs=quantize_lhs, quantize_rhs=quantize_rhs,
       straight_through=straight_through, sharding=sharding, platform=platform,
       lhs_indices=lhs_indices, row_weights=row_weights, out_indices=out_indices,
-      out_rows=out_rows, deterministic=deterministic, quantization=quantization)
+      out_rows=out_rows, deterministic=deterministic, quantization=quantization,
+      lhs_activation=lhs_activation)
   if out_offsets is not None and call.cfg.has_rows:
     raise ValueError("a GroupedArray lhs carries its own row layout; pass row operands "
                      "(lhs_indices, row_weights, out_indices) with a plain lhs")

@@ -152,6 +152,20 @@ class GmmConfig:
     deterministic: True (the default): bitwise identical results run to run on every
       implementation (split-K partial sums go to a buffer summed in a fixed order). False
       lets an implementation use atomics where they are faster (Triton's split-K).
+    lhs_activation: m-grouping: None, or a gated activation (of `GATED_ACTIVATIONS`)
+      applied to lhs before the product (a gated prologue): lhs ``[M, 2K]`` holds a
+      pre-activation z, gate half then up half, and the product reads
+      ``act(z)`` ``[M, K]`` (in f32, rounded to lhs's dtype). Not with transpose_lhs,
+      gathered rows or a quantized lhs.
+    lhs_tangent: with lhs_activation: lhs ``[M, 2K]`` is a tangent t of the pre-activation
+      z, which a ``source`` row operand ``[M, 2K]`` holds; the product reads the tangent
+      of the activation, ``epilogue.gated_tangent(z, t)`` (rounded to lhs's dtype). Linear
+      in lhs: the op's jvp binds it, its transpose is a `cotangent_of` gmm.
+    cotangent_of: m-grouping: None, or a gated activation: a ``source`` row operand z
+      ``[M, 2N]`` is present and the result ``[M, 2N]`` is the cotangent of z for the
+      product ``[M, N]`` (rounded to out_dtype, row weights applied) as the cotangent of
+      ``act(z)``: ``epilogue.gated_cotangent(z, product)``. The transpose of an
+      `lhs_tangent` gmm: the input gradient of a gated prologue, written by the dlhs gmm.
   """
 
   group_type: GroupType
@@ -169,6 +183,9 @@ class GmmConfig:
   row_weights: bool = False
   out_rows: int | None = None
   deterministic: bool = True
+  lhs_activation: str | None = None
+  lhs_tangent: bool = False
+  cotangent_of: str | None = None
 
   def __post_init__(self):
     implementation = self.implementation
@@ -189,12 +206,28 @@ class GmmConfig:
     return is_gated(self.activation)
 
   @property
+  def has_source(self) -> bool:
+    """Whether a ``source`` row operand (a gated pre-activation z) is present: a tangent of
+    a gated prologue (`lhs_tangent`) or a gated-cotangent epilogue (`cotangent_of`)."""
+    return self.lhs_tangent or self.cotangent_of is not None
+
+  @property
   def has_rows(self) -> bool:
-    """Whether the call gathers, weights or scatters rows (see `epilogue.Rows`)."""
-    return self.gather_rows is not None or self.row_weights or self.out_rows is not None
+    """Whether the call gathers, weights or scatters rows or reads a source (see
+    `epilogue.Rows`)."""
+    return (self.gather_rows is not None or self.row_weights or self.out_rows is not None
+            or self.has_source)
 
   def without_rows(self) -> "GmmConfig":
-    return dataclasses.replace(self, gather_rows=None, row_weights=False, out_rows=None)
+    return dataclasses.replace(self, gather_rows=None, row_weights=False, out_rows=None,
+                               lhs_tangent=False, cotangent_of=None,
+                               lhs_activation=None if self.lhs_tangent
+                               else self.lhs_activation)
+
+  def without_gated_operands(self) -> "GmmConfig":
+    """The plain product of this call: no gated prologue, tangent or cotangent epilogue."""
+    return dataclasses.replace(self, lhs_activation=None, lhs_tangent=False,
+                               cotangent_of=None)
 
 
 def accumulator_dtype(lhs_dtype, rhs_dtype) -> np.dtype:
@@ -224,9 +257,12 @@ def saved_preactivation_dtype(lhs_dtype, rhs_dtype, out_dtype) -> np.dtype:
 
 
 def problem_dims(lhs_shape, rhs_shape, cfg: GmmConfig) -> tuple[int, int, int]:
-  """(M, K, N) of a validated call: M the grouped problem's rows (R with gathered rows), N
-  the product's columns (2N' for a gated activation)."""
+  """(M, K, N) of a validated call: M the grouped problem's rows (R with gathered rows), K
+  the product's contraction (half lhs's columns with a gated prologue), N the product's
+  columns (2N' for a gated activation)."""
   m, k = (lhs_shape[1], lhs_shape[0]) if cfg.transpose_lhs else tuple(lhs_shape)
+  if cfg.lhs_activation is not None:
+    k //= 2
   if cfg.gather_rows is not None and cfg.group_type == "m":
     m = cfg.gather_rows
   elif cfg.gather_rows is not None:
@@ -236,7 +272,10 @@ def problem_dims(lhs_shape, rhs_shape, cfg: GmmConfig) -> tuple[int, int, int]:
 
 
 def out_columns(n: int, cfg: GmmConfig) -> int:
-  """The result's columns for a product of `n` columns (half of them when gated)."""
+  """The result's columns for a product of `n` columns (half of them when gated, twice
+  them for a gated-cotangent epilogue)."""
+  if cfg.cotangent_of is not None:
+    return 2 * n
   return n // 2 if cfg.gated else n
 
 

@@ -24,14 +24,17 @@ import numpy as np
 
 from gmm_jax._src import metadata
 from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gather_rows, scatter_rows
+from gmm_jax._src.epilogue import (NO_ROWS, Rows, finish, gated_cotangent, gated_input,
+                                   gather_rows, scatter_rows)
 from gmm_jax._src.qarray import quant_mode as _quant_mode
 
 # What an implementation may do natively beyond the plain gmm (`Backend.features`):
 # "gather" of m-grouped lhs rows, "gather_k" of the grouped (contraction) rows of a
 # k-grouped lhs (the weight gradient of a gathered gmm), row weights, scattered rows, gated
-# activations.
-FEATURES = ("gather", "row_weights", "scatter", "gated", "gather_k")
+# activations, a gated prologue on lhs (its value or its tangent, `GmmConfig.lhs_activation`)
+# and the gated-cotangent epilogue (`GmmConfig.cotangent_of`).
+FEATURES = ("gather", "row_weights", "scatter", "gated", "gather_k", "gated_lhs",
+            "gated_cotangent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +253,8 @@ def needed_features(cfg: GmmConfig) -> tuple[str, ...]:
   """The `FEATURES` a call uses."""
   gathered = cfg.gather_rows is not None
   used = (gathered and cfg.group_type == "m", cfg.row_weights, cfg.out_rows is not None,
-          cfg.gated, gathered and cfg.group_type == "k")
+          cfg.gated, gathered and cfg.group_type == "k", cfg.lhs_activation is not None,
+          cfg.cotangent_of is not None)
   return tuple(name for name, use in zip(FEATURES, used) if use)
 
 
@@ -263,7 +267,31 @@ def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConf
   its result after it. A missing gated activation or row weights moves both, with the
   scatter, to the finishing step after it (`epilogue.finish`, on its f32 result), so that
   every path rounds once, after the activation and the weights, as the fused kernels do.
+  A missing gated prologue reads `epilogue.gated_input` of lhs (formed before it); a
+  missing gated-cotangent epilogue applies `epilogue.gated_cotangent` to its result
+  (rounded to out_dtype first, as the kernel rounds its product).
   """
+  if cfg.cotangent_of is not None:  # anything else done around it comes before it
+    inner = cfg.replace(cotangent_of=None)
+    inner_rows = rows._replace(source=None)
+    inner_missing = tuple(f for f in missing if f != "gated_cotangent")
+    if inner_missing:
+      y = _around(backend, lhs, rhs, counts, group_offset, bias, inner, inner_rows,
+                  inner_missing)
+    elif needed_features(inner):
+      y = backend.fn(lhs, rhs, counts, group_offset, bias, inner, rows=inner_rows)
+    else:
+      y = backend.fn(lhs, rhs, counts, group_offset, bias, inner)
+    return gated_cotangent(cfg.cotangent_of, rows.source, y, cfg.out_dtype)
+  if cfg.lhs_activation is not None and "gated_lhs" in missing:
+    lhs = gated_input(cfg.lhs_activation, lhs, rows.source if cfg.lhs_tangent else None)
+    cfg = cfg.replace(lhs_activation=None, lhs_tangent=False)
+    rows = rows._replace(source=None) if cfg.cotangent_of is None else rows
+    missing = tuple(f for f in missing if f != "gated_lhs")
+    if not missing:
+      if needed_features(cfg):
+        return backend.fn(lhs, rhs, counts, group_offset, bias, cfg, rows=rows)
+      return backend.fn(lhs, rhs, counts, group_offset, bias, cfg)
   if cfg.gather_rows is not None and any(f in missing for f in ("gather", "gather_k")):
     lhs = gather_rows(lhs, rows.lhs_indices)
     cfg, rows = cfg.replace(gather_rows=None), rows._replace(lhs_indices=None)

@@ -137,6 +137,16 @@ def _gated_f32_jvp(name, primals, tangents):
   return gated_halves_f32(name, z), gated_tangent(name, z, dz.astype(z.dtype))
 
 
+def gated_input(name: str, lhs: jax.Array, source: jax.Array | None = None) -> jax.Array:
+  """What a gated prologue's product reads (`GmmConfig.lhs_activation`), in lhs's dtype:
+  ``act(lhs)`` ``[..., K]`` for a pre-activation lhs ``[..., 2K]``, or, given the
+  pre-activation `source` z, the activation's tangent along lhs ``gated_tangent(z, lhs)``
+  (`GmmConfig.lhs_tangent`). Both in f32, rounded once."""
+  if source is None:
+    return gated_f32(name, lhs).astype(lhs.dtype)
+  return gated_tangent(name, source, lhs).astype(lhs.dtype)
+
+
 def gated_cotangent(name: str, z: jax.Array, ct: jax.Array, dtype) -> jax.Array:
   """``[..., 2N]`` in `dtype`: the cotangent of the pre-activation z ``[..., 2N]`` of the
   gated activation `name` (applied in f32) for the cotangent ct ``[..., N]`` of its
@@ -333,11 +343,15 @@ class Rows(NamedTuple):
     row_weights: float ``[R]``: row r of the result is multiplied by it after the
       activation.
     out_indices: int32 ``[R]``: row r is written to result row ``out_indices[r]``.
+    source: the gated pre-activation z that a tangent-mode gated prologue (``[R, 2K]``,
+      `GmmConfig.lhs_tangent`) or a gated-cotangent epilogue (``[R, 2N]``,
+      `GmmConfig.cotangent_of`) reads (see `gated_input`, `gated_cotangent`).
   """
 
   lhs_indices: jax.Array | None = None
   row_weights: jax.Array | None = None
   out_indices: jax.Array | None = None
+  source: jax.Array | None = None
 
 
 NO_ROWS = Rows()

@@ -33,6 +33,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -89,6 +90,17 @@ class ExpertFFN:
     swiglu_limit, swiglu_alpha: the clamped SwiGLU's constants ("swiglu_clamped"). The
       gmm's epilogue (and every kernel's) has the defaults; other values run the gated
       activation after the gmm, in jnp (`epilogue.swiglu_clamped`).
+    gated_prologue: fused and gated (a named activation the gmms know): True: the gate|up
+      gmm writes the pre-activation z ``[R, 2F]`` and the down gmm reads it through its
+      gated prologue (``lhs_activation``), so that the backward's dlhs gmm of the down
+      projection writes z's cotangent itself (no ``[R, F]`` cotangent of the activation,
+      its f32 copy or the halves beside it): fewer temporaries in a training step on GPUs
+      (BENCHMARKS.md, "The gated prologue"). False (default): the gate|up gmm applies the
+      activation in its epilogue and the down gmm reads h ``[R, F]`` (half the bytes
+      between the two gmms; what XLA:TPU plans best today). Quantized down weights (or a
+      quantization option) take the False path. Gradients are equal for an equal
+      cotangent; the forward differs by one rounding (True rounds z to the output dtype
+      before the activation, as every backward recomputes it).
   """
 
   num_experts: int
@@ -99,6 +111,7 @@ class ExpertFFN:
   weight_on: str = "output"
   swiglu_limit: float = SWIGLU_LIMIT
   swiglu_alpha: float = SWIGLU_ALPHA
+  gated_prologue: bool = False
 
   @property
   def gmm_options(self) -> dict[str, Any]:
@@ -128,6 +141,21 @@ class ExpertFFN:
     return None
 
 
+def _prologue(spec: ExpertFFN, w_down) -> str | None:
+  """The gated activation the down gmm applies in its prologue (`ExpertFFN.gated_prologue`),
+  or None when the gate|up gmm applies it."""
+  name = spec.epilogue_activation
+  if not (spec.gated and spec.fused and spec.gated_prologue and name is not None):
+    return None
+  options = spec.gmm_options
+  quantized = any(options.get(key) is not None
+                  for key in ("quantization", "quantize_lhs", "quantize_rhs"))
+  if quantized or not isinstance(w_down, (jax.Array, np.ndarray)) or not jnp.issubdtype(
+      w_down.dtype, jnp.floating):
+    return None
+  return name
+
+
 def _input_weighted(rows, weights):
   """Rows times their router weights (``weight_on="input"``), in f32, in the rows' dtype."""
   return (rows.astype(jnp.float32) * weights.astype(jnp.float32)[:, None]).astype(rows.dtype)
@@ -139,7 +167,10 @@ def ffn_rows(spec: ExpertFFN, rows, sizes, params):
   options = spec.gmm_options
   w_in, w_down = params["w_in"], params["w_down"]
   b_in, b_down = params.get("b_in"), params.get("b_down")
-  if not spec.gated or spec.fused:
+  prologue = _prologue(spec, w_down)
+  if prologue is not None:  # z [R, 2F]; the down gmm applies the activation
+    h = checkpoint_name(gmm(rows, w_in, sizes, bias=b_in, **options), PREACTIVATION)
+  elif not spec.gated or spec.fused:
     h = gmm(rows, w_in, sizes, bias=b_in, activation=spec.epilogue_activation, **options)
     if spec.after_gmm is not None:  # the gated activation the epilogue cannot apply
       h = spec.after_gmm(h)
@@ -151,7 +182,8 @@ def ffn_rows(spec: ExpertFFN, rows, sizes, params):
              **options)
     h = gated_activation(spec.activation, swiglu_limit=spec.swiglu_limit,
                          swiglu_alpha=spec.swiglu_alpha)(jnp.concatenate([gate, up], axis=-1))
-  return gmm(h.astype(rows.dtype), w_down, sizes, bias=b_down, **options)
+  return gmm(h.astype(rows.dtype), w_down, sizes, bias=b_down, lhs_activation=prologue,
+             **options)
 
 
 def ffn_routed(spec: ExpertFFN, x, top_e, top_p, params, *, capacity=None):
@@ -176,12 +208,18 @@ def ffn_routed(spec: ExpertFFN, x, top_e, top_p, params, *, capacity=None):
     else:
       rows = dict(lhs=x, lhs_indices=r.lhs_indices)
       out_weights = r.row_weights
-    h = gmm(rows.pop("lhs"), w_in, sizes, bias=b_in, activation=spec.epilogue_activation,
-            **rows, **options)
-    if spec.after_gmm is not None:  # the gated activation the epilogue cannot apply
-      h = spec.after_gmm(h)
+    prologue = _prologue(spec, w_down)
+    if prologue is not None:  # z [R, 2F]; the down gmm applies the activation
+      h = checkpoint_name(gmm(rows.pop("lhs"), w_in, sizes, bias=b_in, **rows, **options),
+                          PREACTIVATION)
+    else:
+      h = gmm(rows.pop("lhs"), w_in, sizes, bias=b_in, activation=spec.epilogue_activation,
+              **rows, **options)
+      if spec.after_gmm is not None:  # the gated activation the epilogue cannot apply
+        h = spec.after_gmm(h)
     y = gmm(h.astype(x.dtype), w_down, sizes, bias=b_down, row_weights=out_weights,
-            out_indices=r.out_indices, out_rows=r.num_slots, **options)
+            out_indices=r.out_indices, out_rows=r.num_slots, lhs_activation=prologue,
+            **options)
     return r.combine(y).astype(jnp.float32), r.kept
 
   # Keeps only the two gmms' pre-activations for a backward; the routing and the rows

@@ -171,6 +171,10 @@ def plan(mesh_shape: Mapping[str, int], cfg: GmmConfig, lhs_spec, rhs_spec,
     raise NotImplementedError(
         f"lhs and rhs shard K differently ({lhs_axes['k'] or 'replicated'} vs "
         f"{rhs_axes['k'] or 'replicated'}); {_SUPPORTED}")
+  if lhs_axes["k"] and cfg.lhs_activation is not None:
+    raise NotImplementedError(
+        f"a gated lhs_activation reads each K column's gate and up halves of lhs together: "
+        f"K must not be sharded (got {lhs_axes['k']}); {_SUPPORTED}")
   axes = dict(m=lhs_axes["m"], k=lhs_axes["k"], n=rhs_axes["n"], g=rhs_axes.get("g", ()))
   used = [a for name in NAMES for a in axes[name]]
   if len(used) != len(set(used)):
@@ -256,6 +260,10 @@ def choose(mesh_shape: Mapping[str, int], cfg: GmmConfig, lhs_shapes, rhs_shapes
       notes.append(f"{name.upper()}={sizes[name]} does not split over {axes} ({shards} "
                    "shards): kept whole")
       axes = ()
+    elif axes and name == "k" and cfg.lhs_activation is not None:
+      notes.append("a gated lhs_activation reads each K column's gate and up halves of lhs "
+                   "together: K kept whole")
+      axes = ()
     elif axes and name == "n" and cfg.gated and (sizes["n"] // 2) % shards:
       notes.append(f"the {sizes['n'] // 2} output columns of the gated activation do not "
                    f"split over {axes} ({shards} shards): N kept whole")
@@ -288,6 +296,10 @@ def for_rows(plan_: Plan, cfg: GmmConfig) -> Plan:
     notes.append("row operands index the whole lhs: its rows and K are gathered")
   if cfg.gated and plan_.n:
     notes.append("a gated activation with row operands: N kept whole")
+    axes["n"] = ()
+  if cfg.cotangent_of is not None and plan_.n:
+    notes.append("a gated-cotangent epilogue writes each column's gate and up cotangents "
+                 "together: N kept whole")
     axes["n"] = ()
   return Plan.make(cfg, axes, dict(plan_.mesh_shape), notes)
 
@@ -364,7 +376,8 @@ def local_gmm(run: Callable, plan: Plan, lhs, rhs, counts, group_offset, bias,
       and columns (`for_rows`): each device gathers, weights and scatters every row of its
       own experts (the others' rows are exact zeros, combined by the psum).
   """
-  if cfg.has_rows and (plan.m or plan.k or (cfg.gated and plan.n)):
+  if cfg.has_rows and (plan.m or plan.k or (
+      (cfg.gated or cfg.cotangent_of is not None) and plan.n)):
     raise NotImplementedError(f"a gmm with row operands splits only its experts and "
                               f"columns, not {plan.strategies}")
   lhs, rhs = local_qarray(lhs), local_qarray(rhs)

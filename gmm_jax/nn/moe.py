@@ -66,6 +66,10 @@ class MoE(nnx.Module):
     gated: True: gated FFN, ``gate_up`` kernel ``[E, D, 2F]`` (gate half first); False: a
       Switch-style FFN, ``up`` kernel ``[E, D, F]``. Either way ``down`` is ``[E, F, D]``.
     fused: the fused path (above) or the unfused baseline.
+    gated_prologue: fused and gated: the down projection reads the gate|up
+      pre-activation through its gated prologue, and its input gradient (the ``[R, 2F]``
+      cotangent of the pre-activation) comes from one gmm (`gmm_jax.ExpertFFN`; fewer
+      training temporaries on GPUs). Default False.
     score: "softmax" or "sigmoid" router scores.
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
@@ -181,7 +185,7 @@ class MoE(nnx.Module):
                router_weight_on: str = "output", num_shared_experts: int = 0,
                shared_mlp: int | None = None, shared_gate: bool = False,
                use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
-               swiglu_alpha: float = SWIGLU_ALPHA,
+               swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool = False,
                capacity_factor: float | None = None, capacity_per: str = "call",
                buffer_factor: float | None = None, layout: str = "ragged",
                max_rows: int | None = None,
@@ -238,6 +242,7 @@ class MoE(nnx.Module):
                          f"{type(router).__name__}")
     self.num_experts, self.embed, self.mlp, self.top_k = num_experts, embed, mlp, top_k
     self.activation, self.gated, self.fused = activation, gated, fused
+    self.gated_prologue = bool(gated_prologue)
     self.router_weight_on = router_weight_on
     self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
     self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
@@ -334,7 +339,8 @@ class MoE(nnx.Module):
       sequence_length = shape[-2] if len(shape) >= 3 else tokens.shape[0]
     spec = ffn_spec(self.num_experts, self.activation, self.gated, self.fused,
                     self._in_layer(), dtype, weight_on=self.router_weight_on,
-                    swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
+                    swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
+                    gated_prologue=self.gated_prologue)
     y, kept = dispatch.run_experts(
         spec, tokens.astype(dtype), top_e, top_p,
         expert_params(self._in_layer(), self.down, dtype), mesh=mesh, axis=axis,

@@ -866,7 +866,7 @@ def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       that do not match the config.
   """
   _check_rows(cfg, rows)
-  gather, weighted, scatter = (operand is not None for operand in rows)
+  gather, weighted, scatter = (operand is not None for operand in rows[:3])
   if gather and quant_mode(lhs, rhs, cfg) == "blocked":
     raise NotImplementedError(
         "the Triton kernels gather rows (lhs_indices) with blocked scales: not supported "

@@ -90,7 +90,7 @@ VMEM_RESERVE = cost_models.VMEM_RESERVE
 # What the kernels do in their epilogue beyond the plain gmm (`dispatch.Backend.features`):
 # row weights (m-grouping) and gated activations (both group types). Gathered and scattered
 # rows are done around them by the dispatcher (exact data movement).
-FEATURES = ("row_weights", "gated")
+FEATURES = ("row_weights", "gated", "gated_cotangent")
 
 
 # ------------------------------------------------------------------------------ tiling
@@ -392,11 +392,33 @@ def _epilogue(accs, biases, cfg: GmmConfig, row_weights=None):
   return y.astype(cfg.out_dtype)
 
 
+def _gated_cotangent_tiles(name: str, gate, up, ct):
+  """`epilogue.gated_cotangent` on tiles: the cotangents of the gate and up tiles of z for
+  the cotangent tile ct of the gated activation's result, in f32 (`GATED_PAIRS`' forms)."""
+  _, pull = jax.vjp(GATED_PAIRS[name], gate.astype(jnp.float32), up.astype(jnp.float32))
+  return pull(ct.astype(jnp.float32))
+
+
+def unsupported_cotangent_primitives(name: str) -> set[str]:
+  """Primitives of the gated-cotangent epilogue of `name` without a Mosaic TPU lowering
+  (best effort, as `unsupported_primitives`)."""
+  try:
+    from jax._src.pallas.mosaic import lowering as mosaic_lowering
+    rules = mosaic_lowering.lowering_rules
+    if not isinstance(next(iter(rules)), jax.extend.core.Primitive):
+      rules = next(table for core, table in rules.items() if str(core).lower() == "tc")
+  except (ImportError, AttributeError, StopIteration):
+    return set()
+  return common.unsupported_primitives(
+      lambda z: _gated_cotangent_tiles(name, z, z, z)[0] + _gated_cotangent_tiles(
+          name, z, z, z)[1], rules)
+
+
 def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, real_ref,
               k_fixed_ref, *refs, dims, tiling: Tiling, cfg: GmmConfig,
               dot_dtype, acc_dtype, has_bias: bool, k_steps: int, row_chunk: int,
               weight_cache: bool, quant: common.QuantStatic | None = None,
-              gated: bool = False, weighted: bool = False):
+              gated: bool = False, weighted: bool = False, cotangent: bool = False):
   del lhs_tiles_ref, k_fixed_ref  # index maps only
   refs = list(refs)
   lhs_ref, rhs_ref = refs.pop(0), refs.pop(0)
@@ -408,14 +430,20 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
   blocked = quant is not None and quant.mode == "blocked"
   lhs_scale_ref = refs.pop(0) if quant is not None and quant.mode != "weight_only" else None
   weights_ref = refs.pop(0) if weighted else None  # [tile_m, 1] f32 row weights
+  # A gated-cotangent epilogue: z's gate and up tiles beside the output tile; the output
+  # stays in HBM and gets the two cotangent tiles of each row tile by DMA, from a VMEM pair
+  # that the row tile's items fill.
+  z_refs = (refs.pop(0), refs.pop(0)) if cotangent else None
   out_ref = refs.pop(0)
   acc_refs = [refs.pop(0) for _ in range(2 if gated else 1)] if k_steps > 1 else None
   cache_ref, cached_ref = (refs.pop(0), refs.pop(0)) if weight_cache else (None, None)
+  pair_ref, sems = (refs.pop(0), refs.pop(0)) if cotangent else (None, None)
+  tile_ref = pair_ref if cotangent else out_ref
   weight_only = quant is not None and quant.mode == "weight_only"
   k = dims[1]
   tile_m, tile_k = tiling.tile_m, tiling.tile_k
   mask_edge = k_steps > 1 and k % tile_k != 0
-  item, k_step = pl.program_id(1), pl.program_id(2)
+  column, item, k_step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   last_k = k_step == k_steps - 1
   real = real_ref[item] > 0
   start, end = starts_ref[item], ends_ref[item]
@@ -424,7 +452,7 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
 
   @pl.when(last_k & first_in_tile)
   def _():  # rows of this tile that no item owns stay zero
-    out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+    tile_ref[...] = jnp.zeros(tile_ref.shape, tile_ref.dtype)
 
   if weight_cache:  # one K step: cast the weight tile once per group and column block
     group = groups_ref[item]
@@ -485,6 +513,13 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
       y = _epilogue(accs, biases, cfg, row_weights)
       row = tile_lo + lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
       mine = (row >= start) & (row < end)
+      if cotangent:
+        halves = _gated_cotangent_tiles(cfg.cotangent_of, z_refs[0][lo:lo + size, :],
+                                        z_refs[1][lo:lo + size, :], y)
+        for h, d in enumerate(halves):
+          pair_ref[h, lo:lo + size, :] = jnp.where(mine, d.astype(pair_ref.dtype),
+                                                   pair_ref[h, lo:lo + size, :])
+        return
       out_ref[lo:lo + size, :] = jnp.where(mine, y, out_ref[lo:lo + size, :])
 
     if k_steps == 1:
@@ -526,13 +561,30 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
   chunks = tile_m // row_chunk if row_chunk < tile_m and tile_m % row_chunk == 0 else 1
   if chunks == 1:
     pl.when(real)(lambda: rows(0, tile_m))
-    return
-  full = (start <= tile_lo) & (end >= tile_lo + tile_m)
-  pl.when(real & full)(lambda: rows(0, tile_m))
-  for chunk in range(chunks):  # a partial item: only the MXU row slices it touches
-    lo = chunk * row_chunk
-    touched = (start < tile_lo + lo + row_chunk) & (end > tile_lo + lo)
-    pl.when(real & ~full & touched)(functools.partial(rows, lo, row_chunk))
+  else:
+    full = (start <= tile_lo) & (end >= tile_lo + tile_m)
+    pl.when(real & full)(lambda: rows(0, tile_m))
+    for chunk in range(chunks):  # a partial item: only the MXU row slices it touches
+      lo = chunk * row_chunk
+      touched = (start < tile_lo + lo + row_chunk) & (end > tile_lo + lo)
+      pl.when(real & ~full & touched)(functools.partial(rows, lo, row_chunk))
+  if cotangent:
+    last = pl.num_programs(1) - 1
+    last_in_tile = (item == last) | (
+        out_tiles_ref[jnp.minimum(item + 1, last)] != out_tiles_ref[item])
+
+    @pl.when(last_k & last_in_tile)
+    def _():  # the row tile is complete: its gate and up cotangent tiles, N columns apart
+      tile_rows = pl.ds(pl.multiple_of(tile_lo, tile_m), tile_m)
+      tile_n = tiling.tile_n
+      copies = [pltpu.make_async_copy(
+          pair_ref.at[h], out_ref.at[tile_rows, pl.ds(
+              pl.multiple_of((column + h * (dims[2] // tile_n)) * tile_n, tile_n), tile_n)],
+          sems.at[h]) for h in (0, 1)]
+      for copy in copies:
+        copy.start()
+      for copy in copies:
+        copy.wait()
 
 
 def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *refs, dims,
@@ -641,6 +693,15 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
     n = out_columns(n, cfg)
     prepared = prepared._replace(out_shape=(m, n) if cfg.group_type == "m"
                                  else (cfg.num_local, m, n))
+  if cfg.cotangent_of is not None:
+    if cfg.group_type != "m" or cfg.gated or quant is not None:
+      raise NotImplementedError(
+          "the TPU kernel's gated-cotangent epilogue serves an m-grouped float gmm with no "
+          "activation of its own")
+    if not cfg.interpret:
+      common.require_lowerable(unsupported_cotangent_primitives(cfg.cotangent_of),
+                               f"the cotangent of {cfg.cotangent_of!r}", "Mosaic TPU")
+    prepared = prepared._replace(out_shape=(m, 2 * n))
   blocked = quant is not None and quant.mode == "blocked"
   if blocked:
     prepared = prepared._replace(dot_dtype=_blocked_dot_dtype(prepared.lhs.dtype,
@@ -670,6 +731,14 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
       lhs_scale=quant is not None)
   if cfg.row_weights:  # the [tile_m, 1] f32 weights pad to 128 lanes, double-buffered
     needed += 2 * tiling.tile_m * LANE * 4
+  if cfg.cotangent_of is not None:
+    if m % tiling.tile_m or n % tiling.tile_n:
+      raise NotImplementedError(
+          f"the TPU kernel's gated-cotangent epilogue writes whole tiles: M={m} and N={n} "
+          f"must be multiples of tile_m={tiling.tile_m} and tile_n={tiling.tile_n}")
+    # z's gate and up tiles (double-buffered) and the VMEM pair of cotangent tiles.
+    tile = tiling.tile_m * tiling.tile_n
+    needed += 4 * tile * lhs.dtype.itemsize + 2 * tile * cfg.out_dtype.itemsize
   info = dict(tiling=tiling, k_steps=k_steps, weight_cache=weight_cache, vmem_bytes=needed,
               row_chunk=mxu_rows(), prepared=prepared, out_columns=n,
               blocks_per_step=len(_block_widths(tiling.tile_k, quant.k_block)) if blocked else 0)
@@ -816,15 +885,26 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       row_operands = [rows.row_weights.astype(jnp.float32).reshape(m, 1)]
       in_specs.append(pl.BlockSpec((tile_m, 1), lambda n_i, i, k_i, g, o, lhs_tiles, *_: (
           lhs_tiles[i], 0)))
+    cotangent = cfg.cotangent_of is not None
+    out_spec = pl.BlockSpec((tile_m, tile_n),
+                            lambda n_i, i, k_i, groups, out_tiles, *_: (out_tiles[i], n_i))
+    if cotangent:  # z [M, 2N]: the gate and up tiles of the output tile's rows and columns
+      row_operands += [rows.source] * 2
+      in_specs += [pl.BlockSpec((tile_m, tile_n), functools.partial(
+          lambda n_i, i, k_i, groups, out_tiles, *_, shift: (out_tiles[i], n_i + shift),
+          shift=shift)) for shift in (0, n // tile_n)]
+      out_spec = pl.BlockSpec(memory_space=pl.ANY)
     scratch = [pltpu.VMEM((tile_m, tile_n), acc_dtype)] * len(halves) if k_steps > 1 else []
     if info["weight_cache"]:
       scratch += [pltpu.VMEM(rhs_block, dot_dtype), pltpu.SMEM((1,), jnp.int32)]
+    if cotangent:
+      scratch += [pltpu.VMEM((2, tile_m, tile_n), cfg.out_dtype),
+                  pltpu.SemaphoreType.DMA((2,))]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=len(scalars),
         grid=(num_n_tiles, count, k_steps),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((tile_m, tile_n),
-                               lambda n_i, i, k_i, groups, out_tiles, *_: (out_tiles[i], n_i)),
+        out_specs=out_spec,
         scratch_shapes=scratch,
     )
     # Balanced estimate: lhs once per column block, each weight once, the output once.
@@ -832,7 +912,7 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     return common.pallas_call(
         functools.partial(_m_kernel, quant=common.quant_static(quant), k_steps=k_steps,
                           row_chunk=info["row_chunk"], weight_cache=info["weight_cache"],
-                          weighted=cfg.row_weights, **kernel_options),
+                          weighted=cfg.row_weights, cotangent=cotangent, **kernel_options),
         info["prepared"], tiles=(tile_m, tile_k, tile_n),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),

@@ -19,8 +19,8 @@ from jax.interpreters import ad
 
 from gmm_jax._src.config import GmmConfig, is_gated, saved_preactivation_dtype
 from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gated_f32, resolve_activation
-from gmm_jax._src.op.primitive import (PREACTIVATION, PRIMITIVES, as_float, gmm, grouped_rows,
-                                       row_ids, row_operands, unpack)
+from gmm_jax._src.op.primitive import (PREACTIVATION, PRIMITIVES, as_float, composed, gmm,
+                                       grouped_rows, row_ids, row_operands, unpack)
 from gmm_jax._src.qarray import QArray, dequantize
 
 
@@ -65,6 +65,12 @@ def _tangent(lhs, rhs, counts, group_offset, tangents, cfg: GmmConfig, out_shape
     if isinstance(lhs, QArray):
       terms.append(gmm(_dequantized_tangent(lhs, t_lhs), as_float(rhs), counts,
                        group_offset, None, cfg, out_hint, rows))
+    elif cfg.lhs_activation is not None:
+      # A gated prologue: the product reads act(z) (z = lhs); its tangent gmm reads the
+      # activation's tangent along t_lhs, with z as the source (transposed, the dlhs gmm
+      # writes the [M, 2K] cotangent of z in its epilogue).
+      terms.append(gmm(ad.instantiate_zeros(t_lhs), rhs, counts, group_offset, None,
+                       cfg.replace(lhs_tangent=True), out_hint, rows._replace(source=lhs)))
     else:
       terms.append(gmm(ad.instantiate_zeros(t_lhs), rhs, counts, group_offset, None, cfg,
                        out_hint, rows))
@@ -108,7 +114,16 @@ def _activation_jvp(activation, z, dz):
   return jax.jvp(jax.checkpoint(fn), (z,), (dz,))
 
 
+def _jvp_composed(primals, tangents, *, cfg, trees, has_bias, out_hint):
+  fn = functools.partial(composed, cfg=cfg, trees=trees, has_bias=has_bias,
+                         out_hint=out_hint)
+  return jax.jvp(fn, tuple(primals), tuple(ad.instantiate_zeros(t) for t in tangents))
+
+
 def _jvp(primals, tangents, *, cfg, trees, has_bias, out_hint):
+  if cfg.has_source:
+    return _jvp_composed(primals, tangents, cfg=cfg, trees=trees, has_bias=has_bias,
+                         out_hint=out_hint)
   if cfg.has_rows:
     return _jvp_rows(primals, tangents, cfg=cfg, trees=trees, has_bias=has_bias,
                      out_hint=out_hint)

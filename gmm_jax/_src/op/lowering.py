@@ -158,6 +158,16 @@ def _sharding_rule(static, mesh, operand_types, result_types):
     dims = dict(dims, lhs=tuple("l" + d if d == "m" else d for d in dims["lhs"]),
                 out=tuple("o" + d if d == "m" and cfg.out_rows is not None else d
                           for d in dims["out"]))
+  # A gated prologue's lhs holds 2K columns and a gated-cotangent epilogue's output 2N:
+  # factors of their own, whole (with the K or N they pair), like the source z ([M, 2K] or
+  # [M, 2N]) a tangent or cotangent gmm reads.
+  whole = ["h"]
+  if cfg.lhs_activation is not None:
+    dims = dict(dims, lhs=tuple("kz" if d == "k" else d for d in dims["lhs"]))
+    whole += ["k", "kz"]
+  if cfg.cotangent_of is not None:
+    dims = dict(dims, out=tuple("nz" if d == "n" else d for d in dims["out"]))
+    whole += ["n", "nz"]
   extra = iter(f"s{i}" for i in range(64))
   mappings = []
   for operand, leaves in (("lhs", lhs_shapes), ("rhs", rhs_shapes)):
@@ -165,7 +175,11 @@ def _sharding_rule(static, mesh, operand_types, result_types):
       mappings.append(" ".join(
           name if size == full else next(extra)
           for name, size, full in zip(dims[operand], shape, leaves[0])))
-  mappings += ["h", ""] + (["g n"] if has_bias else []) + ["m"] * num_rows
+  rows = ["m"] * (num_rows - int(cfg.has_source))
+  if cfg.has_source:
+    rows.append("m zc")
+    whole.append("zc")
+  mappings += ["h", ""] + (["g n"] if has_bias else []) + rows
   rule = ", ".join(mappings) + " -> " + " ".join(dims["out"])
   reductions = ("g", "k") if cfg.group_type == "m" else ("k",)
   order = []
@@ -173,8 +187,8 @@ def _sharding_rule(static, mesh, operand_types, result_types):
     if token not in order and token != "->":
       order.append(token)
   return rule, dict(
-      reduction_factors=tuple(f for f in order if f in reductions),
-      need_replication_factors=tuple(f for f in order if f == "h"))
+      reduction_factors=tuple(f for f in order if f in reductions and f not in whole),
+      need_replication_factors=tuple(f for f in order if f in whole))
 
 
 @functools.partial(custom_partitioning, static_argnums=(0,))

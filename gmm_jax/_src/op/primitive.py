@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src import metadata, strategy
 from gmm_jax._src.config import GmmConfig, output_shape
-from gmm_jax._src.epilogue import NO_ROWS, Rows
+from gmm_jax._src.epilogue import NO_ROWS, Rows, gated_cotangent, gated_input
 from gmm_jax._src.qarray import QArray, dequantize
 
 # Whether a trace has concrete devices is private to jax (`jax.sharding.get_mesh` refuses
@@ -89,7 +89,7 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
     out_hint: None or a PartitionSpec for the output's dims that no operand decides (the
       groups of a k-grouped output: the weight gradient takes the weights' sharding).
     rows: the row operands that `cfg` announces (``cfg.gather_rows``, ``cfg.row_weights``,
-      ``cfg.out_rows``; see `GmmConfig`).
+      ``cfg.out_rows``, ``cfg.has_source``; see `GmmConfig`).
     primitive: the primitive to bind (default: `current_primitive()`).
   """
   lhs_leaves, lhs_tree = jax.tree.flatten(lhs)
@@ -99,13 +99,30 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
     operands.append(bias)
   for present, value in ((cfg.gather_rows is not None, rows.lhs_indices),
                          (cfg.row_weights, rows.row_weights),
-                         (cfg.out_rows is not None, rows.out_indices)):
+                         (cfg.out_rows is not None, rows.out_indices),
+                         (cfg.has_source, rows.source)):
     if present:
       operands.append(value)
   operands = _same_vma([jnp.asarray(x) for x in operands])
   return (primitive or current_primitive()).bind(
       *operands, cfg=cfg, trees=(lhs_tree, rhs_tree), has_bias=bias is not None,
       out_hint=out_hint)
+
+
+def composed(*operands, cfg, trees, has_bias, out_hint):
+  """A gmm with a source (a gated prologue's tangent or a gated-cotangent epilogue) as the
+  plain gmm and the epilogue's jnp functions around it: the same values, differentiable
+  by the plain gmm's rules (for the derivatives of these linear gmms: second order)."""
+  lhs, rhs, counts, group_offset, bias = unpack(operands, trees, has_bias)
+  rows = row_operands(operands, trees, has_bias, cfg)
+  inner_rows = rows._replace(source=None)
+  if cfg.lhs_tangent:
+    x = gated_input(cfg.lhs_activation, lhs, rows.source)
+    return gmm(x, rhs, counts, group_offset, bias,
+               cfg.replace(lhs_activation=None, lhs_tangent=False), out_hint, inner_rows)
+  y = gmm(lhs, rhs, counts, group_offset, bias, cfg.replace(cotangent_of=None), out_hint,
+          inner_rows)
+  return gated_cotangent(cfg.cotangent_of, rows.source, y, cfg.out_dtype)
 
 
 def unpack(operands, trees, has_bias):
@@ -124,7 +141,8 @@ def row_operands(operands, trees, has_bias, cfg: GmmConfig) -> Rows:
   rest = iter(operands[trees[0].num_leaves + trees[1].num_leaves + 2 + int(has_bias):])
   return Rows(next(rest) if cfg.gather_rows is not None else None,
               next(rest) if cfg.row_weights else None,
-              next(rest) if cfg.out_rows is not None else None)
+              next(rest) if cfg.out_rows is not None else None,
+              next(rest) if cfg.has_source else None)
 
 
 def is_plain(tree) -> bool:
@@ -151,7 +169,8 @@ def _abstract_eval(*avals, cfg, trees, has_bias, out_hint):
   mesh = meshes[0] if meshes else avals[0].sharding.mesh
   if mesh.empty:
     return jax.core.ShapedArray(shape, cfg.out_dtype)
-  if cfg.has_rows:  # gathered/scattered rows: XLA's propagation shards it (replicated type)
+  if cfg.gather_rows is not None or cfg.row_weights or cfg.out_rows is not None:
+    # gathered/scattered rows: XLA's propagation shards it (replicated type)
     return jax.core.ShapedArray(shape, cfg.out_dtype,
                                 sharding=NamedSharding(mesh, P(*[None] * len(shape))),
                                 manual_axis_type=avals[0].mat)
@@ -159,6 +178,8 @@ def _abstract_eval(*avals, cfg, trees, has_bias, out_hint):
   # make it (see `strategy.choose`); inside shard_map the result varies over the mesh axes
   # its (cast) operands vary over.
   spec = P(*[None] * len(shape))
+  # A tangent gmm of a gated prologue is typed as the gmm it is the tangent of.
+  cfg = cfg.replace(lhs_tangent=False) if cfg.lhs_tangent else cfg
   if any(_explicit_spec(a) != P() for a in avals) or out_hint:
     mesh_shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes)}
     plan = strategy.choose(mesh_shape, cfg, _leaf_shapes(lhs), _leaf_shapes(rhs),

@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from gmm_jax._src import metadata, tuning
 from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.epilogue import Rows, gather_rows, rows_sum
-from gmm_jax._src.op.primitive import (PRIMITIVES, as_float, gmm, grouped_rows, is_plain,
-                                       row_operands, unpack)
+from gmm_jax._src.epilogue import Rows, gated_input, gather_rows, rows_sum
+from gmm_jax._src.op.primitive import (PRIMITIVES, as_float, composed, gmm, grouped_rows,
+                                       is_plain, row_operands, unpack)
 
 
 def _is_zero(tangent) -> bool:
@@ -36,8 +36,27 @@ def _spec_hint(x):
   return sharding.spec
 
 
+def _transpose_composed(ct, operands, cfg, trees, has_bias, out_hint):
+  """The transpose of a gmm with a source (`jvp.composed`: the plain gmm and the gated
+  epilogue's jnp functions) with respect to its undefined operands."""
+  undefined = [i for i, x in enumerate(operands) if ad.is_undefined_primal(x)]
+
+  def linear(*values):
+    full = list(operands)
+    for i, value in zip(undefined, values):
+      full[i] = value
+    return composed(*full, cfg=cfg, trees=trees, has_bias=has_bias, out_hint=out_hint)
+
+  avals = [jax.ShapeDtypeStruct(operands[i].aval.shape, operands[i].aval.dtype)
+           for i in undefined]
+  cts = jax.linear_transpose(linear, *avals)(ct)
+  results = [None] * len(operands)
+  for i, value in zip(undefined, cts):
+    results[i] = value
+  return results
+
+
 def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
-  del out_hint
   if cfg.activation is not None:
     raise ValueError("a gmm with an activation is not linear; only its tangent gmms (which "
                      "carry no activation) are transposed")
@@ -52,6 +71,18 @@ def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
   results = [None] * len(operands)
   if _is_zero(ct):
     return results
+  if cfg.lhs_activation is not None and not cfg.lhs_tangent:
+    if _undefined(lhs):
+      raise ValueError("a gmm with a gated prologue (lhs_activation) is not linear in lhs; "
+                       "only its tangent gmms are transposed")
+    # Linear in rhs and the bias: the product of act(lhs).
+    lhs = gated_input(cfg.lhs_activation, lhs)
+    operands = (lhs,) + tuple(operands[1:])
+    cfg = cfg.replace(lhs_activation=None)
+  if cfg.cotangent_of is not None or (cfg.lhs_tangent and (
+      not _undefined(lhs) or _undefined(rhs) or (bias is not None and _undefined(bias)))):
+    # Transposes that only second derivatives reach: through the jnp composition.
+    return _transpose_composed(ct, operands, cfg, trees, has_bias, out_hint)
   for name, x, tree in (("lhs", lhs, trees[0]), ("rhs", rhs, trees[1])):
     if _undefined(x) and not is_plain(tree):
       raise NotImplementedError(
@@ -106,12 +137,24 @@ def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
       ct_bias = jnp.sum(ct.astype(jnp.float32), axis=1).astype(bias.aval.dtype)
   num_lhs, num_rhs = trees[0].num_leaves, trees[1].num_leaves
   if ct_lhs is not None:
-    results[0] = ct_lhs
+    results[0] = _typed_like(ct_lhs, lhs)
   if ct_rhs is not None:
-    results[num_lhs] = ct_rhs
+    results[num_lhs] = _typed_like(ct_rhs, rhs)
   if ct_bias is not None:
-    results[num_lhs + num_rhs + 2] = ct_bias
+    results[num_lhs + num_rhs + 2] = _typed_like(ct_bias, bias)
   return results
+
+
+def _typed_like(ct, x):
+  """`ct` with the sharding type of the undefined primal x (Explicit mesh axes): a gmm
+  types its result by its own plan (e.g. a weight gradient's rows sharded like the
+  activations' columns), which a cotangent must not differ from."""
+  sharding = getattr(x.aval, "sharding", None)
+  if sharding is None or getattr(sharding, "mesh", None) is None or sharding.mesh.empty:
+    return ct
+  if jax.typeof(ct).sharding.spec == sharding.spec:
+    return ct
+  return jax.sharding.reshard(ct, sharding)
 
 
 def _after(ct, ct_lhs):
@@ -174,12 +217,17 @@ def _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows: Rows, cfg: G
   scattered = cfg.out_rows is not None
   ct_lhs = ct_rhs = ct_bias = None
   if ad.is_undefined_primal(lhs):
+    # A gated prologue's tangent (lhs_tangent): the dlhs gmm writes the [R, 2K] cotangent
+    # of its source z in its epilogue.
     d_cfg = base.replace(transpose_lhs=False, transpose_rhs=not cfg.transpose_rhs,
                          out_dtype=lhs.aval.dtype, tiling=dlhs_tiling,
                          gather_rows=num_rows if scattered else None,
-                         row_weights=weights is not None, out_rows=None)
+                         row_weights=weights is not None, out_rows=None,
+                         lhs_activation=None, lhs_tangent=False,
+                         cotangent_of=cfg.lhs_activation if cfg.lhs_tangent else None)
     d_rows = gmm(ct, rhs, counts, group_offset, None, d_cfg,
-                 rows=Rows(rows.out_indices if scattered else None, weights, None))  # [R, K]
+                 rows=Rows(rows.out_indices if scattered else None, weights, None,
+                           rows.source if cfg.lhs_tangent else None))  # [R, K]
     if cfg.gather_rows is not None:
       indices = jnp.where(written, rows.lhs_indices, -1)
       ct_lhs = rows_sum(d_rows, indices, lhs.aval.shape[0])

@@ -1,0 +1,59 @@
+"""Temporaries of an MoE training step with several layers, compiled deviceless.
+
+One layer's step can let XLA keep a saved activation somewhere a model of many layers
+could not (XLA:TPU keeps the single layer's 67 MB pre-activation in VMEM); chaining layers
+shows what the per-layer figures do as the step grows. Each layer is `bench_moe`'s
+`moe_fused` block (nn.MoE's routed experts under plain jit) with its own weights, with or
+without `ExpertFFN(gated_prologue=True)`.
+
+  JAX_PLATFORMS=cpu python benchmarks/moe_layers_deviceless.py TARGET PROLOGUE LAYERS
+
+TARGET: h100, h200, v5e or v6e; PROLOGUE: 1 (gated prologue) or 0; in the environment of
+.ci/aot_env.sh. Results: BENCHMARKS.md, "The gated prologue".
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import gmm_jax
+from gmm_jax import bench_moe
+
+T, D, F, E, TOP_K = 4096, 1024, 2048, 64, 2
+
+
+def block(prologue: bool, params, x):
+  top_p, top_e = bench_moe._router(params, x, TOP_K)
+  spec = gmm_jax.ExpertFFN(E, "silu", gated=True, fused=True, gated_prologue=prologue,
+                           options=(("preferred_element_type", x.dtype),))
+  y, _ = gmm_jax.routed_experts(spec, x, top_e, top_p,
+                                dict(w_in=params["gate_up"], w_down=params["down"]))
+  return y.astype(x.dtype)
+
+
+def main(target: str, prologue: bool, layers: int) -> None:
+  device = bench_moe.deviceless_device(target)
+  sharding = jax.sharding.SingleDeviceSharding(device)
+
+  def loss(layer_params, x):
+    for params in layer_params:
+      x = block(prologue, params, x)
+    return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+  one = jax.eval_shape(lambda: bench_moe.layout(
+      "moe_fused", bench_moe.init_params(jax.random.key(0), D, F, E, jnp.bfloat16)))
+  layer_params = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                              sharding=sharding), one)
+                  for _ in range(layers)]
+  x = jax.ShapeDtypeStruct((T, D), jnp.bfloat16, sharding=sharding)
+  with jax.default_device(device):
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(layer_params,
+                                                                       x).compile()
+  temp = compiled.memory_analysis().temp_size_in_bytes
+  print(f"{target} {'prologue' if prologue else 'epilogue'} {layers} layers: temporaries "
+        f"{temp / 1e6:.1f} MB", flush=True)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]))

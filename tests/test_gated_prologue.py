@@ -1,0 +1,210 @@
+"""The gated prologue (``gmm(z, w, lhs_activation=...)``): lhs ``[M, 2K]`` read as
+``act(z)``, whose input gradient the dlhs gmm writes in its epilogue (`GmmConfig.cotangent_of`).
+
+The option space (every implementation x transformation) is drawn by
+tests/test_combinations.py (`combinations.Case.lhs_activation`); these tests hold the parts
+the draws do not name: the refusals, the one-gmm input gradient, the TPU kernel's epilogue
+(served, refused for partial tiles), the MoE layer's option and the explicit-sharding types
+of the cotangents.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from jax.sharding import NamedSharding, PartitionSpec as P
+from oracle import GATED, f64, gmm_oracle
+
+import gmm_jax
+from gmm_jax import bench_moe
+from gmm_jax._src import dispatch
+
+pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
+
+SIZES = (60, 0, 100, 40)  # 200 of 256 rows; an empty group; 56 rows past the total
+
+
+def _operands(m=256, k=128, n=128, dtype=jnp.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  z = jnp.asarray(rng.uniform(-2, 2, (m, 2 * k)), dtype)
+  w = jnp.asarray(rng.uniform(-1, 1, (len(SIZES), k, n)) / np.sqrt(k), dtype)
+  sizes = SIZES if m >= 256 else (m // 4, 0, m // 2, m // 8)
+  return z, w, jnp.asarray(sizes, jnp.int32)
+
+
+def _oracle(name, z, w, sizes):
+  x = f64(jnp.asarray(GATED[name](f64(z)).astype(np.float32), z.dtype))
+  return gmm_oracle(x, f64(w), np.asarray(sizes), "m")
+
+
+@pytest.mark.parametrize("name", ["swiglu", "geglu", "geglu_tanh", "swiglu_clamped"])
+@pytest.mark.parametrize("implementation", ["reference", "xla", "pallas_tpu", "pallas_triton"])
+def test_equals_the_oracle_and_its_gradient_is_the_composition(name, implementation):
+  z, w, sizes = _operands()
+  options = dict(implementation=implementation, interpret=implementation.startswith("pallas"))
+  f = lambda z, w: gmm_jax.gmm(z, w, sizes, lhs_activation=name, **options)  # noqa: E731
+  np.testing.assert_allclose(f64(f(z, w)), _oracle(name, z, w, sizes), rtol=1e-5, atol=1e-5)
+  # The composition: the activation in jnp, then the plain gmm on the xla path.
+  composed = lambda z, w: gmm_jax.gmm(  # noqa: E731
+      gmm_jax._src.epilogue.gated_halves_f32(name, z), w, sizes)
+  ct = jnp.asarray(np.random.default_rng(1).uniform(-1, 1, (z.shape[0], w.shape[-1])),
+                   jnp.float32)
+  got = jax.vjp(f, z, w)[1](ct)
+  want = jax.vjp(composed, z, w)[1](ct)
+  for g, r, what in zip(got, want, ("dz", "dw")):
+    np.testing.assert_allclose(f64(g), f64(r), rtol=1e-5, atol=1e-5, err_msg=what)
+
+
+def test_second_derivatives():
+  z, w, sizes = _operands(m=32, k=8, n=8)
+  sizes = jnp.asarray([8, 0, 12, 4], jnp.int32)
+  f = lambda z, w: gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu")  # noqa: E731
+  check_grads(f, (z, w), order=2, modes=("fwd", "rev"), atol=2e-2, rtol=2e-2)
+
+
+def test_the_input_gradient_is_one_gmm():
+  # The transpose of the prologue's tangent gmm is a gmm with the gated-cotangent epilogue:
+  # no separate activation cotangent, no [M, K] intermediate.
+  z, w, sizes = _operands(m=32, k=8, n=8)
+  grad = jax.grad(lambda z: jnp.sum(gmm_jax.gmm(z, w, sizes, lhs_activation="geglu") ** 2))
+  eqns = jax.make_jaxpr(grad)(z).eqns
+  gmms = [e for e in eqns if e.primitive.name.startswith("gmm_jax")]
+  cotangents = [e for e in gmms if e.params["cfg"].cotangent_of == "geglu"]
+  assert len(cotangents) == 1, [e.params["cfg"] for e in gmms]
+  (dz,) = cotangents[0].outvars
+  assert dz.aval.shape == z.shape and dz.aval.dtype == z.dtype
+
+
+def test_the_tpu_kernel_writes_the_cotangent():
+  z, w, sizes = _operands(dtype=jnp.bfloat16)
+  f = lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu",  # noqa: E731
+                            implementation="pallas_tpu", interpret=True)
+  with dispatch.record() as decisions:
+    jax.grad(lambda z: jnp.sum(f(z).astype(jnp.float32)))(z)
+  (epilogue,) = [d for d in decisions if d.cfg.cotangent_of is not None]
+  assert epilogue.implementation == "pallas_tpu" and epilogue.materialized == (), epilogue
+
+
+def test_the_tpu_kernel_composes_partial_tiles():
+  # M = 200 is no multiple of a row tile: the kernel refuses its epilogue (whole-tile DMAs)
+  # and the dispatcher forms the cotangent after the plain kernel; the values are the same.
+  z, w, sizes = _operands(m=200)
+  sizes = jnp.asarray([60, 0, 100, 20], jnp.int32)
+  loss = lambda impl, z: jnp.sum(gmm_jax.gmm(  # noqa: E731
+      z, w, sizes, lhs_activation="swiglu", implementation=impl,
+      interpret=impl == "pallas_tpu") ** 2)
+  with dispatch.record() as decisions:
+    got = jax.grad(functools.partial(loss, "pallas_tpu"))(z)
+  (epilogue,) = [d for d in decisions if d.cfg.cotangent_of is not None]
+  assert "gated_cotangent" in epilogue.materialized, epilogue
+  np.testing.assert_allclose(f64(got), f64(jax.grad(functools.partial(loss, "xla"))(z)),
+                             rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(lhs_activation="silu"), ValueError, "gated activation"),
+    (dict(lhs_activation="swiglu", group_type="k"), NotImplementedError, "m-grouped"),
+    (dict(lhs_activation="swiglu", transpose_lhs=True), NotImplementedError, "transpose_lhs"),
+    (dict(lhs_activation="swiglu", lhs_indices=jnp.zeros(32, jnp.int32)),
+     NotImplementedError, "lhs_indices"),
+])
+def test_refusals(options, error, match):
+  z, w, _ = _operands(m=32, k=8, n=8)
+  with pytest.raises(error, match=match):
+    gmm_jax.gmm(z, w, jnp.asarray([8, 0, 12, 4], jnp.int32), **options)
+
+
+def test_shape_mismatch_names_the_shapes():
+  z, w, sizes = _operands(m=32, k=8, n=8)
+  with pytest.raises(ValueError, match=r"\[M, 2K\].*\(32, 12\) has 12 columns.*needs 16"):
+    gmm_jax.gmm(z[:, :12], w, sizes, lhs_activation="swiglu")
+  with pytest.raises(ValueError, match="float"):
+    gmm_jax.gmm(z.astype(jnp.int8), w.astype(jnp.int8), sizes, lhs_activation="swiglu")
+
+
+def test_quantized_weights_are_refused():
+  z, w, sizes = _operands(m=32, k=8, n=8)
+  q = gmm_jax.quantize(w, jnp.int8, channelwise_axes=(0, 2))
+  with pytest.raises(NotImplementedError, match="quantized"):
+    gmm_jax.gmm(z, q, sizes, lhs_activation="swiglu")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_moe_gated_prologue_has_the_same_gradients(dtype):
+  # ExpertFFN(gated_prologue=True): the same function; for one cotangent the same
+  # gradients (bitwise on the xla path: the same products, the same roundings).
+  params = bench_moe.layout("moe_fused", bench_moe.init_params(jax.random.key(0), 32, 48, 4,
+                                                                dtype))
+  x = jax.random.normal(jax.random.key(1), (64, 32), dtype)
+
+  def block(prologue, params, x):
+    top_p, top_e = bench_moe._router(params, x, 2)
+    spec = gmm_jax.ExpertFFN(4, "silu", gated=True, gated_prologue=prologue,
+                             options=(("preferred_element_type", x.dtype),))
+    y, _ = gmm_jax.routed_experts(spec, x, top_e, top_p,
+                                  dict(w_in=params["gate_up"], w_down=params["down"]))
+    return y
+
+  y0, pull0 = jax.vjp(functools.partial(block, False), params, x)
+  y1, pull1 = jax.vjp(functools.partial(block, True), params, x)
+  tol = 0 if dtype == jnp.float32 else 2e-2  # bf16: z rounded before the activation
+  np.testing.assert_allclose(f64(y1), f64(y0), rtol=tol, atol=tol)
+  ct = jax.random.normal(jax.random.key(2), y0.shape, y0.dtype)
+  for g1, g0 in zip(jax.tree.leaves(pull1(ct)), jax.tree.leaves(pull0(ct))):
+    np.testing.assert_array_equal(np.asarray(g1), np.asarray(g0))
+
+
+def test_nn_moe_takes_the_option():
+  pytest.importorskip("flax")
+  from flax import nnx
+  from gmm_jax import nn
+  x = jax.random.normal(jax.random.key(3), (2, 8, 16))
+  outputs = []
+  for prologue in (True, False):
+    layer = nn.MoE(4, 16, 24, top_k=2, gated_prologue=prologue, rngs=nnx.Rngs(0))
+    assert layer.gated_prologue is prologue
+    y, _ = layer(x)
+    outputs.append(np.asarray(y))
+  np.testing.assert_allclose(outputs[0], outputs[1], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py)")
+@pytest.mark.parametrize("z_spec, w_spec", [
+    (P("x", None), P()), (P(None, "x"), P()), (P(), P("x")), (P(), P(None, None, "y")),
+    (P("x", "y"), P("y", None, "x"))])
+def test_sharded_gradients_keep_the_operands_types(z_spec, w_spec):
+  # On a mesh with Explicit axes each cotangent is typed as its operand (also the plain
+  # gmm's: a weight gradient whose rows the activations' sharded columns would shard).
+  z, w, sizes = _operands(m=64, k=16, n=32)
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  loss = lambda z, w, **o: jnp.sum(gmm_jax.gmm(z, w, sizes, **o) ** 2)  # noqa: E731
+  for options in (dict(lhs_activation="swiglu"), {}):
+    zz = z if options else z[:, :16]
+    want = jax.grad(functools.partial(loss, **options), argnums=(0, 1))(zz, w)
+    placed = (jax.device_put(zz, NamedSharding(mesh, z_spec)),
+              jax.device_put(w, NamedSharding(mesh, w_spec)))
+    got = jax.jit(jax.grad(functools.partial(loss, **options), argnums=(0, 1)))(*placed)
+    for g, r, x in zip(got, want, placed):
+      assert jax.typeof(g).sharding.spec == jax.typeof(x).sharding.spec
+      np.testing.assert_allclose(f64(g), f64(r), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (tests/conftest.py)")
+def test_explicit_sharding_splits_rows_and_experts_not_k():
+  z, w, sizes = _operands(m=64, k=16, n=32)
+  mesh = jax.make_mesh((2, 2), ("x", "y"), devices=jax.devices()[:4])
+  want = gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu")
+  # Rows over x, the columns over y: each device's z rows, whole K.
+  got = gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu",
+                    sharding=gmm_jax.GmmSharding(mesh, lhs=P("x", None),
+                                                 rhs=P(None, None, "y")))
+  np.testing.assert_allclose(f64(got), f64(want), rtol=1e-5, atol=1e-5)
+  with pytest.raises(NotImplementedError, match="K must not be sharded"):
+    gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu",
+                sharding=gmm_jax.GmmSharding(mesh, lhs=P(None, "x"), rhs=P(None, "x", None)))
