@@ -90,6 +90,23 @@ def test_the_tpu_kernel_writes_the_cotangent():
   assert epilogue.implementation == "pallas_tpu" and epilogue.materialized == (), epilogue
 
 
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_the_tpu_kernel_applies_the_prologue(name):
+  # The forward reads z's gate and up K blocks and applies the activation before its dot:
+  # no [M, K] input is formed around the kernel. Its tangent gmm is composed.
+  z, w, sizes = _operands(dtype=jnp.bfloat16)
+  with dispatch.record() as decisions:
+    got = gmm_jax.gmm(z, w, sizes, lhs_activation=name, implementation="pallas_tpu",
+                      interpret=True)
+  (forward,) = decisions
+  assert forward.implementation == "pallas_tpu" and forward.materialized == (), forward
+  np.testing.assert_allclose(f64(got), _oracle(name, z, w, sizes), rtol=2e-2, atol=2e-2)
+  with dispatch.record() as decisions:
+    jax.jvp(lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation=name,
+                                  implementation="pallas_tpu", interpret=True), (z,), (z,))
+  assert any("gated_lhs" in d.materialized for d in decisions if d.cfg.lhs_tangent), decisions
+
+
 def test_the_tpu_kernel_composes_partial_tiles():
   # M = 200 is no multiple of a row tile: the kernel refuses its epilogue (whole-tile DMAs)
   # and the dispatcher forms the cotangent after the plain kernel; the values are the same.

@@ -90,7 +90,7 @@ VMEM_RESERVE = cost_models.VMEM_RESERVE
 # What the kernels do in their epilogue beyond the plain gmm (`dispatch.Backend.features`):
 # row weights (m-grouping) and gated activations (both group types). Gathered and scattered
 # rows are done around them by the dispatcher (exact data movement).
-FEATURES = ("row_weights", "gated", "gated_cotangent")
+FEATURES = ("row_weights", "gated", "gated_lhs", "gated_cotangent")
 
 
 # ------------------------------------------------------------------------------ tiling
@@ -418,10 +418,14 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
               k_fixed_ref, *refs, dims, tiling: Tiling, cfg: GmmConfig,
               dot_dtype, acc_dtype, has_bias: bool, k_steps: int, row_chunk: int,
               weight_cache: bool, quant: common.QuantStatic | None = None,
-              gated: bool = False, weighted: bool = False, cotangent: bool = False):
+              gated: bool = False, weighted: bool = False, cotangent: bool = False,
+              prologue: bool = False):
   del lhs_tiles_ref, k_fixed_ref  # index maps only
   refs = list(refs)
-  lhs_ref, rhs_ref = refs.pop(0), refs.pop(0)
+  lhs_ref = refs.pop(0)
+  # A gated prologue: lhs holds z [M, 2K]; the up half's K block is K/tile_k blocks later.
+  lhs_up_ref = refs.pop(0) if prologue else None
+  rhs_ref = refs.pop(0)
   # A gated activation: the up column block (N/2 later) of rhs and of the bias.
   up_ref = refs.pop(0) if gated else None
   bias_refs = [refs.pop(0) for _ in range(2 if gated else 1)] if has_bias else None
@@ -492,8 +496,14 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
                                  k_step * len(_block_widths(tile_k, quant.k_block)), cfg,
                                  quant.k_block, dot_dtype,
                                  acc_dtype, (k_step * tile_k, 0, k) if masked else None)]
-      x = _values(lhs_ref[:, lo:lo + size] if cfg.transpose_lhs else lhs_ref[lo:lo + size, :],
-                  dot_dtype)
+      if prologue:  # act(gate, up) in f32, rounded to lhs's dtype (`epilogue.gated_input`)
+        x = GATED_PAIRS[cfg.lhs_activation](
+            lhs_ref[lo:lo + size, :].astype(jnp.float32),
+            lhs_up_ref[lo:lo + size, :].astype(jnp.float32)).astype(lhs_ref.dtype)
+        x = _values(x, dot_dtype)
+      else:
+        x = _values(lhs_ref[:, lo:lo + size] if cfg.transpose_lhs
+                    else lhs_ref[lo:lo + size, :], dot_dtype)
       if masked:  # the padded K edge of the last step reads garbage: zero it in both
         x = _mask_k(x, k_step * tile_k, 0, k, 0 if cfg.transpose_lhs else 1)
       out = []
@@ -693,6 +703,14 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
     n = out_columns(n, cfg)
     prepared = prepared._replace(out_shape=(m, n) if cfg.group_type == "m"
                                  else (cfg.num_local, m, n))
+  if cfg.lhs_activation is not None:
+    if cfg.lhs_tangent or cfg.group_type != "m" or cfg.transpose_lhs or quant is not None:
+      raise NotImplementedError(
+          "the TPU kernel's gated prologue serves the value of an m-grouped float gmm "
+          "(its tangent is composed)")
+    if not cfg.interpret:
+      common.require_lowerable(unsupported_primitives(cfg.lhs_activation),
+                               f"the prologue {cfg.lhs_activation!r}", "Mosaic TPU")
   if cfg.cotangent_of is not None:
     if cfg.group_type != "m" or cfg.gated or quant is not None:
       raise NotImplementedError(
@@ -731,6 +749,12 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
       lhs_scale=quant is not None)
   if cfg.row_weights:  # the [tile_m, 1] f32 weights pad to 128 lanes, double-buffered
     needed += 2 * tiling.tile_m * LANE * 4
+  if cfg.lhs_activation is not None:
+    if k % tiling.tile_k:
+      raise NotImplementedError(
+          f"the TPU kernel's gated prologue reads whole K blocks of both halves: K={k} must "
+          f"be a multiple of tile_k={tiling.tile_k}")
+    needed += 2 * tiling.tile_m * tiling.tile_k * prepared.lhs.dtype.itemsize  # the up block
   if cfg.cotangent_of is not None:
     if m % tiling.tile_m or n % tiling.tile_n:
       raise NotImplementedError(
@@ -835,7 +859,12 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     def group_row_map(n_i, i, k_i, groups, *_, shift=0):
       return (groups[i], 0, n_i + shift)
 
+    prologue = cfg.lhs_activation is not None
     in_specs = [pl.BlockSpec(lhs_block, lhs_map)]
+    if prologue:  # the up half of z: K / tile_k blocks after the gate's
+      k_blocks_half = k // tile_k
+      in_specs.append(pl.BlockSpec(lhs_block, lambda n_i, i, k_i, *rest: (
+          lhs_map(n_i, i, k_i, *rest)[0], lhs_map(n_i, i, k_i, *rest)[1] + k_blocks_half)))
     in_specs += [pl.BlockSpec((None, *rhs_block), functools.partial(rhs_map, shift=shift))
                  for shift in halves]
     if has_bias:
@@ -912,7 +941,8 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     return common.pallas_call(
         functools.partial(_m_kernel, quant=common.quant_static(quant), k_steps=k_steps,
                           row_chunk=info["row_chunk"], weight_cache=info["weight_cache"],
-                          weighted=cfg.row_weights, cotangent=cotangent, **kernel_options),
+                          weighted=cfg.row_weights, cotangent=cotangent, prologue=prologue,
+                          **kernel_options),
         info["prepared"], tiles=(tile_m, tile_k, tile_n),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(out_shape, cfg.out_dtype),
@@ -922,7 +952,8 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
         interpret=cfg.interpret,
         name="gmm_m_tpu",
         **_cost_estimate(flops, _transcendentals(cfg, m * n_out), hbm),
-    )(*scalars, lhs, *[rhs] * len(halves), *biases, *quant_operands, *row_operands)
+    )(*scalars, *[lhs] * (2 if prologue else 1), *[rhs] * len(halves), *biases,
+      *quant_operands, *row_operands)
 
   scalars, count = k_items(counts, max(k, 1) if k else 0, tile_k, group_offset, cfg.num_local)
 
