@@ -84,8 +84,8 @@ def test_the_tpu_kernel_writes_the_cotangent():
   z, w, sizes = _operands(dtype=jnp.bfloat16)
   f = lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu",  # noqa: E731
                             implementation="pallas_tpu", interpret=True)
-  with dispatch.record() as decisions:
-    jax.grad(lambda z: jnp.sum(f(z).astype(jnp.float32)))(z)
+  with dispatch.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
+    jax.jit(jax.grad(lambda z: jnp.sum(f(z).astype(jnp.float32)))).lower(z)
   (epilogue,) = [d for d in decisions if d.cfg.cotangent_of is not None]
   assert epilogue.implementation == "pallas_tpu" and epilogue.materialized == (), epilogue
 
@@ -95,15 +95,15 @@ def test_the_tpu_kernel_applies_the_prologue(name):
   # The forward reads z's gate and up K blocks and applies the activation before its dot:
   # no [M, K] input is formed around the kernel. Its tangent gmm is composed.
   z, w, sizes = _operands(dtype=jnp.bfloat16)
-  with dispatch.record() as decisions:
-    got = gmm_jax.gmm(z, w, sizes, lhs_activation=name, implementation="pallas_tpu",
-                      interpret=True)
+  f = lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation=name,  # noqa: E731
+                            implementation="pallas_tpu", interpret=True)
+  with dispatch.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
+    jax.jit(lambda z: f(z)).lower(z)
   (forward,) = decisions
   assert forward.implementation == "pallas_tpu" and forward.materialized == (), forward
-  np.testing.assert_allclose(f64(got), _oracle(name, z, w, sizes), rtol=2e-2, atol=2e-2)
+  np.testing.assert_allclose(f64(f(z)), _oracle(name, z, w, sizes), rtol=2e-2, atol=2e-2)
   with dispatch.record() as decisions:
-    jax.jvp(lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation=name,
-                                  implementation="pallas_tpu", interpret=True), (z,), (z,))
+    jax.jit(lambda z: jax.jvp(f, (z,), (z,))).lower(z)
   assert any("gated_lhs" in d.materialized for d in decisions if d.cfg.lhs_tangent), decisions
 
 
@@ -115,8 +115,9 @@ def test_the_tpu_kernel_composes_partial_tiles():
   loss = lambda impl, z: jnp.sum(gmm_jax.gmm(  # noqa: E731
       z, w, sizes, lhs_activation="swiglu", implementation=impl,
       interpret=impl == "pallas_tpu") ** 2)
-  with dispatch.record() as decisions:
-    got = jax.grad(functools.partial(loss, "pallas_tpu"))(z)
+  with dispatch.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
+    jax.jit(lambda z: jax.grad(functools.partial(loss, "pallas_tpu"))(z)).lower(z)
+  got = jax.grad(functools.partial(loss, "pallas_tpu"))(z)
   (epilogue,) = [d for d in decisions if d.cfg.cotangent_of is not None]
   assert "gated_cotangent" in epilogue.materialized, epilogue
   np.testing.assert_allclose(f64(got), f64(jax.grad(functools.partial(loss, "xla"))(z)),
