@@ -217,17 +217,26 @@ GATED_PAIRS = {
     for name in epilogue.GATED_ACTIVATIONS}
 
 
-def unsupported_primitives(activation) -> set[str]:
-  """Primitives of `activation` without a Mosaic TPU (TensorCore) lowering rule.
-
-  Best effort: empty when the lowering table (a private jax module) cannot be read.
-  """
+def _mosaic_rules():
+  """Mosaic TPU's (TensorCore) lowering rules by primitive, or None when the table (a
+  private jax module) cannot be read."""
   try:
     from jax._src.pallas.mosaic import lowering as mosaic_lowering
     rules = mosaic_lowering.lowering_rules
     if not isinstance(next(iter(rules)), jax.extend.core.Primitive):  # keyed by core type
       rules = next(table for core, table in rules.items() if str(core).lower() == "tc")
   except (ImportError, AttributeError, StopIteration):
+    return None
+  return rules
+
+
+def unsupported_primitives(activation) -> set[str]:
+  """Primitives of `activation` without a Mosaic TPU (TensorCore) lowering rule.
+
+  Best effort: empty when the lowering table (a private jax module) cannot be read.
+  """
+  rules = _mosaic_rules()
+  if rules is None:
     return set()
   if is_gated(activation):
     pair = GATED_PAIRS[activation]
@@ -402,16 +411,22 @@ def _gated_cotangent_tiles(name: str, gate, up, ct):
 def unsupported_cotangent_primitives(name: str) -> set[str]:
   """Primitives of the gated-cotangent epilogue of `name` without a Mosaic TPU lowering
   (best effort, as `unsupported_primitives`)."""
-  try:
-    from jax._src.pallas.mosaic import lowering as mosaic_lowering
-    rules = mosaic_lowering.lowering_rules
-    if not isinstance(next(iter(rules)), jax.extend.core.Primitive):
-      rules = next(table for core, table in rules.items() if str(core).lower() == "tc")
-  except (ImportError, AttributeError, StopIteration):
+  rules = _mosaic_rules()
+  if rules is None:
     return set()
   return common.unsupported_primitives(
       lambda z: _gated_cotangent_tiles(name, z, z, z)[0] + _gated_cotangent_tiles(
           name, z, z, z)[1], rules)
+
+
+def _check_gated_operand(cfg: GmmConfig, refused: bool, serves: str, missing, what: str):
+  """NotImplementedError for a gated prologue or cotangent epilogue the kernel does not
+  serve (`refused`, or k-grouping), or (compiled mode) whose `missing()` primitives Mosaic
+  cannot lower."""
+  if refused or cfg.group_type != "m":
+    raise NotImplementedError(f"the TPU kernel's {serves}")
+  if not cfg.interpret:
+    common.require_lowerable(missing(), what, "Mosaic TPU")
 
 
 def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, real_ref,
@@ -704,21 +719,17 @@ def plan(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None = None):
     prepared = prepared._replace(out_shape=(m, n) if cfg.group_type == "m"
                                  else (cfg.num_local, m, n))
   if cfg.lhs_activation is not None:
-    if cfg.lhs_tangent or cfg.group_type != "m" or cfg.transpose_lhs or quant is not None:
-      raise NotImplementedError(
-          "the TPU kernel's gated prologue serves the value of an m-grouped float gmm "
-          "(its tangent is composed)")
-    if not cfg.interpret:
-      common.require_lowerable(unsupported_primitives(cfg.lhs_activation),
-                               f"the prologue {cfg.lhs_activation!r}", "Mosaic TPU")
+    _check_gated_operand(
+        cfg, cfg.lhs_tangent or cfg.transpose_lhs or quant is not None,
+        "gated prologue serves the value of an m-grouped float gmm (its tangent is composed)",
+        lambda: unsupported_primitives(cfg.lhs_activation),
+        f"the prologue {cfg.lhs_activation!r}")
   if cfg.cotangent_of is not None:
-    if cfg.group_type != "m" or cfg.gated or quant is not None:
-      raise NotImplementedError(
-          "the TPU kernel's gated-cotangent epilogue serves an m-grouped float gmm with no "
-          "activation of its own")
-    if not cfg.interpret:
-      common.require_lowerable(unsupported_cotangent_primitives(cfg.cotangent_of),
-                               f"the cotangent of {cfg.cotangent_of!r}", "Mosaic TPU")
+    _check_gated_operand(
+        cfg, cfg.gated or quant is not None,
+        "gated-cotangent epilogue serves an m-grouped float gmm with no activation of its own",
+        lambda: unsupported_cotangent_primitives(cfg.cotangent_of),
+        f"the cotangent of {cfg.cotangent_of!r}")
     prepared = prepared._replace(out_shape=(m, 2 * n))
   blocked = quant is not None and quant.mode == "blocked"
   if blocked:
