@@ -36,6 +36,7 @@ FLOORS = {
     "gmm_jax._src.op.jvp": 2,
     "gmm_jax._src.op.transpose": 2,
     "gmm_jax._src.op.batching": 2,
+    "gmm_jax._src.op.prologue_tangent": 2,
     "gmm_jax.pallas": 2,
     "gmm_jax.pallas.common": 2,
     "gmm_jax.pallas.gpu": 2,
@@ -81,9 +82,13 @@ PUBLIC_PACKAGE = "gmm_jax"
 SAME_FLOOR = {
     # The op package: its rules are built on its primitive module.
     *((f"gmm_jax._src.op{suffix}", "gmm_jax._src.op.primitive")
-      for suffix in ("", ".lowering", ".jvp", ".transpose", ".batching")),
+      for suffix in ("", ".lowering", ".jvp", ".transpose", ".batching", ".prologue_tangent")),
     *(("gmm_jax._src.op", f"gmm_jax._src.op.{name}")
-      for name in ("lowering", "jvp", "transpose", "batching")),
+      for name in ("lowering", "jvp", "transpose", "batching", "prologue_tangent")),
+    # The jvp emits the joint tangent of a gated prologue, whose transpose is built on the
+    # gmm's own transpose rule.
+    ("gmm_jax._src.op.jvp", "gmm_jax._src.op.prologue_tangent"),
+    ("gmm_jax._src.op.prologue_tangent", "gmm_jax._src.op.transpose"),
     ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.gmm"), ("gmm_jax.pallas.gpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.tpu", "gmm_jax.pallas.tpu.gmm"), ("gmm_jax.pallas.tpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.common"),

@@ -80,6 +80,77 @@ def test_the_input_gradient_is_one_gmm():
   assert dz.aval.shape == z.shape and dz.aval.dtype == z.dtype
 
 
+def _primitive_names(jaxpr):
+  return [e.primitive.name for e in jaxpr.eqns]
+
+
+def test_the_tangent_along_both_operands_is_one_linear_op():
+  # The two tangent terms (along z: the dlhs gmm's source; along w: act(z) @ t_w) are one
+  # primitive, so that one transpose rule sees both products of the backward.
+  z, w, sizes = _operands(m=32, k=8, n=8)
+  f = lambda z, w: gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu")  # noqa: E731
+  _, linear = jax.linearize(f, z, w)
+  names = _primitive_names(jax.make_jaxpr(linear)(z, w).jaxpr)
+  assert names.count("gmm_jax_prologue_tangent") == 1, names
+  # Along one operand alone it stays the one tangent gmm.
+  _, along_z = jax.linearize(lambda z: f(z, w), z)
+  assert "gmm_jax_prologue_tangent" not in _primitive_names(jax.make_jaxpr(along_z)(z).jaxpr)
+
+
+def test_the_backward_computes_the_weight_gradient_before_the_input_gradient():
+  # The transpose emits the weight gradient (k-grouped), then `after_on_tpu` ties the
+  # cotangent to it, then the dlhs gmm that writes dz reads that cotangent: on a TPU, z's
+  # last reader is the dlhs gmm (the measured order, BENCHMARKS.md).
+  z, w, sizes = _operands(m=32, k=8, n=8)
+  grad = jax.grad(lambda z, w: jnp.sum(gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu")
+                                       ** 2), argnums=(0, 1))
+  eqns = jax.make_jaxpr(grad)(z, w).eqns
+  gmms = [i for i, e in enumerate(eqns) if e.primitive.name.startswith("gmm_jax_gmm")]
+  (weights,) = [i for i in gmms if eqns[i].params["cfg"].group_type == "k"]
+  (inputs,) = [i for i in gmms if eqns[i].params["cfg"].cotangent_of == "swiglu"]
+  (after,) = [i for i, e in enumerate(eqns) if e.primitive.name == "gmm_jax_after_on_tpu"]
+  assert weights < after < inputs
+  assert eqns[after].invars[1] is eqns[weights].outvars[0]
+  assert eqns[inputs].invars[0] is eqns[after].outvars[0]
+
+
+def test_after_on_tpu_is_a_barrier_on_tpu_only():
+  from gmm_jax._src.op.prologue_tangent import after_on_tpu
+  x, y = jnp.ones((8, 4)), jnp.ones((2, 4, 4))
+  f = jax.jit(after_on_tpu)
+  texts = {platform: jax.export.export(f, platforms=[platform])(x, y).mlir_module()
+           for platform in ("cpu", "tpu", "cuda")}
+  assert "optimization_barrier" in texts["tpu"]
+  assert "optimization_barrier" not in texts["cpu"]
+  assert "optimization_barrier" not in texts["cuda"]
+  np.testing.assert_array_equal(f(x, y), x)
+  # The identity in its first operand under every transformation.
+  assert jax.grad(lambda x: jnp.sum(after_on_tpu(x, y) * 3.0))(x).tolist() == (
+      np.full((8, 4), 3.0).tolist())
+  np.testing.assert_array_equal(jax.vmap(after_on_tpu, in_axes=(0, None))(x, y), x)
+  np.testing.assert_array_equal(jax.jvp(lambda x: after_on_tpu(x, y), (x,), (x * 2,))[1],
+                                x * 2)
+
+
+@pytest.mark.parametrize("axes", [(None, 0), (0, None), (0, 0)])
+def test_vmapped_gradients_along_both_operands(axes):
+  # vmap over each operand of the gradient (the joint tangent's batching rule) against
+  # the composition (the activation in jnp, then the plain gmm).
+  z, w, sizes = _operands(m=32, k=8, n=8)
+  zs = jnp.stack([z, z * 0.5 + 0.1]) if axes[0] == 0 else z
+  ws = jnp.stack([w, -w]) if axes[1] == 0 else w
+
+  def grads(fn):
+    return jax.vmap(jax.grad(lambda z, w: jnp.sum(jnp.sin(fn(z, w))), argnums=(0, 1)),
+                    in_axes=axes)(zs, ws)
+
+  got = grads(lambda z, w: gmm_jax.gmm(z, w, sizes, lhs_activation="geglu"))
+  want = grads(lambda z, w: gmm_jax.gmm(gmm_jax._src.epilogue.gated_halves_f32("geglu", z),
+                                        w, sizes))
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(f64(g), f64(r), rtol=1e-5, atol=1e-5)
+
+
 def test_the_tpu_kernel_writes_the_cotangent():
   z, w, sizes = _operands(dtype=jnp.bfloat16)
   f = lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu",  # noqa: E731

@@ -3,7 +3,9 @@ rules, like `jax.lax.ragged_dot_general_p`.
 
 Floor 2. The package is split by concern: `primitive` (definition, binding, abstract
 evaluation), `lowering` (the implementation per platform and the partitioning rule), `jvp`,
-`transpose` and `batching` (the rules, registered on import). Every derivative is another
+`transpose` and `batching` (the rules, registered on import), and `prologue_tangent` (the
+tangent of a gmm with a gated prologue along both operands, as one linear primitive whose
+transpose orders the two backward gmms). Every derivative is another
 gmm, so backends implement forwards only; every result that is not finished inside a
 kernel is finished by `epilogue.finish`.
 
@@ -39,7 +41,8 @@ differentiable in their float leaves (scale, zero point, float values) through
 from __future__ import annotations
 
 
-from gmm_jax._src.op import batching, jvp, lowering, transpose  # noqa: F401  (the rules)
+from gmm_jax._src.op import (batching, jvp, lowering, prologue_tangent,  # noqa: F401
+                             transpose)  # (the rules)
 from gmm_jax._src.op.lowering import PARTITIONABLE as PARTITIONABLE
 from gmm_jax._src.op.primitive import PREACTIVATION as PREACTIVATION
 from gmm_jax._src.op.primitive import PRIMITIVES as PRIMITIVES

@@ -21,6 +21,7 @@ from gmm_jax._src.config import GmmConfig, is_gated, saved_preactivation_dtype
 from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gated_f32, resolve_activation
 from gmm_jax._src.op.primitive import (PREACTIVATION, PRIMITIVES, as_float, composed, gmm,
                                        grouped_rows, row_ids, row_operands, unpack)
+from gmm_jax._src.op.prologue_tangent import prologue_tangent
 from gmm_jax._src.qarray import QArray, dequantize
 
 
@@ -61,6 +62,13 @@ def _tangent(lhs, rhs, counts, group_offset, tangents, cfg: GmmConfig, out_shape
   operations (gather, constant row weights, scatter) apply to every term."""
   t_lhs, t_rhs, t_bias = tangents
   terms = []
+  if (cfg.lhs_activation is not None and not isinstance(rhs, QArray)
+      and _has_tangent(t_lhs) and _has_tangent(t_rhs)):
+    # A gated prologue along z and w: one linear op, whose transpose orders the weight
+    # gradient before the dlhs gmm that writes z's cotangent (`prologue_tangent`).
+    terms.append(prologue_tangent(ad.instantiate_zeros(t_lhs), ad.instantiate_zeros(t_rhs),
+                                  lhs, rhs, counts, group_offset, cfg, out_hint, rows))
+    t_lhs = t_rhs = None
   if _has_tangent(t_lhs):
     if isinstance(lhs, QArray):
       terms.append(gmm(_dequantized_tangent(lhs, t_lhs), as_float(rhs), counts,

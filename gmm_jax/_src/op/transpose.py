@@ -6,6 +6,8 @@ Floor 2 (the op package).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -36,16 +38,17 @@ def _spec_hint(x):
   return sharding.spec
 
 
-def _transpose_composed(ct, operands, cfg, trees, has_bias, out_hint):
-  """The transpose of a gmm with a source (`jvp.composed`: the plain gmm and the gated
-  epilogue's jnp functions) with respect to its undefined operands."""
+def linear_transpose_of(fn, ct, operands):
+  """The transpose of ``fn(*operands)`` (linear in its undefined operands) with respect to
+  them, by `jax.linear_transpose` of fn with the defined operands fixed: derivative rules
+  of the gmms that only second derivatives reach go through their jnp compositions."""
   undefined = [i for i, x in enumerate(operands) if ad.is_undefined_primal(x)]
 
   def linear(*values):
     full = list(operands)
     for i, value in zip(undefined, values):
       full[i] = value
-    return composed(*full, cfg=cfg, trees=trees, has_bias=has_bias, out_hint=out_hint)
+    return fn(*full)
 
   avals = [jax.ShapeDtypeStruct(operands[i].aval.shape, operands[i].aval.dtype)
            for i in undefined]
@@ -56,7 +59,15 @@ def _transpose_composed(ct, operands, cfg, trees, has_bias, out_hint):
   return results
 
 
-def _transpose(ct, *operands, cfg, trees, has_bias, out_hint):
+def _transpose_composed(ct, operands, cfg, trees, has_bias, out_hint):
+  """The transpose of a gmm with a source (`primitive.composed`: the plain gmm and the
+  gated epilogue's jnp functions) with respect to its undefined operands."""
+  return linear_transpose_of(
+      functools.partial(composed, cfg=cfg, trees=trees, has_bias=has_bias,
+                        out_hint=out_hint), ct, operands)
+
+
+def gmm_transpose(ct, *operands, cfg, trees, has_bias, out_hint):
   if cfg.activation is not None:
     raise ValueError("a gmm with an activation is not linear; only its tangent gmms (which "
                      "carry no activation) are transposed")
@@ -196,7 +207,7 @@ def _transpose_gathered_k(ct, operands, lhs, rows: Rows, cfg: GmmConfig, trees, 
   else:
     lhs_rows = gather_rows(lhs, rows.lhs_indices)
   plain = [lhs_rows] + list(operands[1:len(operands) - 1])  # lhs is one leaf; no bias rows
-  results = _transpose(ct, *plain, cfg=cfg.without_rows(), trees=trees, has_bias=has_bias,
+  results = gmm_transpose(ct, *plain, cfg=cfg.without_rows(), trees=trees, has_bias=has_bias,
                        out_hint=None)
   if ad.is_undefined_primal(lhs) and results[0] is not None:
     # Rows outside the local groups got a zero cotangent from the dlhs gmm.
@@ -269,5 +280,5 @@ def _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows: Rows, cfg: G
 
 
 for _prim in PRIMITIVES:
-  ad.primitive_transposes[_prim] = _transpose
+  ad.primitive_transposes[_prim] = gmm_transpose
 
