@@ -118,7 +118,6 @@ def gmm_transpose(ct, *operands, cfg, trees, has_bias, out_hint):
                                   out_dtype=lhs.aval.dtype, tiling=dlhs_tiling))  # [M, K]
       ct_lhs = ct_lhs.T if tl else ct_lhs
     if ad.is_undefined_primal(rhs):
-      ct = _after(ct, ct_lhs)
       k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype, tiling=drhs_tiling)
       hint = _spec_hint(rhs)  # the weight gradient is laid out like the weights
       if tr:  # [L, N, K] = ct_g^T lhs_g
@@ -166,19 +165,6 @@ def _typed_like(ct, x):
   if jax.typeof(ct).sharding.spec == sharding.spec:
     return ct
   return jax.sharding.reshard(ct, sharding)
-
-
-def _after(ct, ct_lhs):
-  """`ct` for the weight gradient, available only once the input gradient `ct_lhs` exists.
-
-  Ordering the two products of a transpose keeps their big temporaries apart: the input
-  gradient's operands (on XLA:CPU with jax 0.10, a bit-pattern copy of the 16-bit weights)
-  die before the weight gradient's result ([G, K, N]) is allocated. Measured on a bf16 MoE
-  training step (E=64, D=1024, F=2048): peak temporaries 1286 -> 728 MB with jax 0.10.2.
-  """
-  if ct_lhs is None:
-    return ct
-  return lax.optimization_barrier((ct, ct_lhs))[0]
 
 
 def _gathered_after(lhs, ct_rows):
@@ -245,7 +231,6 @@ def _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows: Rows, cfg: G
     else:
       ct_lhs = d_rows.T if cfg.transpose_lhs else d_rows
   if ad.is_undefined_primal(rhs) or (bias is not None and ad.is_undefined_primal(bias)):
-    ct = _after(ct, ct_lhs)
     ct_rows = gather_rows(ct, rows.out_indices) if scattered else ct  # [R, N]
     if weights is not None:
       ct_rows = (ct_rows.astype(jnp.float32)
