@@ -90,17 +90,17 @@ class ExpertFFN:
     swiglu_limit, swiglu_alpha: the clamped SwiGLU's constants ("swiglu_clamped"). The
       gmm's epilogue (and every kernel's) has the defaults; other values run the gated
       activation after the gmm, in jnp (`epilogue.swiglu_clamped`).
-    gated_prologue: fused and gated (a named activation the gmms know): True (default): the
-      gate|up gmm writes the pre-activation z ``[R, 2F]`` and the down gmm reads it through
-      its gated prologue (``lhs_activation``), so that the backward's dlhs gmm of the down
+    gated_prologue: fused and gated (a named activation the gmms know): True: the gate|up
+      gmm writes the pre-activation z ``[R, 2F]`` and the down gmm reads it through its
+      gated prologue (``lhs_activation``), so that the backward's dlhs gmm of the down
       projection writes z's cotangent itself (no ``[R, F]`` cotangent of the activation,
-      its f32 copy or the halves beside it) and, on TPU, runs after the down weights'
-      gradient, so z dies there: fewer temporaries in a training step on H200 and TPU v5e
-      (BENCHMARKS.md, "The gated prologue"). False: the gate|up gmm applies the activation
-      in its epilogue and the down gmm reads h ``[R, F]`` (half the bytes between the two
-      gmms). Quantized down weights (or a quantization option) take the False path.
-      Gradients are equal for an equal cotangent; the forward differs by one rounding (True
-      rounds z to the output dtype before the activation, as every backward recomputes it).
+      its f32 copy or the halves beside it): fewer temporaries in a training step on GPUs
+      (BENCHMARKS.md, "The gated prologue"). False (default): the gate|up gmm applies the
+      activation in its epilogue and the down gmm reads h ``[R, F]`` (half the bytes
+      between the two gmms; what XLA:TPU plans best today). Quantized down weights (or a
+      quantization option) take the False path. Gradients are equal for an equal
+      cotangent; the forward differs by one rounding (True rounds z to the output dtype
+      before the activation, as every backward recomputes it).
   """
 
   num_experts: int
@@ -111,7 +111,7 @@ class ExpertFFN:
   weight_on: str = "output"
   swiglu_limit: float = SWIGLU_LIMIT
   swiglu_alpha: float = SWIGLU_ALPHA
-  gated_prologue: bool = True
+  gated_prologue: bool = False
 
   @property
   def gmm_options(self) -> dict[str, Any]:

@@ -69,8 +69,7 @@ class MoE(nnx.Module):
     gated_prologue: fused and gated: the down projection reads the gate|up
       pre-activation through its gated prologue, and its input gradient (the ``[R, 2F]``
       cotangent of the pre-activation) comes from one gmm (`gmm_jax.ExpertFFN`; fewer
-      training temporaries on H200 and TPU v5e). Default True; False: the gate|up gmm
-      applies the activation and the down gmm reads h.
+      training temporaries on GPUs). Default False.
     score: "softmax" or "sigmoid" router scores.
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
@@ -186,7 +185,7 @@ class MoE(nnx.Module):
                router_weight_on: str = "output", num_shared_experts: int = 0,
                shared_mlp: int | None = None, shared_gate: bool = False,
                use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
-               swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool = True,
+               swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool = False,
                capacity_factor: float | None = None, capacity_per: str = "call",
                buffer_factor: float | None = None, layout: str = "ragged",
                max_rows: int | None = None,

@@ -117,7 +117,7 @@ def _transpose_rule(ct, *operands, cfg, trees, out_hint, deviceless):
 #
 # `after_on_tpu(x, y)` is x; lowered for a TPU it is available only once y exists (an
 # optimization barrier), elsewhere it is x alone. Measured on the bf16 MoE training step
-# with the gated prologue (`bench_moe --blocks moe_fused --deviceless`): ordered, the
+# with the gated prologue (`bench_moe --blocks moe_prologue --deviceless`): ordered, the
 # v5e step's temporaries are 90 MB (274 MB with the two gmms in XLA:TPU's order), while
 # the H200's grow 102 -> 134 MB (XLA:GPU orders them better on its own).
 
