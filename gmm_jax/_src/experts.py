@@ -94,10 +94,12 @@ class ExpertFFN:
       gmm writes the pre-activation z ``[R, 2F]`` and the down gmm reads it through its
       gated prologue (``lhs_activation``), so that the backward's dlhs gmm of the down
       projection writes z's cotangent itself (no ``[R, F]`` cotangent of the activation,
-      its f32 copy or the halves beside it): fewer temporaries in a training step on GPUs
-      (BENCHMARKS.md, "The gated prologue"). False (default): the gate|up gmm applies the
-      activation in its epilogue and the down gmm reads h ``[R, F]`` (half the bytes
-      between the two gmms; what XLA:TPU plans best today). Quantized down weights (or a
+      its f32 copy or the halves beside it; on TPU it runs after the down weights'
+      gradient, so z dies there): fewer temporaries in a one-chip training step on H200 and
+      TPU v5e at moderate widths, more in a Mixtral-sized expert-parallel step on v5e
+      (BENCHMARKS.md, "The gated prologue's backward in one order"). False (default): the
+      gate|up gmm applies the activation in its epilogue and the down gmm reads h
+      ``[R, F]`` (half the bytes between the two gmms). Quantized down weights (or a
       quantization option) take the False path. Gradients are equal for an equal
       cotangent; the forward differs by one rounding (True rounds z to the output dtype
       before the activation, as every backward recomputes it).

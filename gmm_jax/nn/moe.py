@@ -68,8 +68,8 @@ class MoE(nnx.Module):
     fused: the fused path (above) or the unfused baseline.
     gated_prologue: fused and gated: the down projection reads the gate|up
       pre-activation through its gated prologue, and its input gradient (the ``[R, 2F]``
-      cotangent of the pre-activation) comes from one gmm (`gmm_jax.ExpertFFN`; fewer
-      training temporaries on GPUs). Default False.
+      cotangent of the pre-activation) comes from one gmm (`gmm_jax.ExpertFFN`: fewer
+      training temporaries at moderate widths, more at Mixtral's on TPU). Default False.
     score: "softmax" or "sigmoid" router scores.
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
