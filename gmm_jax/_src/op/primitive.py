@@ -161,7 +161,7 @@ def _explicit_spec(aval):
   return P() if spec is None else spec
 
 
-def _abstract_eval(*avals, cfg, trees, has_bias, out_hint):
+def abstract_eval(*avals, cfg, trees, has_bias, out_hint):
   lhs, rhs, _, _, bias = unpack(avals, trees, has_bias)
   lhs_value, rhs_value = jax.tree.leaves(lhs)[0], jax.tree.leaves(rhs)[0]
   shape = output_shape(lhs_value.shape, rhs_value.shape, cfg)
@@ -191,7 +191,7 @@ def _abstract_eval(*avals, cfg, trees, has_bias, out_hint):
 
 
 for _prim in PRIMITIVES:
-  _prim.def_abstract_eval(_abstract_eval)
+  _prim.def_abstract_eval(abstract_eval)
 
 
 # ----------------------------------------------------------------------- eager and lowering

@@ -29,8 +29,8 @@ from jax.interpreters import ad, batching, mlir
 from gmm_jax._src.config import GmmConfig
 from gmm_jax._src.epilogue import Rows
 from gmm_jax._src.op import transpose
-from gmm_jax._src.op.primitive import (_abstract_eval, current_primitive, gmm,
-                                       gmm_deviceless_p, gmm_p, row_operands, unpack)
+from gmm_jax._src.op.primitive import (abstract_eval, current_primitive, gmm, gmm_deviceless_p,
+                                       gmm_p, row_operands, unpack)
 
 prologue_tangent_p = Primitive("gmm_jax_prologue_tangent")
 
@@ -73,7 +73,7 @@ def _value(*operands, cfg, trees, out_hint, deviceless):
 
 def _abstract(*avals, cfg, trees, out_hint, deviceless):
   del deviceless
-  return _abstract_eval(*avals[:-1], cfg=cfg, trees=trees, has_bias=False, out_hint=out_hint)
+  return abstract_eval(*avals[:-1], cfg=cfg, trees=trees, has_bias=False, out_hint=out_hint)
 
 
 def _jvp(primals, tangents, **params):
@@ -94,7 +94,7 @@ def _transpose_rule(ct, *operands, cfg, trees, out_hint, deviceless):
   results = [None] * len(operands)
   if type(ct) is ad.Zero:
     return results
-  _, rhs, counts, group_offset, _ = unpack(along_lhs, trees, False)
+  _, _, counts, group_offset, _ = unpack(along_lhs, trees, False)
   rows = row_operands(along_lhs, trees, False, cfg)
   ct_along_lhs = ct
   if ad.is_undefined_primal(t_rhs):

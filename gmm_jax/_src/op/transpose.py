@@ -193,8 +193,8 @@ def _transpose_gathered_k(ct, operands, lhs, rows: Rows, cfg: GmmConfig, trees, 
   else:
     lhs_rows = gather_rows(lhs, rows.lhs_indices)
   plain = [lhs_rows] + list(operands[1:len(operands) - 1])  # lhs is one leaf; no bias rows
-  results = gmm_transpose(ct, *plain, cfg=cfg.without_rows(), trees=trees, has_bias=has_bias,
-                       out_hint=None)
+  results = gmm_transpose(ct, *plain, cfg=cfg.without_rows(), trees=trees,
+                          has_bias=has_bias, out_hint=None)
   if ad.is_undefined_primal(lhs) and results[0] is not None:
     # Rows outside the local groups got a zero cotangent from the dlhs gmm.
     results[0] = rows_sum(results[0], rows.lhs_indices, lhs.aval.shape[0])
