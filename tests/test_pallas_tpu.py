@@ -243,6 +243,26 @@ def test_default_tiles_cover_k_and_split_n_evenly(m, k, n, num_local, group_type
   assert needed <= tpu_gmm.vmem_capacity() // 2
 
 
+@pytest.mark.parametrize("m, k, n", [(16384, 14336, 4096), (8192, 2048, 1024), (4096, 1408, 2048),
+                                     (512, 384, 256)])
+def test_default_tiles_of_a_gated_prologue_divide_k(m, k, n):
+  # The prologue reads z's gate and up K blocks K columns apart: a ragged tile_k (8192 for
+  # Mixtral's 14336) would make the kernel refuse it, and act(z) be formed around it.
+  cfg = GmmConfig(group_type="m", num_local=8, out_dtype=np.dtype("bfloat16"),
+                  lhs_activation="swiglu")
+  tiling = tpu_gmm.default_tiling(m, k, n, cfg, 2)
+  assert k % tiling.tile_k == 0
+  tpu_gmm.check_tiling(tiling, m, k, n, cfg)
+  needed = tpu_gmm.vmem_bytes(tiling, "m", lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
+                              dot_itemsize=2, k_steps=k // tiling.tile_k, weight_cache=True,
+                              has_bias=True) + 2 * tiling.tile_m * tiling.tile_k * 2
+  assert needed <= tpu_gmm.vmem_capacity() // 2
+  lhs = jax.ShapeDtypeStruct((m, 2 * k), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((8, k, n), jnp.bfloat16)
+  counts = jax.ShapeDtypeStruct((8,), jnp.int32)
+  tpu_gmm.plan(lhs, rhs, counts, cfg)  # the kernel serves it (no NotImplementedError)
+
+
 def _zipf_sizes(m, groups, seed=0):
   weights = 1.0 / np.arange(1, groups + 1)
   sizes = np.floor(m * weights / weights.sum()).astype(np.int64)

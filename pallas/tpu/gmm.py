@@ -125,17 +125,24 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
   has no such divisor). k-grouping: output tiles with M and N whole up to 2048 or split
   likewise, and K items of 128/256/512 columns by the mean group size. A gated activation
   tiles its N/2 output columns (``tile_n`` counts them; `paired` blocks of both halves are
-  in VMEM) by tiles that divide N/2, so that the up block is a whole block index away.
+  in VMEM) by tiles that divide N/2, so that the up block is a whole block index away. A
+  gated prologue (`cfg.lhs_activation`) reads K blocks of z's gate and up halves, K apart:
+  its tile_k divides K (14336 = 2 x 7168, not a ragged 8192).
   """
   budget = vmem_capacity() // 2
   out_itemsize = cfg.out_dtype.itemsize
   m, k, n = max(m, 1), max(k, 1), max(out_columns(n, cfg), 1)
 
+  prologue = cfg.lhs_activation is not None
+
   def fits(tiling, k_steps):
-    return vmem_bytes(paired(tiling, cfg), cfg.group_type, lhs_itemsize=itemsize,
-                      rhs_itemsize=itemsize, out_itemsize=out_itemsize, dot_itemsize=itemsize,
-                      k_steps=k_steps, transpose_lhs=cfg.transpose_lhs, weight_cache=True,
-                      has_bias=True) <= budget
+    needed = vmem_bytes(paired(tiling, cfg), cfg.group_type, lhs_itemsize=itemsize,
+                        rhs_itemsize=itemsize, out_itemsize=out_itemsize,
+                        dot_itemsize=itemsize, k_steps=k_steps,
+                        transpose_lhs=cfg.transpose_lhs, weight_cache=True, has_bias=True)
+    if prologue:  # the up half's block of z, double-buffered
+      needed += 2 * tiling.tile_m * tiling.tile_k * itemsize
+    return needed <= budget
 
   def columns(largest):
     tiles = _lane_tiles(n, largest)
@@ -147,6 +154,7 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
     candidates = [Tiling(tile_m=tm, tile_k=tk, tile_n=tn)
                   for tm in ([t for t in (512, 256, 128) if t <= m] or [m])
                   for tk in _lane_tiles(k, 16384, smallest=512)
+                  if not prologue or k % tk == 0
                   for tn in columns(2048)]
     fallback = Tiling(tile_m=min(128, m), tile_k=min(512, k), tile_n=min(512, n))
   else:
