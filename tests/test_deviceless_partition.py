@@ -145,3 +145,26 @@ def test_routed_apply_with_a_user_ffn_compiles_with_kernels():
   weight_shapes = {"bf16[16,256,512]", "bf16[16,512,256]", "bf16[2,256,512]",
                    "bf16[2,512,256]"}
   assert not set(_all_gathers(text)) & weight_shapes
+
+
+def test_routed_apply_on_accelerators_traces_their_branch_alone():
+  # On a mesh of GPU (or TPU) devices the transport is that platform's, chosen at trace
+  # time: no `lax.platform_dependent` conditional around the routed forward and backward
+  # (XLA:TPU keeps such a conditional and fuses nothing across it; BENCHMARKS.md).
+  mesh = Mesh(np.array(_gpu_pod().devices).reshape(8), ("e",))
+  t, d, f, e = 512, 128, 256, 16
+
+  def arg(shape, dtype, spec):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+  x, ids = arg((t, d), jnp.bfloat16, P("e")), arg((t,), jnp.int32, P("e"))
+  w = arg((e, d, f), jnp.bfloat16, P("e"))
+
+  def loss(w, x, ids):
+    y = gmm_jax.routed_gmm(x, w, ids, mesh=mesh, axis="e")
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  with jax.default_device(mesh.devices.flat[0]):
+    text = str(jax.make_jaxpr(jax.grad(loss))(w, x, ids))
+  assert "ragged_all_to_all" in text
+  assert "platform_index" not in text and "cond[" not in text
