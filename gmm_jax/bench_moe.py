@@ -21,9 +21,11 @@ group on CPU: at large shapes it is compiled (memory) but only timed with ``--ti
 ``moe_fused`` and ``moe_unfused`` are the expert FFN as `gmm_jax.nn.MoE` runs it under
 plain jit where it may be partitioned (several devices, or a deviceless target):
 `gmm_jax.routed_experts`, whose backward recomputes its forward; each is compared with
-``moe_unfused``. ``moe_prologue`` is ``moe_fused`` with ``ExpertFFN(gated_prologue=True)``:
-the down gmm reads the gate|up pre-activation through its gated prologue, so its dlhs gmm
-writes the pre-activation's cotangent. ``--deviceless h200 v5e`` also compiles every block's step for one
+``moe_unfused``. ``moe_fused`` has `ExpertFFN`'s defaults, so its ``gated_prologue`` is the
+platform's (the TPU's compiles use it, the others not); ``moe_prologue`` forces it
+(``gated_prologue=True``: the down gmm reads the gate|up pre-activation through its gated
+prologue, so its dlhs gmm writes the pre-activation's cotangent) and ``moe_epilogue``
+forces it off (``False``: the gate|up gmm applies the activation). ``--deviceless h200 v5e`` also compiles every block's step for one
 NVIDIA H200 and one TPU v5e chip without the hardware (jax >= 0.12 with the CUDA plugin
 and libtpu: the environment ``bash .ci/aot_env.sh`` prints, run with
 ``JAX_PLATFORMS=cpu``) and prints their temporaries beside the CPU ones: the memory the
@@ -147,7 +149,7 @@ def copy_free_floor(params, x, top_k: int):
   return jnp.sum(weighted, axis=1).astype(x.dtype)
 
 
-def _moe_block(fused: bool, gated_prologue: bool = False):
+def _moe_block(fused: bool, gated_prologue: bool | None = None):
   def block(params, x, top_k: int):
     top_p, top_e = _router(params, x, top_k)
     experts = params["gate_up"].shape[0]
@@ -157,20 +159,22 @@ def _moe_block(fused: bool, gated_prologue: bool = False):
     y, _ = gmm_jax.routed_experts(spec, x, top_e, top_p,
                                   dict(w_in=params["gate_up"], w_down=params["down"]))
     return y.astype(x.dtype)
+  prologue = {None: "", True: ", the down gmm reading z through its gated prologue",
+              False: ", the gate|up gmm applying the activation"}[gated_prologue]
   block.__doc__ = (f"nn.MoE's routed experts under plain jit (`gmm_jax.routed_experts`), "
-                   f"{'fused' if fused else 'unfused'}"
-                   f"{', the down gmm reading z through its gated prologue' if gated_prologue else ''}.")
+                   f"{'fused' if fused else 'unfused'}{prologue if fused else ''}.")
   return block
 
 
 BLOCKS = {"fused": fused_block, "unfused": unfused_block, "ragged_dot": ragged_dot_block,
           "copy_free_floor": copy_free_floor, "moe_fused": _moe_block(True),
           "moe_prologue": _moe_block(True, gated_prologue=True),
+          "moe_epilogue": _moe_block(True, gated_prologue=False),
           "moe_unfused": _moe_block(False)}
 # The block each one is compared with.
 BASELINE = {name: "moe_unfused" if name.startswith("moe_") else "unfused" for name in BLOCKS}
 # The parameters' layout: gate and up as one [E, D, 2F] parameter.
-JOINT_GATE_UP = ("fused", "moe_fused", "moe_prologue", "moe_unfused")
+JOINT_GATE_UP = ("fused", "moe_fused", "moe_prologue", "moe_epilogue", "moe_unfused")
 
 
 @dataclasses.dataclass

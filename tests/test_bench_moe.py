@@ -40,7 +40,7 @@ def test_moe_blocks_are_the_same_function():
   params = bench_moe.init_params(jax.random.key(0), 16, 32, 4)
   x = jax.random.normal(jax.random.key(1), (32, 16), jnp.float32)
   reference = bench_moe.unfused_block(params, x, 2)
-  for name in ("fused", "moe_fused", "moe_prologue", "moe_unfused"):
+  for name in ("fused", "moe_fused", "moe_prologue", "moe_epilogue", "moe_unfused"):
     got = bench_moe.BLOCKS[name](bench_moe.layout(name, params), x, 2)
     np.testing.assert_allclose(np.asarray(got), np.asarray(reference), rtol=2e-5, atol=2e-5)
 

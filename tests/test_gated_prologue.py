@@ -11,6 +11,7 @@ of the cotangents.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -248,12 +249,44 @@ def test_moe_gated_prologue_has_the_same_gradients(dtype):
     np.testing.assert_array_equal(np.asarray(g1), np.asarray(g0))
 
 
+def _prologues_traced(prologue, options=()):
+  """The lhs_activation values of the gmms in nn.MoE's routed experts' jaxpr."""
+  params = bench_moe.layout("moe_fused", bench_moe.init_params(jax.random.key(0), 32, 48, 4))
+  x = jax.random.normal(jax.random.key(1), (64, 32))
+
+  def block(params, x):
+    top_p, top_e = bench_moe._router(params, x, 2)
+    spec = gmm_jax.ExpertFFN(4, "silu", gated=True, gated_prologue=prologue,
+                             options=tuple(options))
+    return gmm_jax.routed_experts(spec, x, top_e, top_p,
+                                  dict(w_in=params["gate_up"], w_down=params["down"]))[0]
+
+  return set(re.findall(r"lhs_activation=([^,)\s]*)", str(jax.make_jaxpr(block)(params, x))))
+
+
+@pytest.mark.parametrize("platform, native", [("tpu", True), ("gpu", False), ("cpu", False)])
+def test_the_default_takes_the_prologue_where_the_kernels_fuse_it(monkeypatch, platform, native):
+  # ExpertFFN(gated_prologue=None): the prologue where the platform's kernels apply act(z)
+  # in the down gmm's prologue and write dz in the dlhs gmm's epilogue (Pallas TPU), the
+  # epilogue activation where they would be formed around the kernels (BENCHMARKS.md).
+  from gmm_jax._src import experts
+  assert experts.prologue_is_native("swiglu", {"platform": platform}) is native
+  monkeypatch.setattr(dispatch, "trace_platform", lambda: platform)
+  assert ("'swiglu'" in _prologues_traced(None)) is native
+  assert "'swiglu'" in _prologues_traced(True)  # forced, on every platform
+  assert "'swiglu'" not in _prologues_traced(False)
+  # A user's implementation choice decides it: the XLA path fuses neither.
+  assert "'swiglu'" not in _prologues_traced(None, [("implementation", "xla")])
+  assert ("'swiglu'" in _prologues_traced(None, [("platform", "tpu")])) is True
+
+
 def test_nn_moe_takes_the_option():
   pytest.importorskip("flax")
   from flax import nnx
   from gmm_jax import nn
   x = jax.random.normal(jax.random.key(3), (2, 8, 16))
   outputs = []
+  assert nn.MoE(4, 16, 24, top_k=2, rngs=nnx.Rngs(0)).gated_prologue is None  # the platform's
   for prologue in (True, False):
     layer = nn.MoE(4, 16, 24, top_k=2, gated_prologue=prologue, rngs=nnx.Rngs(0))
     assert layer.gated_prologue is prologue

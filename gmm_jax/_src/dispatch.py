@@ -171,6 +171,24 @@ def mesh_platform(mesh) -> str | None:
     return None
 
 
+def trace_platform() -> str:
+  """The platform a program traced now is most likely lowered for: ``jax.default_device``'s
+  when it is a device (how a deviceless compile names its target), else the default
+  backend's. For decisions a layer makes while tracing (e.g. `ExpertFFN.gated_prologue`
+  left to the platform); the op's kernels are chosen when lowering."""
+  default = jax.config.jax_default_device
+  if isinstance(default, jax.Device):
+    return normalize_platform(default.platform)
+  return normalize_platform(jax.default_backend())
+
+
+def native_features(cfg: GmmConfig, platform: str) -> tuple[str, ...]:
+  """The `FEATURES` the first implementation a call with `cfg` tries on `platform` does
+  natively (the others are done around it: `_around`)."""
+  names = candidates(cfg, platform)
+  return _REGISTRY[names[0]].features if names else ()
+
+
 def on_lowering_platform(fn: Callable, platform: str | None, *args):
   """``fn(platform, *args)`` for the platform the program is lowered for.
 

@@ -39,6 +39,8 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src.api import gmm
+from gmm_jax._src import dispatch
+from gmm_jax._src.config import GmmConfig
 from gmm_jax._src.dispatch import mesh_platform, on_lowering_platform
 from gmm_jax._src.grouped_array import from_ragged, to_ragged
 from gmm_jax._src.epilogue import (GATED_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gather_rows,
@@ -95,14 +97,18 @@ class ExpertFFN:
       gated prologue (``lhs_activation``), so that the backward's dlhs gmm of the down
       projection writes z's cotangent itself (no ``[R, F]`` cotangent of the activation,
       its f32 copy or the halves beside it; on TPU it runs after the down weights'
-      gradient, so z dies there): fewer temporaries in a one-chip training step on H200 and
-      TPU v5e at moderate widths, more in a Mixtral-sized expert-parallel step on v5e
-      (BENCHMARKS.md, "The gated prologue's backward in one order"). False (default): the
+      gradient, so z dies there). False: the
       gate|up gmm applies the activation in its epilogue and the down gmm reads h
-      ``[R, F]`` (half the bytes between the two gmms). Quantized down weights (or a
-      quantization option) take the False path. Gradients are equal for an equal
-      cotangent; the forward differs by one rounding (True rounds z to the output dtype
-      before the activation, as every backward recomputes it).
+      ``[R, F]`` (half the bytes between the two gmms). None (default): True where the
+      kernels the two gmms try first on the platform being traced for do the prologue and
+      the cotangent epilogue natively (`prologue_is_native`: Pallas TPU), else False: on
+      TPU v5e the one-chip bench step's temporaries are 90 MB against 191 MB, Mixtral's
+      expert-parallel step on 4 chips 1.55 against 2.24 GiB; on GPU and CPU, where
+      act(z) and the cotangent are formed around the kernels, neither wins everywhere
+      (BENCHMARKS.md, "The gated prologue by default where the kernels fuse it").
+      Quantized down weights (or a quantization option) take the False path. Gradients
+      are equal for an equal cotangent; the forward differs by one rounding (True rounds z
+      to the output dtype before the activation, as every backward recomputes it).
   """
 
   num_experts: int
@@ -113,7 +119,7 @@ class ExpertFFN:
   weight_on: str = "output"
   swiglu_limit: float = SWIGLU_LIMIT
   swiglu_alpha: float = SWIGLU_ALPHA
-  gated_prologue: bool = False
+  gated_prologue: bool | None = None
 
   @property
   def gmm_options(self) -> dict[str, Any]:
@@ -147,7 +153,7 @@ def _prologue(spec: ExpertFFN, w_down) -> str | None:
   """The gated activation the down gmm applies in its prologue (`ExpertFFN.gated_prologue`),
   or None when the gate|up gmm applies it."""
   name = spec.epilogue_activation
-  if not (spec.gated and spec.fused and spec.gated_prologue and name is not None):
+  if not (spec.gated and spec.fused and spec.gated_prologue is not False and name is not None):
     return None
   options = spec.gmm_options
   quantized = any(options.get(key) is not None
@@ -155,7 +161,26 @@ def _prologue(spec: ExpertFFN, w_down) -> str | None:
   if quantized or not isinstance(w_down, (jax.Array, np.ndarray)) or not jnp.issubdtype(
       w_down.dtype, jnp.floating):
     return None
+  if spec.gated_prologue is None and not prologue_is_native(name, options):
+    return None
   return name
+
+
+def prologue_is_native(name: str, options: dict[str, Any]) -> bool:
+  """Whether the gmms of a gated prologue (`ExpertFFN.gated_prologue`) run natively where
+  this is traced for: the kernel the forward's down gmm tries first applies act(z) in its
+  prologue (``"gated_lhs"``) and the one its backward's dlhs gmm tries first writes z's
+  cotangent in its epilogue (``"gated_cotangent"``). Pallas TPU does both; elsewhere
+  act(z) and the cotangent would be formed around the kernels (BENCHMARKS.md, "The gated
+  prologue by default where the kernels fuse it")."""
+  platform = options.get("platform") or dispatch.trace_platform()
+  platform = dispatch.normalize_platform(platform)
+  chosen = dispatch.check_implementation(options.get("implementation"))
+  forward = GmmConfig(group_type="m", num_local=1, lhs_activation=name, implementation=chosen)
+  dlhs = GmmConfig(group_type="m", num_local=1, cotangent_of=name, transpose_rhs=True,
+                   implementation=chosen)
+  return ("gated_lhs" in dispatch.native_features(forward, platform)
+          and "gated_cotangent" in dispatch.native_features(dlhs, platform))
 
 
 def _input_weighted(rows, weights):

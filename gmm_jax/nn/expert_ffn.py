@@ -74,9 +74,11 @@ def expert_params(in_layer: GroupedLinear, down: GroupedLinear, dtype) -> dict[s
 def ffn_spec(num_experts: int, activation, gated: bool, fused: bool,
              in_layer: GroupedLinear, dtype, *, weight_on: str = "output",
              swiglu_limit: float = SWIGLU_LIMIT,
-             swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool = False) -> ExpertFFN:
+             swiglu_alpha: float = SWIGLU_ALPHA,
+             gated_prologue: bool | None = None) -> ExpertFFN:
   """The static `ExpertFFN` of these experts (the gmm options from `in_layer`)."""
   options = in_layer.gmm_options(dtype)
   return ExpertFFN(num_experts, activation, gated, fused, tuple(sorted(options.items())),
                    weight_on=weight_on, swiglu_limit=float(swiglu_limit),
-                   swiglu_alpha=float(swiglu_alpha), gated_prologue=bool(gated_prologue))
+                   swiglu_alpha=float(swiglu_alpha),
+                   gated_prologue=None if gated_prologue is None else bool(gated_prologue))

@@ -68,8 +68,9 @@ class MoE(nnx.Module):
     fused: the fused path (above) or the unfused baseline.
     gated_prologue: fused and gated: the down projection reads the gate|up
       pre-activation through its gated prologue, and its input gradient (the ``[R, 2F]``
-      cotangent of the pre-activation) comes from one gmm (`gmm_jax.ExpertFFN`: fewer
-      training temporaries at moderate widths, more at Mixtral's on TPU). Default False.
+      cotangent of the pre-activation) comes from one gmm. None (default): where the
+      platform's kernels do both natively (TPU), else not; True/False force it
+      (`gmm_jax.ExpertFFN`, with the measurements).
     score: "softmax" or "sigmoid" router scores.
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
@@ -185,7 +186,7 @@ class MoE(nnx.Module):
                router_weight_on: str = "output", num_shared_experts: int = 0,
                shared_mlp: int | None = None, shared_gate: bool = False,
                use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
-               swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool = False,
+               swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool | None = None,
                capacity_factor: float | None = None, capacity_per: str = "call",
                buffer_factor: float | None = None, layout: str = "ragged",
                max_rows: int | None = None,
@@ -242,7 +243,7 @@ class MoE(nnx.Module):
                          f"{type(router).__name__}")
     self.num_experts, self.embed, self.mlp, self.top_k = num_experts, embed, mlp, top_k
     self.activation, self.gated, self.fused = activation, gated, fused
-    self.gated_prologue = bool(gated_prologue)
+    self.gated_prologue = None if gated_prologue is None else bool(gated_prologue)
     self.router_weight_on = router_weight_on
     self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
     self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
