@@ -3,12 +3,13 @@
 One layer's step can let XLA keep a saved activation somewhere a model of many layers
 could not (XLA:TPU keeps the single layer's 67 MB pre-activation in VMEM); chaining layers
 shows what the per-layer figures do as the step grows. Each layer is `bench_moe`'s
-`moe_fused` block (nn.MoE's routed experts under plain jit) with its own weights, with or
-without `ExpertFFN(gated_prologue=True)`.
+`moe_fused` block (nn.MoE's routed experts under plain jit) with its own weights, with
+`ExpertFFN(gated_prologue=...)` forced on or off, or the default (the platform's).
 
   JAX_PLATFORMS=cpu python benchmarks/moe_layers_deviceless.py TARGET PROLOGUE LAYERS
 
-TARGET: h100, h200, v5e or v6e; PROLOGUE: 1 (gated prologue) or 0; in the environment of
+TARGET: h100, h200, v5e or v6e; PROLOGUE: 1 (gated prologue), 0 (the epilogue activation)
+or auto (the default: the prologue on TPU); in the environment of
 .ci/aot_env.sh. Results: BENCHMARKS.md, "The gated prologue".
 """
 
@@ -23,7 +24,7 @@ from gmm_jax import bench_moe
 T, D, F, E, TOP_K = 4096, 1024, 2048, 64, 2
 
 
-def block(prologue: bool, params, x):
+def block(prologue: bool | None, params, x):
   top_p, top_e = bench_moe._router(params, x, TOP_K)
   spec = gmm_jax.ExpertFFN(E, "silu", gated=True, fused=True, gated_prologue=prologue,
                            options=(("preferred_element_type", x.dtype),))
@@ -32,7 +33,7 @@ def block(prologue: bool, params, x):
   return y.astype(x.dtype)
 
 
-def main(target: str, prologue: bool, layers: int) -> None:
+def main(target: str, prologue: bool | None, layers: int) -> None:
   device = bench_moe.deviceless_device(target)
   sharding = jax.sharding.SingleDeviceSharding(device)
 
@@ -51,9 +52,10 @@ def main(target: str, prologue: bool, layers: int) -> None:
     compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(layer_params,
                                                                        x).compile()
   temp = compiled.memory_analysis().temp_size_in_bytes
-  print(f"{target} {'prologue' if prologue else 'epilogue'} {layers} layers: temporaries "
+  name = {None: "default", True: "prologue", False: "epilogue"}[prologue]
+  print(f"{target} {name} {layers} layers: temporaries "
         f"{temp / 1e6:.1f} MB", flush=True)
 
 
 if __name__ == "__main__":
-  main(sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]))
+  main(sys.argv[1], {"1": True, "0": False, "auto": None}[sys.argv[2]], int(sys.argv[3]))

@@ -2,7 +2,7 @@
 held to a float64 per-token oracle.
 
 A case: tokens T, experts E, top-k, FFN (gated or plain, its activation, fused or unfused,
-biases), capacity factor, and the layout the operands are sharded in on a 2 x 4 CPU mesh
+biases, the gated prologue or the epilogue activation), capacity factor, and the layout the operands are sharded in on a 2 x 4 CPU mesh
 ("data", "expert"): unsharded, tokens over both axes with replicated experts ("local"),
 tokens over "data" with experts over "expert" ("experts"), tokens over both with experts
 over "expert" ("travel", with either transport). The partitioner must pick the layout's
@@ -61,12 +61,14 @@ class MoECase:
   layout: str = "none"
   transport: str = "all_to_all"
   weight_on: str = "output"
+  gated_prologue: bool | None = None  # None: the platform's (on CPU: the epilogue)
   seed: int = 0
 
   @property
   def ffn(self) -> gmm_jax.ExpertFFN:
     return gmm_jax.ExpertFFN(self.num_experts, self.activation, gated=self.gated,
-                             fused=self.fused, weight_on=self.weight_on)
+                             fused=self.fused, weight_on=self.weight_on,
+                             gated_prologue=self.gated_prologue)
 
   @property
   def token_shards(self) -> int:
@@ -88,6 +90,7 @@ def moe_cases(draw) -> MoECase:
       capacity_factor=draw(st.sampled_from([None, None, 1.0])), layout=layout,
       transport=draw(st.sampled_from(["all_to_all", "ragged"])),
       weight_on=draw(st.sampled_from(["output", "input"])),
+      gated_prologue=draw(st.sampled_from([None, True, False])),
       seed=draw(st.integers(0, 2 ** 16)))
 
 

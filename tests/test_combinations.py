@@ -293,8 +293,8 @@ def test_two_runs_are_bitwise_equal_slow(case):
 
 
 # ------------------------------------------- the routed experts (gmm_jax.routed_experts)
-# FFN kind x activation x fused x biases x capacity x router weight on the output or the
-# input x the layout the partitioner splits
+# FFN kind x activation x fused x biases x the gated prologue x capacity x router weight on
+# the output or the input x the layout the partitioner splits
 # (unsharded, local, experts, travel with either transport) on a 2 x 4 CPU mesh, against
 # the float64 per-token oracle (`moe_combinations`).
 
@@ -304,6 +304,11 @@ def test_two_runs_are_bitwise_equal_slow(case):
     pytest.param(moe.MoECase(layout="experts", gated=False, activation="relu", fused=False,
                              top_k=1, num_experts=8, weight_on="input", bias=True,
                              capacity_factor=1.0), id="experts-plain-unfused-input"),
+    pytest.param(moe.MoECase(layout="travel", bias=True, gated_prologue=True, top_k=2,
+                             transport="ragged"), id="travel-prologue"),
+    pytest.param(moe.MoECase(layout="experts", capacity_factor=1.0, gated_prologue=True,
+                             weight_on="input", activation="gelu_tanh"),
+                 id="experts-prologue-cap-input"),
 ])
 def test_routed_experts_cases(case):
   moe.check_routed_experts(case)
