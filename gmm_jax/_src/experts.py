@@ -97,9 +97,9 @@ class ExpertFFN:
       gated prologue (``lhs_activation``), so that the backward's dlhs gmm of the down
       projection writes z's cotangent itself (no ``[R, F]`` cotangent of the activation,
       its f32 copy or the halves beside it; on TPU it runs after the down weights'
-      gradient, so z dies there). False: the
-      gate|up gmm applies the activation in its epilogue and the down gmm reads h
-      ``[R, F]`` (half the bytes between the two gmms). None (default): True where the
+      gradient, so z dies there). False: the gate|up gmm applies the activation in its
+      epilogue and the down gmm reads h ``[R, F]`` (half the bytes between the two
+      gmms). None (default): True where the
       kernels the two gmms try first on the platform being traced for do the prologue and
       the cotangent epilogue natively (`prologue_is_native`: Pallas TPU), else False: on
       TPU v5e the one-chip bench step's temporaries are 90 MB against 191 MB, Mixtral's
