@@ -280,6 +280,35 @@ def test_the_default_takes_the_prologue_where_the_kernels_fuse_it(monkeypatch, p
   assert ("'swiglu'" in _prologues_traced(None, [("platform", "tpu")])) is True
 
 
+@pytest.mark.slow
+def test_the_default_on_the_tpu_kernel_fuses_both_ends_and_equals_the_epilogue_path():
+  # The layer's default with the TPU kernel chosen (interpret mode): the down gmm applies
+  # act(z) in the kernel's prologue and the dlhs gmm writes dz in its epilogue (neither is
+  # formed around it), and the result and every gradient equal the epilogue path's (f32).
+  params = bench_moe.layout("moe_fused", bench_moe.init_params(jax.random.key(0), 128, 128, 4))
+  x = jax.random.normal(jax.random.key(1), (64, 128))
+
+  def block(prologue, params, x):
+    top_p, top_e = bench_moe._router(params, x, 2)
+    spec = gmm_jax.ExpertFFN(4, "silu", gated=True, gated_prologue=prologue,
+                             options=(("implementation", "pallas_tpu"), ("interpret", True)))
+    return gmm_jax.routed_experts(spec, x, top_e, top_p,
+                                  dict(w_in=params["gate_up"], w_down=params["down"]))[0]
+
+  with dispatch.record() as decisions:
+    y1, pull1 = jax.vjp(functools.partial(block, None), params, x)
+    ct = jax.random.normal(jax.random.key(2), y1.shape, y1.dtype)
+    got = pull1(ct)
+  fused = [(d.cfg.lhs_activation, d.cfg.cotangent_of) for d in decisions
+           if d.implementation == "pallas_tpu"
+           and not {"gated_lhs", "gated_cotangent"} & set(d.materialized)]
+  assert ("swiglu", None) in fused and (None, "swiglu") in fused, decisions
+  y0, pull0 = jax.vjp(functools.partial(block, False), params, x)
+  np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-5, atol=1e-5)
+  for g1, g0 in zip(jax.tree.leaves(got), jax.tree.leaves(pull0(ct))):
+    np.testing.assert_allclose(np.asarray(g1), np.asarray(g0), rtol=1e-5, atol=1e-5)
+
+
 def test_nn_moe_takes_the_option():
   pytest.importorskip("flax")
   from flax import nnx
