@@ -1,7 +1,7 @@
 """nn.from_transformers / nn.to_transformers against Hugging Face transformers' own MoE blocks.
 
-The reference is transformers itself: tests/fixtures/hf/<arch>.npz hold, for each of twelve
-architectures, a tiny block's config, weights, input, output, gradients (of
+The reference is transformers itself: tests/fixtures/hf/<arch>.npz hold, for each
+architecture (and DeepSeek-V3 / GLM4-MoE without shared experts), a tiny block's config, weights, input, output, gradients (of
 ``sum(y * cotangent)``), chosen experts and auxiliary losses, written by
 tests/fixtures/hf/make_fixtures.py with torch (CPU) and transformers 5.x. The default run
 needs neither: it builds the layer from each fixture's config and state dict. The live test
@@ -25,8 +25,14 @@ nnx = pytest.importorskip("flax.nnx")
 from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-ARCHS = ("dbrx", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "llama4", "mixtral",
-         "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "switch_transformers")
+ARCHS = ("dbrx", "deepseek_v3", "deepseek_v3_no_shared", "deepseek_v32", "flex_olmo",
+         "glm4_moe", "glm4_moe_no_shared", "glm4v_moe", "gpt_oss", "granitemoe", "llama4",
+         "minimax", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
+         "qwen3_vl_moe", "switch_transformers")
+# The config's model_type of a fixture whose name is not it.
+MODEL_TYPES = {"deepseek_v3_no_shared": "deepseek_v3", "glm4_moe_no_shared": "glm4_moe",
+               "glm4v_moe": "glm4v_moe_text", "llama4": "llama4_text",
+               "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
 RTOL = ATOL = 1e-5
 
 # A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
@@ -108,7 +114,7 @@ def _check(arch, moe, fixture):
 
 
 def test_fixtures_are_whole():
-  """Twelve architectures, each written by transformers >= 5, small in all."""
+  """One fixture per entry of ARCHS, each written by transformers >= 5, small in all."""
   assert sorted(p.stem for p in FIXTURES.glob("*.npz")) == sorted(ARCHS)
   total = sum(p.stat().st_size for p in FIXTURES.glob("*.npz"))
   assert total < 2 * 1024 * 1024, total
@@ -116,7 +122,7 @@ def test_fixtures_are_whole():
     fixture = _load(arch)
     versions = json.loads(str(fixture["versions"]))
     assert int(versions["transformers"].split(".")[0]) >= 5, (arch, versions)
-    assert _config(fixture)["model_type"] in (arch, "llama4_text"), arch
+    assert _config(fixture)["model_type"] == MODEL_TYPES.get(arch, arch), arch
 
 
 @pytest.fixture
@@ -150,7 +156,7 @@ def test_round_trip(arch):
     assert out[name].dtype == value.dtype and out[name].shape == value.shape, name
     np.testing.assert_array_equal(out[name], value, err_msg=name)
   prefix = "model.layers.3.mlp."
-  by_name = nn.to_transformers(moe, arch, prefix=prefix)
+  by_name = nn.to_transformers(moe, MODEL_TYPES.get(arch, arch), prefix=prefix)
   assert sorted(by_name) == sorted(prefix + k for k in state_dict)
   whole_model = {**by_name, "model.layers.3.input_layernorm.weight": np.ones(4)}
   again = nn.from_transformers(json.dumps(config), whole_model, prefix=prefix,
@@ -191,8 +197,22 @@ EXPECTED_OPTIONS = {
     "gpt_oss": dict(score="softmax", normalize_top_k=True, top_k=2),
     "granitemoe": dict(score="softmax", normalize_top_k=True, top_k=2),
     "dbrx": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "deepseek_v3_no_shared": dict(score="sigmoid", normalize_top_k=True,
+                                  routed_scaling_factor=2.5, num_expert_groups=4,
+                                  top_k_groups=2, top_k=3),
+    "deepseek_v32": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.0,
+                         num_expert_groups=2, top_k_groups=1, top_k=2),
+    "flex_olmo": dict(score="softmax", normalize_top_k=False, top_k=3),
     "glm4_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
                      num_expert_groups=None, top_k=2),
+    "glm4_moe_no_shared": dict(score="sigmoid", normalize_top_k=False,
+                               routed_scaling_factor=1.5, num_expert_groups=None, top_k=2),
+    "glm4v_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
+                      num_expert_groups=None, top_k=3),
+    "minimax": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "qwen3_5_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
+    # No norm_topk_prob in its config: the block always renormalizes.
+    "qwen3_vl_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
     "llama4": dict(score="sigmoid", normalize_top_k=False, top_k=1),
     "switch_transformers": dict(score="softmax", normalize_top_k=False, top_k=1,
                                 gated=False),
@@ -205,17 +225,22 @@ def test_options_from_config(arch):
   moe = nn.from_transformers(_config(fixture), _state_dict(fixture), **_seq_len(arch, fixture))
   for name, value in EXPECTED_OPTIONS[arch].items():
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
-  assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "glm4_moe"))
-  assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next", "deepseek_v3",
-                                               "glm4_moe", "llama4"))
+  assert (moe.routing_bias is not None) == (arch in (
+      "deepseek_v3", "deepseek_v3_no_shared", "deepseek_v32", "glm4_moe",
+      "glm4_moe_no_shared", "glm4v_moe"))
+  assert (moe.shared is not None) == (arch in SHARED), arch
 
 
-# The nn.MoE preset of each architecture (docs/transformers.md's table).
+# The nn.MoE preset of each architecture (docs/transformers.md's table): its model's, or
+# for a copy of another architecture's block, that one's (same routing and computation).
 PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "qwen3_moe": "qwen3-moe-30b-a3b", "qwen3_next": "qwen3-next-80b-a3b",
            "deepseek_v3": "deepseek-v3", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
-           "llama4": "llama-4-scout", "switch_transformers": "switch-base-8"}
+           "llama4": "llama-4-scout", "switch_transformers": "switch-base-8",
+           "deepseek_v32": "deepseek-v3", "flex_olmo": "olmoe-1b-7b",
+           "glm4v_moe": "glm-4.5-air", "minimax": "mixtral-8x7b",
+           "qwen3_5_moe": "qwen3-next-80b-a3b", "qwen3_vl_moe": "qwen3-moe-30b-a3b"}
 
 
 def _routing_kind(moe):
@@ -227,7 +252,7 @@ def _routing_kind(moe):
               shared_gate=moe.shared is not None and moe.shared.gate is not None)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", sorted(PRESETS))
 def test_preset_routes_as_the_block(arch):
   """Each architecture's preset (its real model's shapes) routes and computes as the layer
   from_transformers builds from the tiny config (built abstractly: no weights drawn)."""
@@ -300,7 +325,8 @@ ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "llama4": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "llama4": "shared_expert", "deepseek_v3": "shared_experts",
-          "glm4_moe": "shared_experts"}
+          "glm4_moe": "shared_experts", "deepseek_v32": "shared_experts",
+          "glm4v_moe": "shared_experts", "qwen3_5_moe": "shared_expert"}
 
 
 @_by_arch(ARCHS)

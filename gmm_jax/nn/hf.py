@@ -104,6 +104,27 @@ def _qwen3_moe(config):
                         _field(config, "norm_topk_prob", default=False))
 
 
+def _text_config(config):
+  """A vision-language model's text config (``text_config``), or the config itself."""
+  return _field(config, "text_config", default=config)
+
+
+def _qwen3_vl_moe(config):
+  # Its block renormalizes the top-k always: the config has no norm_topk_prob.
+  return _softmax_top_k(_text_config(config), "num_experts|num_local_experts",
+                        "moe_intermediate_size", True)
+
+
+def _qwen3_5_moe(config):
+  kwargs = _qwen_shared(True)(_text_config(config))
+  kwargs["normalize_top_k"] = True  # its block renormalizes whatever the config says
+  return kwargs
+
+
+def _glm4v_moe(config):
+  return _deepseek(_text_config(config))
+
+
 def _olmoe(config):
   return _softmax_top_k(config, "num_experts|num_local_experts", "intermediate_size",
                         _field(config, "norm_topk_prob", default=False))
@@ -200,6 +221,8 @@ class Architecture:
     shared_gate: the shared expert's gate weight ``[1, D]``, or None.
     routing_bias: the selection-only bias ``[E]``, or None.
     model_types: the config ``model_type`` values it answers to.
+    shared_optional: the config may give no shared expert (DeepSeek-V3's
+      ``n_shared_experts=0``): the block then keeps a zero-width one.
   """
   name: str
   block_classes: tuple[str, ...]
@@ -210,6 +233,7 @@ class Architecture:
   shared_gate: str | None = None
   routing_bias: str | None = None
   model_types: tuple[str, ...] = ()
+  shared_optional: bool = False
 
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
@@ -219,18 +243,30 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), _qwen3_moe),
     Architecture("qwen3_next", ("Qwen3NextSparseMoeBlock",), _qwen_shared(True),
                  shared="shared_expert", shared_gate="shared_expert_gate.weight"),
+    Architecture("qwen3_5_moe", ("Qwen3_5MoeSparseMoeBlock",), _qwen3_5_moe,
+                 shared="shared_expert", shared_gate="shared_expert_gate.weight",
+                 model_types=("qwen3_5_moe_text",)),
+    Architecture("qwen3_vl_moe", ("Qwen3VLMoeTextSparseMoeBlock",), _qwen3_vl_moe,
+                 model_types=("qwen3_vl_moe_text",)),
     Architecture("deepseek_v3", ("DeepseekV3MoE",), _deepseek, shared="shared_experts",
-                 routing_bias="gate.e_score_correction_bias"),
+                 routing_bias="gate.e_score_correction_bias", shared_optional=True),
+    Architecture("deepseek_v32", ("DeepseekV32MoE",), _deepseek, shared="shared_experts",
+                 routing_bias="gate.e_score_correction_bias", shared_optional=True),
+    Architecture("flex_olmo", ("FlexOlmoSparseMoeBlock",), _olmoe),
     Architecture("olmoe", ("OlmoeSparseMoeBlock",), _olmoe),
     Architecture("gpt_oss", ("GptOssMLP",), _gpt_oss, experts="interleaved",
                  router="router.weight"),
     Architecture("granitemoe", ("GraniteMoeMoE",), _granitemoe, router="router.weight"),
     Architecture("dbrx", ("DbrxFFN",), _dbrx, experts="dbrx", router="router.layer.weight"),
     Architecture("glm4_moe", ("Glm4MoeMoE",), _deepseek, shared="shared_experts",
-                 routing_bias="gate.e_score_correction_bias"),
+                 routing_bias="gate.e_score_correction_bias", shared_optional=True),
+    Architecture("glm4v_moe", ("Glm4vMoeTextMoE",), _glm4v_moe, shared="shared_experts",
+                 routing_bias="gate.e_score_correction_bias", shared_optional=True,
+                 model_types=("glm4v_moe_text",)),
     Architecture("llama4", ("Llama4TextMoe",), _llama4, experts="fused_in_out",
                  router="router.weight", shared="shared_expert",
                  model_types=("llama4_text",)),
+    Architecture("minimax", ("MiniMaxSparseMoeBlock",), _mixtral),
     Architecture("switch_transformers", ("SwitchTransformersSparseMLP",), _switch,
                  experts="per_expert", router="router.classifier.weight"),
 ]}
@@ -390,7 +426,9 @@ def _read(arch: Architecture, tensors: _Tensors, o: dict) -> dict:
     canonical["routing_bias"] = tensors.take(arch.routing_bias, (num_experts,))
   experts = _read_experts(arch, tensors, o)
   canonical.update({f"experts_{k}": v for k, v in experts.items()})
-  if arch.shared:
+  if arch.shared and "shared_mlp" not in o:
+    _take_zero_width_shared(arch, tensors, o)
+  elif arch.shared:
     shared_mlp = o["shared_mlp"]
     gate, up = (tensors.take(f"{arch.shared}.{n}_proj.weight", (shared_mlp, embed))
                 for n in ("gate", "up"))
@@ -403,6 +441,24 @@ def _read(arch: Architecture, tensors: _Tensors, o: dict) -> dict:
   return canonical
 
 
+def _zero_width_shared(arch: Architecture, embed: int) -> dict:
+  """The shapes of the shared expert's tensors that a block without one keeps (transformers
+  builds it ``moe_intermediate_size * n_shared_experts`` = 0 wide)."""
+  return {f"{arch.shared}.gate_proj.weight": (0, embed),
+          f"{arch.shared}.up_proj.weight": (0, embed),
+          f"{arch.shared}.down_proj.weight": (embed, 0)}
+
+
+def _take_zero_width_shared(arch: Architecture, tensors: _Tensors, o: dict):
+  """A config without shared experts: the state dict's zero-width shared expert (if it has
+  one; a checkpoint may leave it out) is read and dropped, anything wider is an error."""
+  if not arch.shared_optional:
+    raise ValueError(f"{arch.name}: the config gives no shared expert, the block has one")
+  for name, shape in _zero_width_shared(arch, o["embed"]).items():
+    if tensors.has(name):
+      tensors.take(name, shape)
+
+
 def _write(arch: Architecture, canonical: dict, o: dict) -> dict:
   out = {arch.router: canonical["router_kernel"].T}
   if "router_bias" in canonical:
@@ -411,7 +467,11 @@ def _write(arch: Architecture, canonical: dict, o: dict) -> dict:
     out[arch.routing_bias] = canonical["routing_bias"]
   out.update(_write_experts(arch, {k[len("experts_"):]: v for k, v in canonical.items()
                                    if k.startswith("experts_")}, o))
-  if arch.shared:
+  if arch.shared and "shared_w_in" not in canonical:  # no shared experts: zero-width
+    dtype = canonical["experts_w_in"].dtype
+    out.update({name: np.zeros(shape, dtype)
+                for name, shape in _zero_width_shared(arch, o["embed"]).items()})
+  elif arch.shared:
     w_in = canonical["shared_w_in"].T  # [2Fs, D]
     half = w_in.shape[0] // 2
     out[f"{arch.shared}.gate_proj.weight"] = w_in[:half]
@@ -579,6 +639,10 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
   if isinstance(config_or_arch, str) and not config_or_arch.lstrip().startswith("{"):
     arch = _architecture(config_or_arch)
     options = dict(num_experts=moe.num_experts, embed=moe.embed, mlp=moe.mlp)
+    # No config to say: an architecture whose shared experts are optional writes the
+    # layer's (or a zero-width one).
+    if moe.shared is not None or not arch.shared_optional:
+      options["shared_mlp"] = None
   else:
     config = _as_dict(config_or_arch)
     arch = _architecture(_field(config, "model_type"))
@@ -595,7 +659,7 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
     wanted.add("router_bias")
   if arch.routing_bias:
     wanted.add("routing_bias")
-  if arch.shared:
+  if arch.shared and "shared_mlp" in options:
     wanted |= {"shared_w_in", "shared_w_down"}
   if arch.shared_gate:
     wanted.add("shared_gate")
