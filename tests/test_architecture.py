@@ -55,7 +55,7 @@ FLOORS = {
     "gmm_jax.nn": 6,
     **{f"gmm_jax.nn.{name}": 6 for name in (
         "params", "grouped_linear", "router", "expert_ffn", "shared", "dispatch", "presets",
-        "moe", "linen", "hf")},
+        "moe", "linen", "hf", "hf_unsupported")},
     "gmm_jax.bench": 6,
     "gmm_jax.bench_moe": 6,
     "gmm_jax.bench_decode": 6,
@@ -110,11 +110,11 @@ SAME_FLOOR = {
     *((a, b) for a in ("gmm_jax.nn", "gmm_jax.nn.params", "gmm_jax.nn.grouped_linear",
                        "gmm_jax.nn.router", "gmm_jax.nn.expert_ffn", "gmm_jax.nn.shared",
                        "gmm_jax.nn.dispatch", "gmm_jax.nn.presets", "gmm_jax.nn.moe",
-                       "gmm_jax.nn.linen", "gmm_jax.nn.hf")
+                       "gmm_jax.nn.linen", "gmm_jax.nn.hf", "gmm_jax.nn.hf_unsupported")
       for b in ("gmm_jax._src.experts", "gmm_jax.nn.params", "gmm_jax.nn.grouped_linear",
                 "gmm_jax.nn.router", "gmm_jax.nn.expert_ffn", "gmm_jax.nn.shared",
                 "gmm_jax.nn.dispatch", "gmm_jax.nn.presets", "gmm_jax.nn.moe",
-                "gmm_jax.nn.linen", "gmm_jax.nn.hf")),
+                "gmm_jax.nn.linen", "gmm_jax.nn.hf", "gmm_jax.nn.hf_unsupported")),
 }
 # Function-level (or try-guarded) imports are for optional dependencies only: Pallas, flax,
 # the comparison libraries, and jax's private table of primitives that need devices while

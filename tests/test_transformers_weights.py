@@ -26,13 +26,15 @@ from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 ARCHS = ("dbrx", "deepseek_v3", "deepseek_v3_no_shared", "deepseek_v32", "flex_olmo",
-         "glm4_moe", "glm4_moe_no_shared", "glm4v_moe", "gpt_oss", "granitemoe", "llama4",
-         "minimax", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next",
-         "qwen3_vl_moe", "switch_transformers")
+         "glm4_moe", "glm4_moe_lite", "glm4_moe_no_shared", "glm4v_moe", "glm_moe_dsa",
+         "gpt_oss", "granitemoe", "granitemoe_swa", "llama4", "minimax", "mixtral", "olmoe",
+         "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "qwen4_exp",
+         "switch_transformers")
 # The config's model_type of a fixture whose name is not it.
 MODEL_TYPES = {"deepseek_v3_no_shared": "deepseek_v3", "glm4_moe_no_shared": "glm4_moe",
                "glm4v_moe": "glm4v_moe_text", "llama4": "llama4_text",
-               "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text"}
+               "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
+               "qwen4_exp": "qwen4_exp_text"}
 RTOL = ATOL = 1e-5
 
 # A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
@@ -207,12 +209,18 @@ EXPECTED_OPTIONS = {
                      num_expert_groups=None, top_k=2),
     "glm4_moe_no_shared": dict(score="sigmoid", normalize_top_k=False,
                                routed_scaling_factor=1.5, num_expert_groups=None, top_k=2),
+    "glm4_moe_lite": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.8,
+                          num_expert_groups=2, top_k_groups=1, top_k=2),
+    "glm_moe_dsa": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
+                        num_expert_groups=None, top_k=3),
+    "granitemoe_swa": dict(score="softmax", normalize_top_k=True, top_k=3),
     "glm4v_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
                       num_expert_groups=None, top_k=3),
     "minimax": dict(score="softmax", normalize_top_k=True, top_k=2),
     "qwen3_5_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
     # No norm_topk_prob in its config: the block always renormalizes.
     "qwen3_vl_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
+    "qwen4_exp": dict(score="softmax", normalize_top_k=True, top_k=2),
     "llama4": dict(score="sigmoid", normalize_top_k=False, top_k=1),
     "switch_transformers": dict(score="softmax", normalize_top_k=False, top_k=1,
                                 gated=False),
@@ -226,8 +234,8 @@ def test_options_from_config(arch):
   for name, value in EXPECTED_OPTIONS[arch].items():
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
   assert (moe.routing_bias is not None) == (arch in (
-      "deepseek_v3", "deepseek_v3_no_shared", "deepseek_v32", "glm4_moe",
-      "glm4_moe_no_shared", "glm4v_moe"))
+      "deepseek_v3", "deepseek_v3_no_shared", "deepseek_v32", "glm4_moe", "glm4_moe_lite",
+      "glm4_moe_no_shared", "glm4v_moe", "glm_moe_dsa"))
   assert (moe.shared is not None) == (arch in SHARED), arch
 
 
@@ -240,7 +248,9 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "llama4": "llama-4-scout", "switch_transformers": "switch-base-8",
            "deepseek_v32": "deepseek-v3", "flex_olmo": "olmoe-1b-7b",
            "glm4v_moe": "glm-4.5-air", "minimax": "mixtral-8x7b",
-           "qwen3_5_moe": "qwen3-next-80b-a3b", "qwen3_vl_moe": "qwen3-moe-30b-a3b"}
+           "qwen3_5_moe": "qwen3-next-80b-a3b", "qwen3_vl_moe": "qwen3-moe-30b-a3b",
+           "glm4_moe_lite": "deepseek-v3", "glm_moe_dsa": "glm-4.5-air",
+           "granitemoe_swa": "granite-3.0-3b-a800m", "qwen4_exp": "qwen3-next-80b-a3b"}
 
 
 def _routing_kind(moe):
@@ -321,12 +331,15 @@ def _our_expert(moe, e, x):
   return out if moe.down.bias is None else out + _f64(moe.down.bias)[e]
 
 
-ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "llama4": "router",
+ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "granitemoe_swa": "router",
+           "llama4": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "llama4": "shared_expert", "deepseek_v3": "shared_experts",
           "glm4_moe": "shared_experts", "deepseek_v32": "shared_experts",
-          "glm4v_moe": "shared_experts", "qwen3_5_moe": "shared_expert"}
+          "glm4v_moe": "shared_experts", "qwen3_5_moe": "shared_expert",
+          "glm4_moe_lite": "shared_experts", "glm_moe_dsa": "shared_experts",
+          "qwen4_exp": "shared_expert"}
 
 
 @_by_arch(ARCHS)
@@ -394,7 +407,7 @@ def test_transformers_4_layouts(arch, legacy):
 def test_bad_inputs():
   fixture = _load("mixtral")
   config, state = _config(fixture), _state_dict(fixture)
-  with pytest.raises(NotImplementedError, match="supported are"):
+  with pytest.raises(NotImplementedError, match="'llama': not a MoE block known here"):
     nn.from_transformers({**config, "model_type": "llama"}, state)
   with pytest.raises(ValueError, match="no 'gate.weight'"):
     nn.from_transformers(config, {k: v for k, v in state.items() if k != "gate.weight"})
@@ -422,6 +435,89 @@ def test_bad_inputs():
     nn.to_transformers(moe, "qwen2_moe")
   with pytest.raises(ValueError, match="top_k"):
     nn.to_transformers(moe, {**config, "num_experts_per_tok": 3})
+
+
+def test_no_shared_experts():
+  """n_shared_experts=0: transformers keeps a zero-width shared expert; the layer has none,
+  loads without it too, and writes it back (by config or by name); a wider one is an
+  error, and so is a layer with a shared expert written for such a config."""
+  for arch in ("deepseek_v3_no_shared", "glm4_moe_no_shared"):
+    fixture = _load(arch)
+    config, state = _config(fixture), _state_dict(fixture)
+    assert state["shared_experts.gate_proj.weight"].shape == (0, 16)
+    moe = nn.from_transformers(config, state)
+    assert moe.shared is None
+    stripped = {k: v for k, v in state.items() if not k.startswith("shared_experts.")}
+    again = nn.from_transformers(config, stripped)
+    for name, value in nn.to_transformers(again, MODEL_TYPES[arch]).items():
+      np.testing.assert_array_equal(value, state[name], err_msg=name)
+  wide = _state_dict(_load("deepseek_v3"))
+  no_shared = _config(_load("deepseek_v3_no_shared"))
+  with pytest.raises(ValueError, match=r"shared_experts.gate_proj.weight has shape \(12, 16\)"):
+    nn.from_transformers(no_shared, wide)
+  with_shared = nn.from_transformers(_config(_load("deepseek_v3")), wide)
+  with pytest.raises(ValueError, match="which it would lose"):
+    nn.to_transformers(with_shared, no_shared)
+
+
+# An architecture of each kind of reason: not a routed FFN, an option missing, not yet.
+@pytest.mark.parametrize("model_type,block_class,reason", [
+    ("doge", "DogeCDMoE", "not a routed FFN: product-key routing"),
+    ("laguna", "LagunaSparseMoeBlock", "needs router logit soft-capping"),
+    ("hy_v4", "HYV4MoE", "needs a clamped SwiGLU"),
+    ("mimo_v2_flash", "MiMoV2FlashMoE", "not yet: the layer expresses it"),
+])
+def test_refuses_what_it_cannot_express(model_type, block_class, reason):
+  """A config or a block of an architecture the layer cannot express raises
+  NotImplementedError naming its model_type and block class and what is missing."""
+  state = _state_dict(_load("mixtral"))
+  message = f"transformers {model_type} \\({block_class}\\): {reason}"
+  with pytest.raises(NotImplementedError, match=message):
+    nn.from_transformers({"model_type": model_type}, state)
+  block = type(block_class, (), {"state_dict": lambda self: state})()  # a block's duck type
+  with pytest.raises(NotImplementedError, match=message):
+    nn.from_transformers(block)
+  with pytest.raises(NotImplementedError, match=message):
+    nn.to_transformers(nn.from_transformers(_config(_load("mixtral")), state), model_type)
+  # A block of a class not known here: named with its config's model_type.
+  other = type("SomeMoE", (), {"state_dict": lambda self: state,
+                               "config": {"model_type": model_type}})()
+  with pytest.raises(NotImplementedError, match=message):
+    nn.from_transformers(other)
+
+
+def test_every_unsupported_entry_names_itself():
+  from gmm_jax.nn.hf import ARCHITECTURES
+  from gmm_jax.nn.hf_unsupported import UNSUPPORTED
+  state = _state_dict(_load("mixtral"))
+  for model_type, (classes, reason) in UNSUPPORTED.items():
+    assert model_type not in ARCHITECTURES, model_type
+    with pytest.raises(NotImplementedError) as raised:
+      nn.from_transformers({"model_type": model_type}, state)
+    assert f"{model_type} ({' / '.join(classes)}): {reason}" in str(raised.value)
+
+
+def _docs_table():
+  """docs/transformers.md's table of every MoE block: model_type -> status cell."""
+  docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "transformers.md").read_text()
+  section = docs.split("## Every MoE block of transformers")[1].split("\n## ")[0]
+  rows = {}
+  for line in section.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if line.startswith("| `") and len(cells) >= 3:
+      rows[cells[0].strip("`")] = cells[2]
+  return rows
+
+
+def test_docs_list_every_block():
+  """Each architecture here and each one refused has its row, with its status."""
+  from gmm_jax.nn.hf_unsupported import UNSUPPORTED
+  rows = _docs_table()
+  from gmm_jax.nn.hf import ARCHITECTURES
+  for arch in ARCHITECTURES.values():
+    assert rows[arch.name].startswith("supported"), arch.name
+  for model_type in UNSUPPORTED:
+    assert rows[model_type].startswith("not"), model_type
 
 
 def test_imports_neither_torch_nor_transformers():

@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from gmm_jax.nn.hf_unsupported import unsupported
 from gmm_jax.nn.moe import MoE
 
 # --------------------------------------------------------------------------- config
@@ -123,6 +124,10 @@ def _qwen3_5_moe(config):
 
 def _glm4v_moe(config):
   return _deepseek(_text_config(config))
+
+
+def _qwen4_exp(config):
+  return _qwen_shared(True)(_text_config(config))
 
 
 def _olmoe(config):
@@ -246,6 +251,9 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("qwen3_5_moe", ("Qwen3_5MoeSparseMoeBlock",), _qwen3_5_moe,
                  shared="shared_expert", shared_gate="shared_expert_gate.weight",
                  model_types=("qwen3_5_moe_text",)),
+    Architecture("qwen4_exp", ("Qwen4ExpTextSparseMoeBlock",), _qwen4_exp,
+                 shared="shared_expert", shared_gate="shared_expert_gate.weight",
+                 model_types=("qwen4_exp_text",)),
     Architecture("qwen3_vl_moe", ("Qwen3VLMoeTextSparseMoeBlock",), _qwen3_vl_moe,
                  model_types=("qwen3_vl_moe_text",)),
     Architecture("deepseek_v3", ("DeepseekV3MoE",), _deepseek, shared="shared_experts",
@@ -257,8 +265,13 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("gpt_oss", ("GptOssMLP",), _gpt_oss, experts="interleaved",
                  router="router.weight"),
     Architecture("granitemoe", ("GraniteMoeMoE",), _granitemoe, router="router.weight"),
+    Architecture("granitemoe_swa", ("GraniteMoeSWAMoE",), _granitemoe, router="router.weight"),
     Architecture("dbrx", ("DbrxFFN",), _dbrx, experts="dbrx", router="router.layer.weight"),
     Architecture("glm4_moe", ("Glm4MoeMoE",), _deepseek, shared="shared_experts",
+                 routing_bias="gate.e_score_correction_bias", shared_optional=True),
+    Architecture("glm_moe_dsa", ("GlmMoeDsaMoE",), _deepseek, shared="shared_experts",
+                 routing_bias="gate.e_score_correction_bias", shared_optional=True),
+    Architecture("glm4_moe_lite", ("Glm4MoeLiteMoE",), _deepseek, shared="shared_experts",
                  routing_bias="gate.e_score_correction_bias", shared_optional=True),
     Architecture("glm4v_moe", ("Glm4vMoeTextMoE",), _glm4v_moe, shared="shared_experts",
                  routing_bias="gate.e_score_correction_bias", shared_optional=True,
@@ -272,12 +285,22 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
 ]}
 
 
-def _architecture(name) -> Architecture:
+def _architecture(name, model_type=None) -> Architecture:
+  """The entry of a model_type, block class or entry name; else NotImplementedError naming
+  the architecture (the model_type and block class, `model_type` that of the block's
+  config) and what the layer lacks for it."""
   for arch in ARCHITECTURES.values():
     if name == arch.name or name in arch.model_types or name in arch.block_classes:
       return arch
-  raise NotImplementedError(f"transformers architecture {name!r}: supported are "
-                            f"{sorted(ARCHITECTURES)}")
+  known = unsupported(name) or (model_type and unsupported(model_type))
+  supported = f"from_transformers supports {sorted(ARCHITECTURES)}"
+  if known:
+    model_type, classes, reason = known
+    raise NotImplementedError(f"transformers {model_type} ({' / '.join(classes)}): "
+                              f"{reason}. {supported}")
+  what = f"{name!r}" + (f" (model_type {model_type!r})" if model_type else "")
+  raise NotImplementedError(f"transformers architecture {what}: not a MoE block known "
+                            f"here; {supported}")
 
 
 class _Tensors:
@@ -578,7 +601,9 @@ def from_transformers(block_or_config, state_dict: Mapping[str, Any] | None = No
   """
   if hasattr(block_or_config, "state_dict") and callable(block_or_config.state_dict):
     block = block_or_config
-    arch = _architecture(type(block).__name__)
+    found = config if config is not None else _any_config(block)
+    arch = _architecture(type(block).__name__, None if found is None
+                         else _field(_as_dict(found), "model_type", default=None))
     config = _block_config(arch, block) if config is None else config
     state_dict = block.state_dict() if state_dict is None else state_dict
   else:
@@ -690,6 +715,16 @@ def _module_activation(module) -> str:
     raise NotImplementedError(f"activation module {name}: supported are "
                               f"{sorted(_MODULE_ACTIVATIONS)}")
   return _MODULE_ACTIVATIONS[name]
+
+
+def _any_config(block):
+  """The config a block or one of its submodules keeps, or None."""
+  modules = block.modules() if hasattr(block, "modules") else ()
+  for module in [block, *modules]:
+    config = getattr(module, "config", None)
+    if config is not None and (hasattr(config, "to_dict") or isinstance(config, Mapping)):
+      return config
+  return None
 
 
 def _block_config(arch: Architecture, block):
