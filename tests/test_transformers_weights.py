@@ -249,7 +249,7 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "deepseek_v32": "deepseek-v3", "flex_olmo": "olmoe-1b-7b",
            "glm4v_moe": "glm-4.5-air", "minimax": "mixtral-8x7b",
            "qwen3_5_moe": "qwen3-next-80b-a3b", "qwen3_vl_moe": "qwen3-moe-30b-a3b",
-           "glm4_moe_lite": "deepseek-v3", "glm_moe_dsa": "glm-4.5-air",
+           "glm4_moe_lite": "glm-4.5-air", "glm_moe_dsa": "glm-4.5-air",
            "granitemoe_swa": "granite-3.0-3b-a800m", "qwen4_exp": "qwen3-next-80b-a3b"}
 
 

@@ -6,9 +6,12 @@ Neither torch nor transformers is imported here: a block's tensors are read thro
 ``state_dict()`` (``.detach().cpu()`` then numpy), and a config may be the transformers
 object or its ``to_dict()``, so that weights saved as numpy arrays load without torch.
 
-Twelve architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
+The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
 qwen2_moe, qwen3_moe, qwen3_next, deepseek_v3, olmoe, gpt_oss, granitemoe, dbrx, glm4_moe,
-llama4 (``llama4_text``) and switch_transformers. Expert layouts read: transformers 5.x's
+llama4 (``llama4_text``), switch_transformers, and the copies of their blocks in
+transformers 5.25: deepseek_v32, flex_olmo, glm4_moe_lite, glm4v_moe, glm_moe_dsa,
+granitemoe_swa, minimax, qwen3_5_moe, qwen3_vl_moe and qwen4_exp. The MoE blocks it cannot
+express, and why: `gmm_jax.nn.hf_unsupported`. Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
 biases); Llama 4's ``[E, D, 2F]`` (gate columns first); DBRX's ``w1``/``v1``/``w2``
