@@ -25,13 +25,15 @@ nnx = pytest.importorskip("flax.nnx")
 from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-ARCHS = ("dbrx", "deepseek_v3", "deepseek_v3_no_shared", "deepseek_v32", "flex_olmo",
-         "glm4_moe", "glm4_moe_lite", "glm4_moe_no_shared", "glm4v_moe", "glm_moe_dsa",
-         "gpt_oss", "granitemoe", "granitemoe_swa", "llama4", "minimax", "mixtral", "olmoe",
-         "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "qwen4_exp",
-         "switch_transformers")
+ARCHS = ("aria", "beam", "dbrx", "deepseek_v3", "deepseek_v3_no_shared", "deepseek_v32",
+         "flex_olmo", "flint", "glm4_moe", "glm4_moe_lite", "glm4_moe_no_shared", "glm4v_moe",
+         "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "hy_v3", "lara_mini",
+         "llama4", "mellum", "mimo_v2_flash", "minicpm5_moe",
+         "minimax", "mistral_large4", "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe",
+         "qwen3_moe", "qwen3_next", "qwen3_vl_moe", "qwen4_exp", "switch_transformers")
 # The config's model_type of a fixture whose name is not it.
-MODEL_TYPES = {"deepseek_v3_no_shared": "deepseek_v3", "glm4_moe_no_shared": "glm4_moe",
+MODEL_TYPES = {"aria": "aria_text", "mistral_large4": "mistral_large4_text",
+               "deepseek_v3_no_shared": "deepseek_v3", "glm4_moe_no_shared": "glm4_moe",
                "glm4v_moe": "glm4v_moe_text", "llama4": "llama4_text",
                "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_vl_moe": "qwen3_vl_moe_text",
                "qwen4_exp": "qwen4_exp_text"}
@@ -221,6 +223,20 @@ EXPECTED_OPTIONS = {
     # No norm_topk_prob in its config: the block always renormalizes.
     "qwen3_vl_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
     "qwen4_exp": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "aria": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "beam": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
+                 num_expert_groups=4, top_k_groups=2, top_k=3),
+    "flint": dict(score="sigmoid", normalize_top_k=False, top_k=3),
+    "hy_v3": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.826,
+                  num_expert_groups=None, top_k=2),
+    "lara_mini": dict(score="softmax", normalize_top_k=True, top_k=3),
+    "mellum": dict(score="softmax", normalize_top_k=False, top_k=2),
+    "mimo_v2_flash": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
+                          num_expert_groups=4, top_k_groups=2, top_k=2),
+    "minicpm5_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=3.66,
+                         num_expert_groups=2, top_k_groups=1, top_k=3),
+    "mistral_large4": dict(score="softmax", normalize_top_k=True, routed_scaling_factor=1.5,
+                           num_expert_groups=4, top_k_groups=2, top_k=3),
     "llama4": dict(score="sigmoid", normalize_top_k=False, top_k=1),
     "switch_transformers": dict(score="softmax", normalize_top_k=False, top_k=1,
                                 gated=False),
@@ -235,7 +251,8 @@ def test_options_from_config(arch):
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
   assert (moe.routing_bias is not None) == (arch in (
       "deepseek_v3", "deepseek_v3_no_shared", "deepseek_v32", "glm4_moe", "glm4_moe_lite",
-      "glm4_moe_no_shared", "glm4v_moe", "glm_moe_dsa"))
+      "glm4_moe_no_shared", "glm4v_moe", "glm_moe_dsa", "beam", "hy_v3", "mimo_v2_flash",
+      "minicpm5_moe"))
   assert (moe.shared is not None) == (arch in SHARED), arch
 
 
@@ -250,7 +267,8 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "glm4v_moe": "glm-4.5-air", "minimax": "mixtral-8x7b",
            "qwen3_5_moe": "qwen3-next-80b-a3b", "qwen3_vl_moe": "qwen3-moe-30b-a3b",
            "glm4_moe_lite": "glm-4.5-air", "glm_moe_dsa": "glm-4.5-air",
-           "granitemoe_swa": "granite-3.0-3b-a800m", "qwen4_exp": "qwen3-next-80b-a3b"}
+           "granitemoe_swa": "granite-3.0-3b-a800m", "qwen4_exp": "qwen3-next-80b-a3b",
+           "hy_v3": "deepseek-v3", "minicpm5_moe": "deepseek-v3"}
 
 
 def _routing_kind(moe):
@@ -286,7 +304,7 @@ def _hf_expert(arch, p, config, e, x):
     gate, up = np.minimum(gate, limit), np.clip(up, -limit, limit)
     hidden = (up + 1) * gate / (1 + np.exp(-alpha * gate))
     return hidden @ p["experts.down_proj"][e] + p["experts.down_proj_bias"][e]
-  if arch == "llama4":
+  if arch in ("llama4", "aria"):  # [E, D, 2F]
     gate, up = np.split(x @ p["experts.gate_up_proj"][e], 2)
     return (up * _silu(gate)) @ p["experts.down_proj"][e]
   if arch == "dbrx":
@@ -332,6 +350,7 @@ def _our_expert(moe, e, x):
 
 
 ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "granitemoe_swa": "router",
+           "aria": "router",
            "llama4": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
@@ -339,7 +358,9 @@ SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "glm4_moe": "shared_experts", "deepseek_v32": "shared_experts",
           "glm4v_moe": "shared_experts", "qwen3_5_moe": "shared_expert",
           "glm4_moe_lite": "shared_experts", "glm_moe_dsa": "shared_experts",
-          "qwen4_exp": "shared_expert"}
+          "qwen4_exp": "shared_expert", "aria": "shared_experts", "flint": "shared_expert",
+          "hy_v3": "shared_experts", "lara_mini": "shared_expert",
+          "minicpm5_moe": "shared_experts", "mistral_large4": "shared_experts"}
 
 
 @_by_arch(ARCHS)
@@ -465,7 +486,7 @@ def test_no_shared_experts():
     ("doge", "DogeCDMoE", "not a routed FFN: product-key routing"),
     ("laguna", "LagunaSparseMoeBlock", "needs router logit soft-capping"),
     ("hy_v4", "HYV4MoE", "needs a clamped SwiGLU"),
-    ("mimo_v2_flash", "MiMoV2FlashMoE", "not yet: the layer expresses it"),
+    ("afmoe", "AfmoeSparseMoeBlock", "not yet: the layer expresses it"),
 ])
 def test_refuses_what_it_cannot_express(model_type, block_class, reason):
   """A config or a block of an architecture the layer cannot express raises

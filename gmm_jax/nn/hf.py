@@ -8,10 +8,12 @@ object or its ``to_dict()``, so that weights saved as numpy arrays load without 
 
 The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
 qwen2_moe, qwen3_moe, qwen3_next, deepseek_v3, olmoe, gpt_oss, granitemoe, dbrx, glm4_moe,
-llama4 (``llama4_text``), switch_transformers, and the copies of their blocks in
-transformers 5.25: deepseek_v32, flex_olmo, glm4_moe_lite, glm4v_moe, glm_moe_dsa,
-granitemoe_swa, minimax, qwen3_5_moe, qwen3_vl_moe and qwen4_exp. The MoE blocks it cannot
-express, and why: `gmm_jax.nn.hf_unsupported`. Expert layouts read: transformers 5.x's
+llama4 (``llama4_text``), switch_transformers; the copies of their blocks in transformers
+5.25: deepseek_v32, flex_olmo, glm4_moe_lite, glm4v_moe, glm_moe_dsa, granitemoe_swa,
+minimax, qwen3_5_moe, qwen3_vl_moe and qwen4_exp; and the blocks of the same options:
+aria, beam, flint, hy_v3, lara_mini, mellum, mimo_v2_flash, minicpm5_moe and
+mistral_large4. The MoE blocks it cannot express, and why:
+`gmm_jax.nn.hf_unsupported`. Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
 biases); Llama 4's ``[E, D, 2F]`` (gate columns first); DBRX's ``w1``/``v1``/``w2``
@@ -131,6 +133,79 @@ def _glm4v_moe(config):
 
 def _qwen4_exp(config):
   return _qwen_shared(True)(_text_config(config))
+
+
+def _renamed(config, **fields) -> dict:
+  """A config as a dict with `fields` (ours: theirs) named as `_deepseek` & co. read them."""
+  config = _as_dict(config)
+  for ours, theirs in fields.items():
+    if config.get(ours) is None and config.get(theirs) is not None:
+      config[ours] = config[theirs]
+  return config
+
+
+def _mellum(config):
+  return _softmax_top_k(config, "num_local_experts|num_experts", "moe_intermediate_size",
+                        _field(config, "norm_topk_prob", default=True))
+
+
+def _ungated_shared(score):
+  """Softmax or sigmoid top-k (norm_topk_prob) and one shared expert without a gate."""
+  def options(config):
+    kwargs = _softmax_top_k(config, "num_experts|num_local_experts", "moe_intermediate_size",
+                            _field(config, "norm_topk_prob", default=True))
+    kwargs.update(score=score, num_shared_experts=1,
+                  shared_mlp=int(_field(config, "shared_expert_intermediate_size")))
+    return kwargs
+  return options
+
+
+def _without_shared(options):
+  """A DeepSeek-V3-style router whose block has no shared experts."""
+  def without(config):
+    kwargs = options(config)
+    kwargs.pop("num_shared_experts", None), kwargs.pop("shared_mlp", None)
+    return kwargs
+  return without
+
+
+def _mimo_v2_flash(config):
+  return _without_shared(_deepseek)(config)
+
+
+def _beam(config):
+  return _without_shared(_deepseek)(_renamed(config, n_routed_experts="num_experts"))
+
+
+def _hy_v3(config):
+  # Always renormalized; the shared experts' count is num_shared_experts.
+  config = _renamed(config, n_routed_experts="num_experts",
+                    n_shared_experts="num_shared_experts",
+                    routed_scaling_factor="router_scaling_factor")
+  return _deepseek({**config, "norm_topk_prob": True, "n_group": 1})
+
+
+def _mistral_large4(config):
+  # DeepSeek-V3's group-limited routing on softmax scores (no bias), always renormalized;
+  # its mask of 0 for the other groups' experts is -inf's for positive scores.
+  kwargs = _deepseek(_text_config(config))
+  kwargs.pop("routing_bias")
+  kwargs.update(score="softmax", normalize_top_k=True)
+  return kwargs
+
+
+def _aria(config):
+  config = _text_config(config)
+  act = _field(config, "hidden_act", default="silu")
+  if _activation(act) != "silu":  # the routed experts are SiLU-gated whatever hidden_act says
+    raise NotImplementedError(f"aria: hidden_act={act!r} for the shared experts and SiLU for "
+                              f"the routed ones; nn.MoE has one activation for both")
+  mlp = int(_field(config, "intermediate_size"))
+  return dict(num_experts=int(_field(config, "moe_num_experts")),
+              embed=int(_field(config, "hidden_size")), mlp=mlp,
+              top_k=int(_field(config, "moe_topk")), activation="silu", score="softmax",
+              normalize_top_k=True, num_shared_experts=1,
+              shared_mlp=mlp * int(_field(config, "moe_num_shared_experts")))
 
 
 def _olmoe(config):
@@ -279,10 +354,27 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("glm4v_moe", ("Glm4vMoeTextMoE",), _glm4v_moe, shared="shared_experts",
                  routing_bias="gate.e_score_correction_bias", shared_optional=True,
                  model_types=("glm4v_moe_text",)),
+    Architecture("aria", ("AriaTextMoELayer",), _aria, experts="fused_in_out",
+                 router="router.weight", shared="shared_experts", model_types=("aria_text",)),
+    Architecture("beam", ("BeamMoE",), _beam, routing_bias="gate.e_score_correction_bias"),
+    Architecture("flint", ("FlintSparseMoeBlock",), _ungated_shared("sigmoid"),
+                 shared="shared_expert"),
+    Architecture("hy_v3", ("HYV3MoE",), _hy_v3, shared="shared_experts",
+                 routing_bias="e_score_correction_bias", shared_optional=True),
+    Architecture("lara_mini", ("LaraMiniSparseMoeBlock",), _ungated_shared("softmax"),
+                 shared="shared_expert"),
     Architecture("llama4", ("Llama4TextMoe",), _llama4, experts="fused_in_out",
                  router="router.weight", shared="shared_expert",
                  model_types=("llama4_text",)),
+    Architecture("mellum", ("MellumSparseMoeBlock",), _mellum),
+    Architecture("mimo_v2_flash", ("MiMoV2FlashMoE",), _mimo_v2_flash,
+                 routing_bias="gate.e_score_correction_bias"),
+    Architecture("minicpm5_moe", ("MiniCPM5MoeMoE",), _deepseek, shared="shared_experts",
+                 routing_bias="gate.e_score_correction_bias", shared_optional=True),
     Architecture("minimax", ("MiniMaxSparseMoeBlock",), _mixtral),
+    Architecture("mistral_large4", ("MistralLarge4TextMoE",), _mistral_large4,
+                 shared="shared_experts", shared_optional=True,
+                 model_types=("mistral_large4_text",)),
     Architecture("switch_transformers", ("SwitchTransformersSparseMLP",), _switch,
                  experts="per_expert", router="router.classifier.weight"),
 ]}

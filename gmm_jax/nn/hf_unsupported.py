@@ -23,16 +23,12 @@ UNSUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
     "afmoe": (("AfmoeSparseMoeBlock",), _NOT_YET.format(
         "sigmoid, routing bias expert_bias, renormalized, routed_scaling_factor=route_scale, "
         "shared experts")),
-    "aria": (("AriaTextMoELayer",), _NOT_YET.format(
-        "softmax of the top-k logits, a shared expert")),
     "axk1": (("AXK1MoE",), "not a routed FFN alone: the block ends with an RMSNorm "
              "(post_mlp_layernorm) of the routed plus shared output"),
     "axk2": (("AXK2MoE",), "needs group-limited routing that masks the other groups' "
              "experts to 0 rather than -inf (with bias-corrected sigmoid scores, which can be "
              "negative, a masked expert can be chosen)"),
     "bailing_hybrid": (("BailingHybridMoE",), _ACT_THEN_CLAMP),
-    "beam": (("BeamMoE",), _NOT_YET.format(
-        "sigmoid, routing bias, groups, norm_topk_prob, routed_scaling_factor on the output")),
     "deepseek_ocr2": (("DeepseekOcr2TextMoe",), _COPY.format("DeepSeek-V2 (deepseek_v2)")),
     "deepseek_v4": (("DeepseekV4SparseMoeBlock",), "not only top-k routing: its hash layers "
                     "choose experts by token id (tid2eid[input_ids], the block needs the "
@@ -49,20 +45,18 @@ UNSUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
         "shared_experts_intermediate_size; the vision MoE's options per layer")),
     "ergo": (("ErgoMoE",), "needs a norm of each expert's output (per-expert RMSNorm, "
              "post_expert_norm) and a squared-ReLU shared expert followed by an RMSNorm"),
-    "flint": (("FlintSparseMoeBlock",), _NOT_YET.format(
-        "sigmoid top-k, norm_topk_prob, an ungated shared expert")),
     "glm5_next": (("Glm5NextTextMoE",), _CLAMPED_SILU),
-    "hy_v3": (("HYV3MoE",), _NOT_YET.format(
-        "sigmoid, routing bias, renormalized, router_scaling_factor, shared experts")),
     "hy_v4": (("HYV4MoE",), _CLAMPED_SILU),
     "hy_v4_vl": (("HYV4VLMoE",), _CLAMPED_SILU),
     "inkling": (("InklingMoE",), "needs shared experts weighted by the router: the router "
                 "scores routed and shared experts together (softmax over the log-sigmoids "
                 "of the top-k and the shared logits) times a learned global scale"),
-    "inkling2": (("Inkling2SparseMoeBlock",), _NOT_YET.format(
-        "scoring_func sigmoid or softmax, routing bias, renormalized, scaling")),
-    "inkling2_loop": (("Inkling2LoopSparseMoeBlock",), _NOT_YET.format(
-        "scoring_func sigmoid or softmax, routing bias, renormalized, scaling")),
+    "inkling2": (("Inkling2SparseMoeBlock",), "needs a soft-capped SwiGLU: "
+                 "c_g tanh(gate / c_g) * sigmoid(gate) * c_u tanh(up / c_u) "
+                 "(mlp_gate_softcap, mlp_up_softcap)"),
+    "inkling2_loop": (("Inkling2LoopSparseMoeBlock",), "needs a soft-capped SwiGLU: "
+                      "c_g tanh(gate / c_g) * sigmoid(gate) * c_u tanh(up / c_u) "
+                      "(mlp_gate_softcap, mlp_up_softcap)"),
     "kolibri1": (("Kolibri1SparseMoeBlock",), "needs the selection by the logits plus the "
                  "correction bias (nn.MoE's routing bias adds to the scores), weights the "
                  "sigmoid of the chosen logits"),
@@ -71,19 +65,10 @@ UNSUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
                    "the sigmoid of the chosen logits"),
     "laguna": (("LagunaSparseMoeBlock",), "needs router logit soft-capping "
                "(tanh(logits / c) * c, moe_router_logit_softcapping)"),
-    "lara_mini": (("LaraMiniSparseMoeBlock",), _NOT_YET.format(
-        "softmax, norm_topk_prob, an ungated shared expert")),
-    "mellum": (("MellumSparseMoeBlock",), _NOT_YET.format(
-        "Qwen3-Next's router without the shared expert")),
-    "mimo_v2_flash": (("MiMoV2FlashMoE",), _NOT_YET.format(
-        "DeepSeek-V3's routing without shared experts")),
-    "minicpm5_moe": (("MiniCPM5MoeMoE",), _NOT_YET.format(
-        "DeepSeek-V3's routing and shared experts")),
     "minimax_m3_vl": (("MiniMaxM3VLSparseMoeBlock",), _NOT_YET.format(
         "sigmoid, routing bias, renormalized, scaling, gpt-oss's clamped SwiGLU with the "
-        "halves not interleaved, a shared expert")),
-    "mistral_large4": (("MistralLarge4TextMoE",), _NOT_YET.format(
-        "softmax scores with group-limited routing, renormalized, scaling, shared experts")),
+        "halves not interleaved, a shared expert; the reader lacks the shared expert's fused "
+        "gate_up_proj layout")),
     "muse_spark": (("MuseSparkMoE",), "not a routed FFN alone: the experts run in a projected "
                    "space (pre_expert_proj and a centered RMSNorm before them, "
                    "post_expert_proj after)"),
