@@ -126,7 +126,8 @@ def test_colab_badge_install_and_platform(path):
 # API whose own tests run by default: 03 quantize/QArray (test_quant.py), 04 explain, the
 # bench tables and autotune (test_api.py, test_bench.py, test_tuning.py), 05
 # train_moe.main's 200 steps (test_train_moe.py runs it as a function and as a module), 06
-# from_transformers on twelve architectures (test_transformers_weights.py).
+# from_transformers on the twelve architectures of notebook 06 (test_transformers_weights.py
+# checks them all).
 # 01_quickstart and 02_moe_flax (the gmm call and the Flax MoE layer) run by default.
 SLOW_TO_RUN = {"03_quantization", "04_performance", "05_train_moe", "06_transformers"}
 

@@ -1,9 +1,10 @@
 """nn.from_transformers / nn.to_transformers against Hugging Face transformers' own MoE blocks.
 
 The reference is transformers itself: tests/fixtures/hf/<arch>.npz hold, for each
-architecture (and DeepSeek-V3 / GLM4-MoE without shared experts), a tiny block's config, weights, input, output, gradients (of
-``sum(y * cotangent)``), chosen experts and auxiliary losses, written by
-tests/fixtures/hf/make_fixtures.py with torch (CPU) and transformers 5.x. The default run
+architecture (and DeepSeek-V3 / GLM4-MoE without shared experts), a tiny block's config,
+weights, input, output, gradients (of ``sum(y * cotangent)``), chosen experts and auxiliary
+losses, written by tests/fixtures/hf/make_fixtures.py with torch (CPU) and transformers 5.x
+(5.24.0 the first twelve, 5.25.0 the others). The default run
 needs neither: it builds the layer from each fixture's config and state dict. The live test
 (skipped unless torch and transformers import) draws fresh random blocks, builds the layer
 from the block object itself and runs transformers next to it.
