@@ -12,7 +12,8 @@ from __future__ import annotations
 
 _NOT_YET = ("not yet: the layer expresses it ({}), it lacks an entry and a fixture of its "
             "own here")
-_COPY = "not yet: its block is {}'s (an alias of that entry, once supported, and a fixture)"
+_COPY = ("not yet: its block is a copy of {}'s (an alias of that entry, once it is supported, "
+         "and a fixture)")
 _CLAMPED_SILU = ("needs a clamped SwiGLU without gpt-oss's alpha and +1: silu(min(gate, "
                  "limit)) * clip(up, -limit, limit) (nn.MoE's swiglu_clamped is gpt-oss's)")
 _ACT_THEN_CLAMP = ("needs the activation clamped after it is applied, min(act(gate), limit) "
@@ -29,7 +30,7 @@ UNSUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
              "experts to 0 rather than -inf (with bias-corrected sigmoid scores, which can be "
              "negative, a masked expert can be chosen)"),
     "bailing_hybrid": (("BailingHybridMoE",), _ACT_THEN_CLAMP),
-    "deepseek_ocr2": (("DeepseekOcr2TextMoe",), _COPY.format("DeepSeek-V2 (deepseek_v2)")),
+    "deepseek_ocr2": (("DeepseekOcr2TextMoe",), _COPY.format("deepseek_v2")),
     "deepseek_v4": (("DeepseekV4SparseMoeBlock",), "not only top-k routing: its hash layers "
                     "choose experts by token id (tid2eid[input_ids], the block needs the "
                     "input ids); and " + _CLAMPED_SILU),
@@ -79,7 +80,7 @@ UNSUPPORTED: dict[str, tuple[tuple[str, ...], str]] = {
         "gpt-oss's routing and clamped SwiGLU; needs the expert layout [E, D, 2F] with the "
         "halves not interleaved and with biases")),
     "step3p7": (("Step3p7SparseMoeBlock",), _ACT_THEN_CLAMP),
-    "unlimited_ocr": (("UnlimitedOcrTextMoe",), _COPY.format("DeepSeek-V2 (deepseek_v2)")),
+    "unlimited_ocr": (("UnlimitedOcrTextMoe",), _COPY.format("deepseek_v2")),
     "vitpose_backbone": (("VitPoseNaiveMoe",), "not a routed FFN: each expert is a linear "
                          "head chosen by the dataset index given with the input, no router"),
     "zaya": (("ZayaSparseMoeBlock",), "needs a router that is an MLP fed by the previous "
