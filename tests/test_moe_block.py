@@ -81,6 +81,8 @@ def choose(model: nn.MoE, p, tokens):
     if model.num_expert_groups:
       groups = s.reshape(model.num_expert_groups, -1)
       group_score = np.sort(groups, axis=-1)[:, -2:].sum(-1)
+      if model.group_score == "max":
+        group_score = groups.max(-1)
       best = np.argsort(-group_score, kind="stable")[:model.top_k_groups]
       candidates = np.concatenate([np.arange(g * groups.shape[1], (g + 1) * groups.shape[1])
                                    for g in sorted(best)])
@@ -159,6 +161,10 @@ VARIANTS = {
     "deepseek_sigmoid_bias_groups_scaled_shared": dict(
         score="sigmoid", routing_bias=True, num_expert_groups=4, top_k_groups=2, top_k=3,
         routed_scaling_factor=2.5, num_shared_experts=1),
+    # DeepSeek-V2's group_limited_greedy: softmax, groups ranked by their best score.
+    "deepseek_v2_softmax_max_group_score_unnormalized": dict(
+        num_expert_groups=4, top_k_groups=2, group_score="max", top_k=3,
+        normalize_top_k=False, routed_scaling_factor=1.5),
     # gpt-oss with other clamp constants (applied after the gmm) and the router weights on
     # the expert inputs (with biases and capacity: a dropped row's ffn(0) is not 0).
     "gpt_oss_biases_clamp_constants_input_weights_capacity": dict(
@@ -367,6 +373,8 @@ def test_kernel_metadata_and_bad_options():
     nn.MoE(E, D, F, num_expert_groups=3, top_k_groups=1, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="score"):
     nn.MoE(E, D, F, score="relu", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="group_score"):
+    nn.MoE(E, D, F, num_expert_groups=4, top_k_groups=2, group_score="min", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="gated activation"):
     nn.MoE(E, D, F, activation="relu", rngs=nnx.Rngs(0))
   bad = [

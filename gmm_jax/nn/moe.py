@@ -26,7 +26,7 @@ Array = jax.Array
 # The router options of `MoE` with their defaults (a replacement router takes none).
 _ROUTER_DEFAULTS = dict(score="softmax", normalize_top_k=None, routing_bias=False,
                         num_expert_groups=None, top_k_groups=None,
-                        routed_scaling_factor=1.0, router_bias=False,
+                        group_score="sum_top2", routed_scaling_factor=1.0, router_bias=False,
                         load_balancing_convention="gmm_jax")
 CAPACITY_PER = ("call", "sequence")
 LAYOUTS = ("ragged", "masked")
@@ -76,6 +76,9 @@ class MoE(nnx.Module):
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
     routing_bias: add a `RoutingBias` (zeros at first) to the scores for the selection.
     num_expert_groups, top_k_groups: group-limited routing (None: off).
+    group_score: the rank of a group for group-limited routing: "sum_top2" (default: the
+      sum of its two best biased scores, DeepSeek-V3) or "max" (its best score,
+      DeepSeek-V2's ``group_limited_greedy``).
     routed_scaling_factor: multiplies the routed experts' weights.
     router_bias: the router has a bias (gpt-oss).
     router: None (the built-in `Router` from the options above, at ``self.router``), or a
@@ -180,7 +183,8 @@ class MoE(nnx.Module):
                activation="silu", gated: bool = True, fused: bool = True,
                score: str = "softmax", normalize_top_k: bool | None = None,
                routing_bias: bool = False, num_expert_groups: int | None = None,
-               top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
+               top_k_groups: int | None = None, group_score: str = "sum_top2",
+               routed_scaling_factor: float = 1.0,
                router_bias: bool = False, router: nnx.Module | None = None,
                load_balancing_convention: str = "gmm_jax",
                router_weight_on: str = "output", num_shared_experts: int = 0,
@@ -225,7 +229,7 @@ class MoE(nnx.Module):
       raise ValueError(f"transport must be one of {experts.TRANSPORTS}, got {transport!r}")
     router_options = dict(score=score, normalize_top_k=normalize_top_k,
                           routing_bias=routing_bias, num_expert_groups=num_expert_groups,
-                          top_k_groups=top_k_groups,
+                          top_k_groups=top_k_groups, group_score=group_score,
                           routed_scaling_factor=routed_scaling_factor,
                           router_bias=router_bias,
                           load_balancing_convention=load_balancing_convention)
@@ -295,6 +299,10 @@ class MoE(nnx.Module):
   @property
   def top_k_groups(self):
     return getattr(self.router, "top_k_groups", None)
+
+  @property
+  def group_score(self):
+    return getattr(self.router, "group_score", None)
 
   @property
   def routed_scaling_factor(self):

@@ -15,6 +15,7 @@ from gmm_jax.nn.params import param, replicated_last
 Array = jax.Array
 
 SCORES = ("softmax", "sigmoid")
+GROUP_SCORES = ("sum_top2", "max")
 LOAD_BALANCING_CONVENTIONS = ("gmm_jax", "transformers")
 
 
@@ -51,7 +52,7 @@ class Router(nnx.Module):
   """A top-k router: ``logits = x @ kernel (+ bias)``, scores ``s = softmax(logits)`` or
   ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
   optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked
-  by the sum of their top-2 biased scores, DeepSeek-V3); weights ``w = s[chosen]``, divided
+  by the sum of their top-2 biased scores, DeepSeek-V3, or their best one: `group_score`); weights ``w = s[chosen]``, divided
   by their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
 
   The interface `MoE` uses (a replacement router, ``MoE(..., router=my_router)``, is any
@@ -68,6 +69,9 @@ class Router(nnx.Module):
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
     routing_bias: a `RoutingBias` (zeros at first) added to the scores for the selection.
     num_expert_groups, top_k_groups: group-limited routing (None: off).
+    group_score: how a group is ranked for group-limited routing, from its experts' biased
+      scores: "sum_top2" (default: the sum of its two best, DeepSeek-V3) or "max" (its best
+      one, DeepSeek-V2's ``group_limited_greedy``).
     routed_scaling_factor: multiplies the chosen weights.
     use_bias: the router has a bias (gpt-oss).
     load_balancing_convention: the scale of ``aux["load_balancing_loss"]`` (see
@@ -83,7 +87,8 @@ class Router(nnx.Module):
   def __init__(self, embed: int, num_experts: int, *, top_k: int = 2,
                score: str = "softmax", normalize_top_k: bool | None = None,
                routing_bias: bool = False, num_expert_groups: int | None = None,
-               top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
+               top_k_groups: int | None = None, group_score: str = "sum_top2",
+               routed_scaling_factor: float = 1.0,
                use_bias: bool = False, load_balancing_convention: str = "gmm_jax",
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     if not 1 <= top_k <= num_experts:
@@ -95,6 +100,8 @@ class Router(nnx.Module):
                        f"{LOAD_BALANCING_CONVENTIONS}, got {load_balancing_convention!r}")
     if (num_expert_groups is None) != (top_k_groups is None):
       raise ValueError("num_expert_groups and top_k_groups go together")
+    if group_score not in GROUP_SCORES:
+      raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
     if num_expert_groups is not None:
       if num_experts % num_expert_groups or not 1 <= top_k_groups <= num_expert_groups:
         raise ValueError(f"{num_experts} experts in {num_expert_groups} groups, choosing "
@@ -104,6 +111,7 @@ class Router(nnx.Module):
     self.num_experts, self.top_k, self.score = num_experts, top_k, score
     self.normalize_top_k = top_k > 1 if normalize_top_k is None else normalize_top_k
     self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
+    self.group_score = group_score
     self.routed_scaling_factor = routed_scaling_factor
     self.load_balancing_convention = load_balancing_convention
     # The keys in nnx.Linear's order (kernel, then bias): the same initial values.
@@ -139,7 +147,8 @@ class Router(nnx.Module):
       choice = choice + jax.lax.stop_gradient(self.routing_bias[...]).astype(jnp.float32)
     choice = jax.lax.stop_gradient(choice)  # the selection is discrete
     if self.num_expert_groups is not None:
-      choice = limit_to_groups(choice, self.num_expert_groups, self.top_k_groups)
+      choice = limit_to_groups(choice, self.num_expert_groups, self.top_k_groups,
+                               self.group_score)
     top_e = top_k(choice, self.top_k)
     weights = jnp.take_along_axis(scores, top_e, axis=-1)
     if self.normalize_top_k:
@@ -210,17 +219,18 @@ def top_k(scores, k: int):
   return jnp.stack(indices, axis=-1)
 
 
-def limit_to_groups(choice, num_groups: int, top_groups: int):
-  """DeepSeek-V3's group-limited routing: the experts of all but the `top_groups` groups
-  with the largest sum of their two best scores get -inf."""
+def limit_to_groups(choice, num_groups: int, top_groups: int, group_score: str = "sum_top2"):
+  """Group-limited routing: the experts of all but the `top_groups` best groups get -inf; a
+  group's rank is the sum of its two best scores ("sum_top2", DeepSeek-V3) or its best
+  score ("max", DeepSeek-V2)."""
   num_tokens, num_experts = choice.shape
   grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
   best = jnp.max(grouped, axis=-1)
-  group_score = best
-  if grouped.shape[-1] > 1:
+  ranking = best
+  if group_score == "sum_top2" and grouped.shape[-1] > 1:
     first = jax.nn.one_hot(jnp.argmax(grouped, axis=-1), grouped.shape[-1], dtype=bool)
-    group_score = best + jnp.max(jnp.where(first, -jnp.inf, grouped), axis=-1)
-  chosen = jnp.sum(jax.nn.one_hot(top_k(group_score, top_groups), num_groups, dtype=bool),
+    ranking = best + jnp.max(jnp.where(first, -jnp.inf, grouped), axis=-1)
+  chosen = jnp.sum(jax.nn.one_hot(top_k(ranking, top_groups), num_groups, dtype=bool),
                    axis=1, dtype=jnp.int32) > 0  # [T, groups]
   mask = jnp.repeat(chosen, num_experts // num_groups, axis=-1)
   return jnp.where(mask, choice, -jnp.inf)
