@@ -1,7 +1,7 @@
 """nn.from_transformers / nn.to_transformers against Hugging Face transformers' own MoE blocks.
 
-The reference is transformers itself: tests/fixtures/hf/<arch>.npz hold, for each of twelve
-architectures, a tiny block's config, weights, input, output, gradients (of
+The reference is transformers itself: tests/fixtures/hf/<arch>.npz hold, for each architecture
+of `ARCHS`, a tiny block's config, weights, input, output, gradients (of
 ``sum(y * cotangent)``), chosen experts and auxiliary losses, written by
 tests/fixtures/hf/make_fixtures.py with torch (CPU) and transformers 5.x. The default run
 needs neither: it builds the layer from each fixture's config and state dict. The live test
@@ -25,8 +25,9 @@ nnx = pytest.importorskip("flax.nnx")
 from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-ARCHS = ("dbrx", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "llama4", "mixtral",
-         "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "switch_transformers")
+ARCHS = ("dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "glm4_moe", "gpt_oss",
+         "granitemoe", "hunyuan_v1_moe", "llama4", "mixtral", "olmoe", "qwen2_moe",
+         "qwen3_moe", "qwen3_next", "switch_transformers")
 RTOL = ATOL = 1e-5
 
 # A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
@@ -108,7 +109,7 @@ def _check(arch, moe, fixture):
 
 
 def test_fixtures_are_whole():
-  """Twelve architectures, each written by transformers >= 5, small in all."""
+  """Every architecture of `ARCHS`, each written by transformers >= 5, small in all."""
   assert sorted(p.stem for p in FIXTURES.glob("*.npz")) == sorted(ARCHS)
   total = sum(p.stat().st_size for p in FIXTURES.glob("*.npz"))
   assert total < 2 * 1024 * 1024, total
@@ -185,11 +186,17 @@ EXPECTED_OPTIONS = {
     "qwen2_moe": dict(score="softmax", normalize_top_k=False, top_k=3),
     "qwen3_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
     "qwen3_next": dict(score="softmax", normalize_top_k=True, top_k=3),
+    "deepseek_v2": dict(score="softmax", normalize_top_k=False, routed_scaling_factor=1.5,
+                        num_expert_groups=4, top_k_groups=2, group_score="max", top_k=3),
     "deepseek_v3": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
                         num_expert_groups=4, top_k_groups=2, top_k=3),
+    "dots1": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
+                  num_expert_groups=4, top_k_groups=2, group_score="sum_top2", top_k=3),
+    "ernie4_5_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
     "olmoe": dict(score="softmax", normalize_top_k=False, top_k=2),
     "gpt_oss": dict(score="softmax", normalize_top_k=True, top_k=2),
     "granitemoe": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "hunyuan_v1_moe": dict(score="softmax", normalize_top_k=True, top_k=2),
     "dbrx": dict(score="softmax", normalize_top_k=True, top_k=2),
     "glm4_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
                      num_expert_groups=None, top_k=2),
@@ -205,15 +212,18 @@ def test_options_from_config(arch):
   moe = nn.from_transformers(_config(fixture), _state_dict(fixture), **_seq_len(arch, fixture))
   for name, value in EXPECTED_OPTIONS[arch].items():
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
-  assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "glm4_moe"))
-  assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next", "deepseek_v3",
-                                               "glm4_moe", "llama4"))
+  assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "dots1", "ernie4_5_moe",
+                                                     "glm4_moe"))
+  assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next", "deepseek_v2",
+                                               "deepseek_v3", "dots1", "ernie4_5_moe",
+                                               "glm4_moe", "hunyuan_v1_moe", "llama4"))
 
 
 # The nn.MoE preset of each architecture (docs/transformers.md's table).
 PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "qwen3_moe": "qwen3-moe-30b-a3b", "qwen3_next": "qwen3-next-80b-a3b",
-           "deepseek_v3": "deepseek-v3", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
+           "deepseek_v2": "deepseek-v2", "deepseek_v3": "deepseek-v3", "dots1": "dots.llm1",
+           "ernie4_5_moe": "ernie-4.5-21b-a3b", "hunyuan_v1_moe": "hunyuan-a13b", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
            "llama4": "llama-4-scout", "switch_transformers": "switch-base-8"}
 
@@ -296,11 +306,14 @@ def _our_expert(moe, e, x):
   return out if moe.down.bias is None else out + _f64(moe.down.bias)[e]
 
 
-ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "llama4": "router",
+ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "hunyuan_v1_moe": "gate.wg",
+           "llama4": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
-          "llama4": "shared_expert", "deepseek_v3": "shared_experts",
-          "glm4_moe": "shared_experts"}
+          "llama4": "shared_expert", "deepseek_v2": "shared_experts",
+          "deepseek_v3": "shared_experts", "dots1": "shared_experts",
+          "ernie4_5_moe": "shared_experts", "glm4_moe": "shared_experts",
+          "hunyuan_v1_moe": "shared_mlp"}
 
 
 @_by_arch(ARCHS)
@@ -331,8 +344,9 @@ def test_layout_computes_the_blocks_ffn(arch):
     if "shared_expert_gate.weight" in p:
       np.testing.assert_allclose(x @ _f64(moe.shared.gate.kernel),
                                  p["shared_expert_gate.weight"] @ x, rtol=1e-6, atol=1e-9)
-  if "gate.e_score_correction_bias" in p:
-    np.testing.assert_array_equal(_f64(moe.routing_bias), p["gate.e_score_correction_bias"])
+  for name in ("gate.e_score_correction_bias", "gate.moe_statics.e_score_correction_bias"):
+    if name in p:
+      np.testing.assert_array_equal(_f64(moe.routing_bias), p[name].reshape(-1))
 
 
 def _per_expert(fixture, names):
@@ -385,6 +399,19 @@ def test_bad_inputs():
   dbrx_config["ffn_config"] = {**dbrx_config["ffn_config"], "moe_normalize_expert_weights": 2}
   with pytest.raises(NotImplementedError, match="2-norm"):
     nn.from_transformers(dbrx_config, _state_dict(dbrx))
+  v2 = _load("deepseek_v2")
+  with pytest.raises(NotImplementedError, match="topk_method='noaux_tc'"):
+    nn.from_transformers({**_config(v2), "topk_method": "noaux_tc"}, _state_dict(v2))
+  with pytest.raises(NotImplementedError, match="mlp_bias"):
+    nn.from_transformers({**_config(v2), "mlp_bias": True}, _state_dict(v2))
+  ernie = _load("ernie4_5_moe")
+  with pytest.raises(NotImplementedError, match="max\\(their sum, moe_norm_min\\)"):
+    nn.from_transformers({**_config(ernie), "moe_norm_min": 0.5}, _state_dict(ernie))
+  with pytest.raises(NotImplementedError, match="use_bias"):
+    nn.from_transformers({**_config(ernie), "use_bias": True}, _state_dict(ernie))
+  hunyuan = _load("hunyuan_v1_moe")
+  with pytest.raises(ValueError, match="per layer"):
+    nn.from_transformers({**_config(hunyuan), "moe_topk": [2, 2]}, _state_dict(hunyuan))
   switch = _load("switch_transformers")
   with pytest.raises(ValueError, match="seq_len"):
     nn.from_transformers(_config(switch), _state_dict(switch))

@@ -6,9 +6,10 @@ Neither torch nor transformers is imported here: a block's tensors are read thro
 ``state_dict()`` (``.detach().cpu()`` then numpy), and a config may be the transformers
 object or its ``to_dict()``, so that weights saved as numpy arrays load without torch.
 
-Twelve architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
-qwen2_moe, qwen3_moe, qwen3_next, deepseek_v3, olmoe, gpt_oss, granitemoe, dbrx, glm4_moe,
-llama4 (``llama4_text``) and switch_transformers. Expert layouts read: transformers 5.x's
+The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
+qwen2_moe, qwen3_moe, qwen3_next, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, olmoe,
+gpt_oss, granitemoe, hunyuan_v1_moe, dbrx, glm4_moe, llama4 (``llama4_text``) and
+switch_transformers. Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
 biases); Llama 4's ``[E, D, 2F]`` (gate columns first); DBRX's ``w1``/``v1``/``w2``
@@ -142,6 +143,79 @@ def _deepseek(config):
   return kwargs
 
 
+def _plain_shared_expert(config, field: str, name: str):
+  """Refuses a config whose shared expert has biases (`SharedExperts` has none)."""
+  if _field(config, field, default=False):
+    raise NotImplementedError(f"{name} with {field}=True: the shared expert's biases "
+                              f"(nn.MoE's shared experts have none)")
+
+
+def _deepseek_v2(config):
+  method = _field(config, "topk_method", default="greedy")
+  if method not in ("greedy", "group_limited_greedy"):
+    raise NotImplementedError(f"deepseek_v2 topk_method={method!r}: transformers' "
+                              f"DeepseekV2TopkRouter has 'greedy' and 'group_limited_greedy'")
+  _plain_shared_expert(config, "mlp_bias", "deepseek_v2")
+  experts = int(_field(config, "n_routed_experts", "num_experts"))
+  mlp = int(_field(config, "moe_intermediate_size"))
+  shared = int(_field(config, "n_shared_experts", default=0) or 0)
+  # softmax top-k, never renormalized (the router ignores norm_topk_prob), then scaled.
+  kwargs = dict(num_experts=experts, embed=int(_field(config, "hidden_size")), mlp=mlp,
+                top_k=int(_field(config, "num_experts_per_tok")),
+                activation=_activation(_field(config, "hidden_act", default="silu")),
+                score="softmax", normalize_top_k=False,
+                routed_scaling_factor=float(_field(config, "routed_scaling_factor",
+                                                   default=1.0)))
+  groups = int(_field(config, "n_group", default=1) or 1)
+  if method == "group_limited_greedy" and groups > 1:  # one group: no limit
+    kwargs.update(num_expert_groups=groups,
+                  top_k_groups=int(_field(config, "topk_group")), group_score="max")
+  if shared:
+    kwargs.update(num_shared_experts=shared, shared_mlp=mlp * shared)
+  return kwargs
+
+
+def _ernie4_5_moe(config):
+  _plain_shared_expert(config, "use_bias", "ernie4_5_moe")
+  kwargs = dict(num_experts=int(_field(config, "moe_num_experts", "num_experts")),
+                embed=int(_field(config, "hidden_size")),
+                mlp=int(_field(config, "moe_intermediate_size")),
+                top_k=int(_field(config, "moe_k", "num_experts_per_tok")),
+                activation=_activation(_field(config, "hidden_act", default="silu")),
+                score="softmax", normalize_top_k=True)
+  # The weights are divided by max(sum, moe_norm_min): the sum of a softmax's top k is at
+  # least k / E, so a moe_norm_min up to that never binds (the default is 1e-12).
+  norm_min = float(_field(config, "moe_norm_min", default=1e-12))
+  if norm_min > kwargs["top_k"] / kwargs["num_experts"]:
+    raise NotImplementedError(
+        f"ernie4_5_moe moe_norm_min={norm_min} > top_k / num_experts: the chosen weights "
+        f"divided by max(their sum, moe_norm_min); nn.MoE divides by their sum")
+  kwargs["routing_bias"] = True
+  shared = int(_field(config, "moe_num_shared_experts", default=0) or 0)
+  if shared:
+    kwargs.update(num_shared_experts=shared, shared_mlp=kwargs["mlp"] * shared)
+  return kwargs
+
+
+def _hunyuan_v1_moe(config):
+  experts, top_k = _field(config, "num_experts"), _field(config, "moe_topk")
+  if isinstance(experts, (list, tuple)) or isinstance(top_k, (list, tuple)):
+    raise ValueError(f"hunyuan_v1_moe: num_experts={experts} and moe_topk={top_k} per "
+                     f"layer; pass a config with this layer's numbers (or the block, whose "
+                     f"gate keeps them)")
+  mlp = int(_field(config, "intermediate_size"))
+  # softmax top-k, always renormalized (even top-1); a shared MLP of the experts' width.
+  return dict(num_experts=int(experts), embed=int(_field(config, "hidden_size")), mlp=mlp,
+              top_k=int(top_k),
+              activation=_activation(_field(config, "hidden_act", default="silu")),
+              score="softmax", normalize_top_k=True, num_shared_experts=1, shared_mlp=mlp)
+
+
+def _dots1(config):
+  # DeepSeek-V3's router (norm_topk_prob's default False), its group limit always applied.
+  return _deepseek({"norm_topk_prob": False, **_as_dict(config)})
+
+
 def _dbrx(config):
   ffn = _field(config, "ffn_config")
   top_k = int(_field(ffn, "moe_top_k"))
@@ -198,7 +272,9 @@ class Architecture:
     router: the router's weight ``[E, D]`` (its bias: the same name, ``bias``).
     shared: the shared expert's module (``gate_proj``, ``up_proj``, ``down_proj``), or None.
     shared_gate: the shared expert's gate weight ``[1, D]``, or None.
-    routing_bias: the selection-only bias ``[E]``, or None.
+    routing_bias: the selection-only bias ``[E]`` (``[1, E]`` with `routing_bias_2d`), or
+      None.
+    routing_bias_2d: the routing bias is stored as ``[1, E]`` (Ernie 4.5).
     model_types: the config ``model_type`` values it answers to.
   """
   name: str
@@ -209,6 +285,7 @@ class Architecture:
   shared: str | None = None
   shared_gate: str | None = None
   routing_bias: str | None = None
+  routing_bias_2d: bool = False
   model_types: tuple[str, ...] = ()
 
 
@@ -219,12 +296,21 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), _qwen3_moe),
     Architecture("qwen3_next", ("Qwen3NextSparseMoeBlock",), _qwen_shared(True),
                  shared="shared_expert", shared_gate="shared_expert_gate.weight"),
+    Architecture("deepseek_v2", ("DeepseekV2Moe",), _deepseek_v2, shared="shared_experts"),
     Architecture("deepseek_v3", ("DeepseekV3MoE",), _deepseek, shared="shared_experts",
                  routing_bias="gate.e_score_correction_bias"),
+    Architecture("dots1", ("Dots1MoE",), _dots1, shared="shared_experts",
+                 routing_bias="gate.e_score_correction_bias"),
+    Architecture("ernie4_5_moe", ("Ernie4_5_MoeSparseMoeBlock",), _ernie4_5_moe,
+                 shared="shared_experts",
+                 routing_bias="gate.moe_statics.e_score_correction_bias",
+                 routing_bias_2d=True),
     Architecture("olmoe", ("OlmoeSparseMoeBlock",), _olmoe),
     Architecture("gpt_oss", ("GptOssMLP",), _gpt_oss, experts="interleaved",
                  router="router.weight"),
     Architecture("granitemoe", ("GraniteMoeMoE",), _granitemoe, router="router.weight"),
+    Architecture("hunyuan_v1_moe", ("HunYuanMoEV1Moe",), _hunyuan_v1_moe,
+                 router="gate.wg.weight", shared="shared_mlp"),
     Architecture("dbrx", ("DbrxFFN",), _dbrx, experts="dbrx", router="router.layer.weight"),
     Architecture("glm4_moe", ("Glm4MoeMoE",), _deepseek, shared="shared_experts",
                  routing_bias="gate.e_score_correction_bias"),
@@ -387,10 +473,11 @@ def _read(arch: Architecture, tensors: _Tensors, o: dict) -> dict:
     canonical["router_bias"] = tensors.take(router.rsplit(".", 1)[0] + ".bias",
                                             (num_experts,))
   if arch.routing_bias:
-    canonical["routing_bias"] = tensors.take(arch.routing_bias, (num_experts,))
+    shape = (1, num_experts) if arch.routing_bias_2d else (num_experts,)
+    canonical["routing_bias"] = tensors.take(arch.routing_bias, shape).reshape(num_experts)
   experts = _read_experts(arch, tensors, o)
   canonical.update({f"experts_{k}": v for k, v in experts.items()})
-  if arch.shared:
+  if arch.shared and o.get("num_shared_experts"):
     shared_mlp = o["shared_mlp"]
     gate, up = (tensors.take(f"{arch.shared}.{n}_proj.weight", (shared_mlp, embed))
                 for n in ("gate", "up"))
@@ -408,10 +495,11 @@ def _write(arch: Architecture, canonical: dict, o: dict) -> dict:
   if "router_bias" in canonical:
     out[arch.router.rsplit(".", 1)[0] + ".bias"] = canonical["router_bias"]
   if arch.routing_bias:
-    out[arch.routing_bias] = canonical["routing_bias"]
+    out[arch.routing_bias] = (canonical["routing_bias"][None] if arch.routing_bias_2d
+                              else canonical["routing_bias"])
   out.update(_write_experts(arch, {k[len("experts_"):]: v for k, v in canonical.items()
                                    if k.startswith("experts_")}, o))
-  if arch.shared:
+  if arch.shared and "shared_w_in" in canonical:
     w_in = canonical["shared_w_in"].T  # [2Fs, D]
     half = w_in.shape[0] // 2
     out[f"{arch.shared}.gate_proj.weight"] = w_in[:half]
@@ -578,7 +666,8 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
   """
   if isinstance(config_or_arch, str) and not config_or_arch.lstrip().startswith("{"):
     arch = _architecture(config_or_arch)
-    options = dict(num_experts=moe.num_experts, embed=moe.embed, mlp=moe.mlp)
+    options = dict(num_experts=moe.num_experts, embed=moe.embed, mlp=moe.mlp,
+                   num_shared_experts=int(moe.shared is not None))
   else:
     config = _as_dict(config_or_arch)
     arch = _architecture(_field(config, "model_type"))
@@ -595,7 +684,7 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
     wanted.add("router_bias")
   if arch.routing_bias:
     wanted.add("routing_bias")
-  if arch.shared:
+  if arch.shared and options.get("num_shared_experts"):
     wanted |= {"shared_w_in", "shared_w_down"}
   if arch.shared_gate:
     wanted.add("shared_gate")
@@ -634,6 +723,9 @@ def _block_config(arch: Architecture, block):
   for module in [block, *block.modules()]:
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_dict"):
+      if arch.name == "hunyuan_v1_moe":  # per-layer lists: this layer's, from its gate
+        return {**config.to_dict(), "num_experts": block.gate.num_experts,
+                "moe_topk": block.gate.top_k}
       return config
   if arch.name == "dbrx":
     mlp = block.experts.mlp

@@ -21,6 +21,13 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": dict(num_experts=512, embed=2048, mlp=512, top_k=10,
                                score="softmax", normalize_top_k=True, num_shared_experts=1,
                                shared_mlp=512, shared_gate=True, activation="silu"),
+    # DeepSeek-V2: softmax top-6 of 160, experts only in the best 3 of 8 groups (ranked by
+    # their best score, group_limited_greedy), not renormalized, scaled by 16, two shared
+    # experts.
+    "deepseek-v2": dict(num_experts=160, embed=5120, mlp=1536, top_k=6, score="softmax",
+                        normalize_top_k=False, num_expert_groups=8, top_k_groups=3,
+                        group_score="max", routed_scaling_factor=16.0, num_shared_experts=2,
+                        activation="silu"),
     # DeepSeek-V3: sigmoid scores, bias-corrected selection (aux-loss-free balancing),
     # top-4 of 8 groups, top-8 of 256 experts, weights renormalized and scaled by 2.5, one
     # shared expert.
@@ -28,6 +35,19 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
                         routing_bias=True, num_expert_groups=8, top_k_groups=4,
                         normalize_top_k=True, routed_scaling_factor=2.5,
                         num_shared_experts=1, activation="silu"),
+    # dots.llm1: DeepSeek-V3's routing (sigmoid, bias-corrected selection, one group), top-6
+    # of 128, renormalized, scaled by 2.5, two shared experts.
+    "dots.llm1": dict(num_experts=128, embed=4096, mlp=1408, top_k=6, score="sigmoid",
+                      routing_bias=True, normalize_top_k=True, routed_scaling_factor=2.5,
+                      num_shared_experts=2, activation="silu"),
+    # ERNIE-4.5-21B-A3B: softmax top-6 of 64 chosen by the softmax plus a correction bias,
+    # renormalized, two shared experts.
+    "ernie-4.5-21b-a3b": dict(num_experts=64, embed=2560, mlp=1536, top_k=6, score="softmax",
+                              routing_bias=True, normalize_top_k=True, num_shared_experts=2,
+                              activation="silu"),
+    # Hunyuan-A13B: softmax top-8 of 64, renormalized, a shared MLP of the experts' width.
+    "hunyuan-a13b": dict(num_experts=64, embed=4096, mlp=3072, top_k=8, score="softmax",
+                         normalize_top_k=True, num_shared_experts=1, activation="silu"),
     # OLMoE-1B-7B: softmax top-8 of 64, not renormalized (norm_topk_prob=False).
     "olmoe-1b-7b": dict(num_experts=64, embed=2048, mlp=1024, top_k=8, score="softmax",
                         normalize_top_k=False, activation="silu"),
