@@ -25,8 +25,8 @@ nnx = pytest.importorskip("flax.nnx")
 from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-ARCHS = ("dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "glm4_moe", "gpt_oss",
-         "granitemoe", "hunyuan_v1_moe", "llama4", "mixtral", "olmoe", "qwen2_moe",
+ARCHS = ("dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "ernie4_5_vl_moe",
+         "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "llama4", "mixtral", "olmoe", "qwen2_moe",
          "qwen3_moe", "qwen3_next", "switch_transformers")
 RTOL = ATOL = 1e-5
 
@@ -117,7 +117,7 @@ def test_fixtures_are_whole():
     fixture = _load(arch)
     versions = json.loads(str(fixture["versions"]))
     assert int(versions["transformers"].split(".")[0]) >= 5, (arch, versions)
-    assert _config(fixture)["model_type"] in (arch, "llama4_text"), arch
+    assert _config(fixture)["model_type"] in (arch, "llama4_text", "ernie4_5_vl_moe_text"), arch
 
 
 @pytest.fixture
@@ -193,6 +193,7 @@ EXPECTED_OPTIONS = {
     "dots1": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
                   num_expert_groups=4, top_k_groups=2, group_score="sum_top2", top_k=3),
     "ernie4_5_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
+    "ernie4_5_vl_moe": dict(score="softmax", normalize_top_k=True, top_k=2, mlp=12),
     "olmoe": dict(score="softmax", normalize_top_k=False, top_k=2),
     "gpt_oss": dict(score="softmax", normalize_top_k=True, top_k=2),
     "granitemoe": dict(score="softmax", normalize_top_k=True, top_k=2),
@@ -213,7 +214,7 @@ def test_options_from_config(arch):
   for name, value in EXPECTED_OPTIONS[arch].items():
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
   assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "dots1", "ernie4_5_moe",
-                                                     "glm4_moe"))
+                                                     "ernie4_5_vl_moe", "glm4_moe"))
   assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next", "deepseek_v2",
                                                "deepseek_v3", "dots1", "ernie4_5_moe",
                                                "glm4_moe", "hunyuan_v1_moe", "llama4"))
@@ -223,7 +224,8 @@ def test_options_from_config(arch):
 PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "qwen3_moe": "qwen3-moe-30b-a3b", "qwen3_next": "qwen3-next-80b-a3b",
            "deepseek_v2": "deepseek-v2", "deepseek_v3": "deepseek-v3", "dots1": "dots.llm1",
-           "ernie4_5_moe": "ernie-4.5-21b-a3b", "hunyuan_v1_moe": "hunyuan-a13b", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
+           "ernie4_5_moe": "ernie-4.5-21b-a3b",
+           "ernie4_5_vl_moe": "ernie-4.5-vl-28b-a3b-text", "hunyuan_v1_moe": "hunyuan-a13b", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
            "llama4": "llama-4-scout", "switch_transformers": "switch-base-8"}
 
@@ -409,6 +411,8 @@ def test_bad_inputs():
     nn.from_transformers({**_config(ernie), "moe_norm_min": 0.5}, _state_dict(ernie))
   with pytest.raises(NotImplementedError, match="use_bias"):
     nn.from_transformers({**_config(ernie), "use_bias": True}, _state_dict(ernie))
+  with pytest.raises(NotImplementedError, match="modality-isolated"):
+    nn.from_transformers(type("Ernie4_5_VLMoeMoeBlock", (), {"state_dict": dict})())
   hunyuan = _load("hunyuan_v1_moe")
   with pytest.raises(ValueError, match="per layer"):
     nn.from_transformers({**_config(hunyuan), "moe_topk": [2, 2]}, _state_dict(hunyuan))

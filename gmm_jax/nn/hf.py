@@ -7,7 +7,8 @@ Neither torch nor transformers is imported here: a block's tensors are read thro
 object or its ``to_dict()``, so that weights saved as numpy arrays load without torch.
 
 The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
-qwen2_moe, qwen3_moe, qwen3_next, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, olmoe,
+qwen2_moe, qwen3_moe, qwen3_next, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe,
+ernie4_5_vl_moe (one modality's experts), olmoe,
 gpt_oss, granitemoe, hunyuan_v1_moe, dbrx, glm4_moe, llama4 (``llama4_text``) and
 switch_transformers. Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
@@ -176,7 +177,6 @@ def _deepseek_v2(config):
 
 
 def _ernie4_5_moe(config):
-  _plain_shared_expert(config, "use_bias", "ernie4_5_moe")
   kwargs = dict(num_experts=int(_field(config, "moe_num_experts", "num_experts")),
                 embed=int(_field(config, "hidden_size")),
                 mlp=int(_field(config, "moe_intermediate_size")),
@@ -193,7 +193,21 @@ def _ernie4_5_moe(config):
   kwargs["routing_bias"] = True
   shared = int(_field(config, "moe_num_shared_experts", default=0) or 0)
   if shared:
+    _plain_shared_expert(config, "use_bias", "ernie4_5_moe")
     kwargs.update(num_shared_experts=shared, shared_mlp=kwargs["mlp"] * shared)
+  return kwargs
+
+
+def _ernie4_5_vl_moe(config):
+  """One modality's experts of Ernie 4.5 VL (``mlp.text_moe`` / ``mlp.vision_moe``): Ernie
+  4.5 MoE's routing, no shared expert (the parent block's); ``moe_intermediate_size`` is
+  ``[text, vision]``: the text experts' width unless the config holds one number (the
+  block's own, read from it)."""
+  config = _field(config, "text_config", default=config)
+  widths = _field(config, "moe_intermediate_size")
+  width = widths[0] if isinstance(widths, (list, tuple)) else widths
+  kwargs = _ernie4_5_moe({**_as_dict(config), "moe_intermediate_size": width,
+                          "moe_num_shared_experts": 0})
   return kwargs
 
 
@@ -308,6 +322,9 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("olmoe", ("OlmoeSparseMoeBlock",), _olmoe),
     Architecture("gpt_oss", ("GptOssMLP",), _gpt_oss, experts="interleaved",
                  router="router.weight"),
+    Architecture("ernie4_5_vl_moe", ("Ernie4_5_VLMoeSparseMoeBlock",), _ernie4_5_vl_moe,
+                 routing_bias="gate.moe_statics.e_score_correction_bias",
+                 routing_bias_2d=True, model_types=("ernie4_5_vl_moe_text",)),
     Architecture("granitemoe", ("GraniteMoeMoE",), _granitemoe, router="router.weight"),
     Architecture("hunyuan_v1_moe", ("HunYuanMoEV1Moe",), _hunyuan_v1_moe,
                  router="gate.wg.weight", shared="shared_mlp"),
@@ -322,7 +339,18 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
 ]}
 
 
+# Blocks of routed experts whose math nn.MoE cannot express, with what is missing.
+REFUSED: dict[str, str] = {
+    "Ernie4_5_VLMoeMoeBlock": (
+        "Ernie 4.5 VL's MoE block runs text and vision tokens through two sets of experts "
+        "picked by moe_mm_token_type_ids (modality-isolated experts); load its text_moe or "
+        "vision_moe sub-block (each an nn.MoE) and its shared_experts apart"),
+}
+
+
 def _architecture(name) -> Architecture:
+  if name in REFUSED:
+    raise NotImplementedError(f"{name}: {REFUSED[name]}")
   for arch in ARCHITECTURES.values():
     if name == arch.name or name in arch.model_types or name in arch.block_classes:
       return arch
@@ -726,6 +754,8 @@ def _block_config(arch: Architecture, block):
       if arch.name == "hunyuan_v1_moe":  # per-layer lists: this layer's, from its gate
         return {**config.to_dict(), "num_experts": block.gate.num_experts,
                 "moe_topk": block.gate.top_k}
+      if arch.name == "ernie4_5_vl_moe":  # text or vision experts: their own width
+        return {**config.to_dict(), "moe_intermediate_size": block.experts.intermediate_dim}
       return config
   if arch.name == "dbrx":
     mlp = block.experts.mlp

@@ -45,6 +45,11 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     "ernie-4.5-21b-a3b": dict(num_experts=64, embed=2560, mlp=1536, top_k=6, score="softmax",
                               routing_bias=True, normalize_top_k=True, num_shared_experts=2,
                               activation="silu"),
+    # ERNIE-4.5-VL-28B-A3B's text experts (its MoE block's text_moe: the shared experts are
+    # the parent block's): as ERNIE-4.5-21B-A3B's routing, no shared expert.
+    "ernie-4.5-vl-28b-a3b-text": dict(num_experts=64, embed=2560, mlp=1536, top_k=6,
+                                      score="softmax", routing_bias=True,
+                                      normalize_top_k=True, activation="silu"),
     # Hunyuan-A13B: softmax top-8 of 64, renormalized, a shared MLP of the experts' width.
     "hunyuan-a13b": dict(num_experts=64, embed=4096, mlp=3072, top_k=8, score="softmax",
                          normalize_top_k=True, num_shared_experts=1, activation="silu"),
