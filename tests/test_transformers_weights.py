@@ -27,7 +27,8 @@ from gmm_jax import nn  # noqa: E402
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 ARCHS = ("dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "ernie4_5_vl_moe",
          "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "llama4", "mixtral", "olmoe", "qwen2_moe",
-         "qwen3_moe", "qwen3_next", "switch_transformers")
+         "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text",
+         "switch_transformers")
 RTOL = ATOL = 1e-5
 
 # A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
@@ -186,6 +187,8 @@ EXPECTED_OPTIONS = {
     "qwen2_moe": dict(score="softmax", normalize_top_k=False, top_k=3),
     "qwen3_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
     "qwen3_next": dict(score="softmax", normalize_top_k=True, top_k=3),
+    "qwen3_omni_moe_talker_text": dict(score="softmax", normalize_top_k=False, top_k=3),
+    "qwen3_omni_moe_text": dict(score="softmax", normalize_top_k=True, top_k=3),
     "deepseek_v2": dict(score="softmax", normalize_top_k=False, routed_scaling_factor=1.5,
                         num_expert_groups=4, top_k_groups=2, group_score="max", top_k=3),
     "deepseek_v3": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
@@ -215,14 +218,17 @@ def test_options_from_config(arch):
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
   assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "dots1", "ernie4_5_moe",
                                                      "ernie4_5_vl_moe", "glm4_moe"))
-  assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next", "deepseek_v2",
+  assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next",
+                                               "qwen3_omni_moe_talker_text", "deepseek_v2",
                                                "deepseek_v3", "dots1", "ernie4_5_moe",
                                                "glm4_moe", "hunyuan_v1_moe", "llama4"))
 
 
-# The nn.MoE preset of each architecture (docs/transformers.md's table).
+# The nn.MoE preset of each architecture (docs/transformers.md's table); Qwen3-Omni's talker
+# has none (its shared expert's width is not in transformers' config defaults).
 PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "qwen3_moe": "qwen3-moe-30b-a3b", "qwen3_next": "qwen3-next-80b-a3b",
+           "qwen3_omni_moe_text": "qwen3-moe-30b-a3b",
            "deepseek_v2": "deepseek-v2", "deepseek_v3": "deepseek-v3", "dots1": "dots.llm1",
            "ernie4_5_moe": "ernie-4.5-21b-a3b",
            "ernie4_5_vl_moe": "ernie-4.5-vl-28b-a3b-text", "hunyuan_v1_moe": "hunyuan-a13b", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
@@ -239,7 +245,7 @@ def _routing_kind(moe):
               shared_gate=moe.shared is not None and moe.shared.gate is not None)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", sorted(PRESETS))
 def test_preset_routes_as_the_block(arch):
   """Each architecture's preset (its real model's shapes) routes and computes as the layer
   from_transformers builds from the tiny config (built abstractly: no weights drawn)."""
@@ -312,6 +318,7 @@ ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "hunyuan_v1_moe": "gate.
            "llama4": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
+          "qwen3_omni_moe_talker_text": "shared_expert",
           "llama4": "shared_expert", "deepseek_v2": "shared_experts",
           "deepseek_v3": "shared_experts", "dots1": "shared_experts",
           "ernie4_5_moe": "shared_experts", "glm4_moe": "shared_experts",

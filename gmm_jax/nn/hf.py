@@ -7,7 +7,8 @@ Neither torch nor transformers is imported here: a block's tensors are read thro
 object or its ``to_dict()``, so that weights saved as numpy arrays load without torch.
 
 The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
-qwen2_moe, qwen3_moe, qwen3_next, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe,
+qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe_text and qwen3_omni_moe_talker_text (Qwen3-Omni's
+thinker and talker), deepseek_v2, deepseek_v3, dots1, ernie4_5_moe,
 ernie4_5_vl_moe (one modality's experts), olmoe,
 gpt_oss, granitemoe, hunyuan_v1_moe, dbrx, glm4_moe, llama4 (``llama4_text``) and
 switch_transformers. Expert layouts read: transformers 5.x's
@@ -104,6 +105,12 @@ def _qwen_shared(norm_default: bool):
 def _qwen3_moe(config):
   return _softmax_top_k(config, "num_experts|num_local_experts", "moe_intermediate_size",
                         _field(config, "norm_topk_prob", default=False))
+
+
+def _qwen3_omni_moe_thinker(config):
+  config = _field(config, "text_config", default=config)
+  return _softmax_top_k(config, "num_experts|num_local_experts", "moe_intermediate_size",
+                        _field(config, "norm_topk_prob", default=True))
 
 
 def _olmoe(config):
@@ -310,6 +317,11 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), _qwen3_moe),
     Architecture("qwen3_next", ("Qwen3NextSparseMoeBlock",), _qwen_shared(True),
                  shared="shared_expert", shared_gate="shared_expert_gate.weight"),
+    Architecture("qwen3_omni_moe_talker_text", ("Qwen3OmniMoeTalkerTextSparseMoeBlock",),
+                 _qwen_shared(False), shared="shared_expert",
+                 shared_gate="shared_expert_gate.weight"),
+    Architecture("qwen3_omni_moe_text", ("Qwen3OmniMoeThinkerTextSparseMoeBlock",),
+                 _qwen3_omni_moe_thinker, model_types=("qwen3_omni_moe_thinker",)),
     Architecture("deepseek_v2", ("DeepseekV2Moe",), _deepseek_v2, shared="shared_experts"),
     Architecture("deepseek_v3", ("DeepseekV3MoE",), _deepseek, shared="shared_experts",
                  routing_bias="gate.e_score_correction_bias"),
