@@ -26,9 +26,9 @@ from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 ARCHS = ("dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "ernie4_5_vl_moe",
-         "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "llama4", "mixtral", "olmoe", "qwen2_moe",
-         "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text",
-         "switch_transformers")
+         "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "kimi_linear", "llama4", "mixtral",
+         "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
+         "qwen3_omni_moe_text", "switch_transformers")
 RTOL = ATOL = 1e-5
 
 # A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
@@ -201,6 +201,8 @@ EXPECTED_OPTIONS = {
     "gpt_oss": dict(score="softmax", normalize_top_k=True, top_k=2),
     "granitemoe": dict(score="softmax", normalize_top_k=True, top_k=2),
     "hunyuan_v1_moe": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "kimi_linear": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.0,
+                        num_expert_groups=4, top_k_groups=2, group_score="sum_top2", top_k=3),
     "dbrx": dict(score="softmax", normalize_top_k=True, top_k=2),
     "glm4_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
                      num_expert_groups=None, top_k=2),
@@ -217,11 +219,13 @@ def test_options_from_config(arch):
   for name, value in EXPECTED_OPTIONS[arch].items():
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
   assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "dots1", "ernie4_5_moe",
-                                                     "ernie4_5_vl_moe", "glm4_moe"))
+                                                     "ernie4_5_vl_moe", "glm4_moe",
+                                                     "kimi_linear"))
   assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next",
                                                "qwen3_omni_moe_talker_text", "deepseek_v2",
                                                "deepseek_v3", "dots1", "ernie4_5_moe",
-                                               "glm4_moe", "hunyuan_v1_moe", "llama4"))
+                                               "glm4_moe", "hunyuan_v1_moe", "kimi_linear",
+                                               "llama4"))
 
 
 # The nn.MoE preset of each architecture (docs/transformers.md's table); Qwen3-Omni's talker
@@ -231,7 +235,8 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "qwen3_omni_moe_text": "qwen3-moe-30b-a3b",
            "deepseek_v2": "deepseek-v2", "deepseek_v3": "deepseek-v3", "dots1": "dots.llm1",
            "ernie4_5_moe": "ernie-4.5-21b-a3b",
-           "ernie4_5_vl_moe": "ernie-4.5-vl-28b-a3b-text", "hunyuan_v1_moe": "hunyuan-a13b", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
+           "ernie4_5_vl_moe": "ernie-4.5-vl-28b-a3b-text", "hunyuan_v1_moe": "hunyuan-a13b",
+           "kimi_linear": "kimi-linear-48b-a3b", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
            "llama4": "llama-4-scout", "switch_transformers": "switch-base-8"}
 
@@ -322,7 +327,7 @@ SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "llama4": "shared_expert", "deepseek_v2": "shared_experts",
           "deepseek_v3": "shared_experts", "dots1": "shared_experts",
           "ernie4_5_moe": "shared_experts", "glm4_moe": "shared_experts",
-          "hunyuan_v1_moe": "shared_mlp"}
+          "hunyuan_v1_moe": "shared_mlp", "kimi_linear": "shared_experts"}
 
 
 @_by_arch(ARCHS)

@@ -10,7 +10,7 @@ The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixt
 qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe_text and qwen3_omni_moe_talker_text (Qwen3-Omni's
 thinker and talker), deepseek_v2, deepseek_v3, dots1, ernie4_5_moe,
 ernie4_5_vl_moe (one modality's experts), olmoe,
-gpt_oss, granitemoe, hunyuan_v1_moe, dbrx, glm4_moe, llama4 (``llama4_text``) and
+gpt_oss, granitemoe, hunyuan_v1_moe, kimi_linear, dbrx, glm4_moe, llama4 (``llama4_text``) and
 switch_transformers. Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
@@ -237,6 +237,22 @@ def _dots1(config):
   return _deepseek({"norm_topk_prob": False, **_as_dict(config)})
 
 
+def _kimi_linear(config):
+  # DeepSeek-V3's router (its group limit always applied), under other config names.
+  return _deepseek({
+      "n_routed_experts": _field(config, "num_experts", "num_local_experts"),
+      "hidden_size": _field(config, "hidden_size"),
+      "moe_intermediate_size": _field(config, "moe_intermediate_size"),
+      "num_experts_per_tok": _field(config, "num_experts_per_token", "num_experts_per_tok"),
+      "hidden_act": _field(config, "hidden_act", default="silu"),
+      "norm_topk_prob": _field(config, "moe_renormalize", "norm_topk_prob", default=True),
+      "routed_scaling_factor": _field(config, "routed_scaling_factor", default=1.0),
+      "n_group": _field(config, "num_expert_group", "n_group", default=1),
+      "topk_group": _field(config, "topk_group", default=1),
+      "n_shared_experts": _field(config, "num_shared_experts", "n_shared_experts",
+                                 default=0)})
+
+
 def _dbrx(config):
   ffn = _field(config, "ffn_config")
   top_k = int(_field(ffn, "moe_top_k"))
@@ -342,6 +358,8 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
                  router="gate.wg.weight", shared="shared_mlp"),
     Architecture("dbrx", ("DbrxFFN",), _dbrx, experts="dbrx", router="router.layer.weight"),
     Architecture("glm4_moe", ("Glm4MoeMoE",), _deepseek, shared="shared_experts",
+                 routing_bias="gate.e_score_correction_bias"),
+    Architecture("kimi_linear", ("KimiLinearMoE",), _kimi_linear, shared="shared_experts",
                  routing_bias="gate.e_score_correction_bias"),
     Architecture("llama4", ("Llama4TextMoe",), _llama4, experts="fused_in_out",
                  router="router.weight", shared="shared_expert",

@@ -53,6 +53,12 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     # Hunyuan-A13B: softmax top-8 of 64, renormalized, a shared MLP of the experts' width.
     "hunyuan-a13b": dict(num_experts=64, embed=4096, mlp=3072, top_k=8, score="softmax",
                          normalize_top_k=True, num_shared_experts=1, activation="silu"),
+    # Kimi-Linear-48B-A3B (its MoE layers): DeepSeek-V3's routing (sigmoid, bias-corrected
+    # selection, one group), top-8 of 256, renormalized, scaled by 2.446, one shared expert.
+    "kimi-linear-48b-a3b": dict(num_experts=256, embed=2304, mlp=1024, top_k=8,
+                                score="sigmoid", routing_bias=True, normalize_top_k=True,
+                                routed_scaling_factor=2.446, num_shared_experts=1,
+                                activation="silu"),
     # OLMoE-1B-7B: softmax top-8 of 64, not renormalized (norm_topk_prob=False).
     "olmoe-1b-7b": dict(num_experts=64, embed=2048, mlp=1024, top_k=8, score="softmax",
                         normalize_top_k=False, activation="silu"),
