@@ -485,3 +485,57 @@ def test_masked_layout_refuses_meshes_and_bad_rows():
     nn.MoE(E, D, F, max_rows=4, rngs=nnx.Rngs(0))  # without layout="masked"
   with pytest.raises(ValueError, match="max_rows"):
     nn.MoE(E, D, F, layout="masked", max_rows=0, rngs=nnx.Rngs(0))
+
+
+def test_identity_experts_add_their_weight_times_the_input():
+  """num_identity_experts: the router scores E + Z experts; a chosen id >= E adds w * x
+  (LongCat-Flash's zero experts), the others run their FFN; forward and gradients equal a
+  per-token loop, fused and unfused alike."""
+  model = nn.MoE(E, D, F, top_k=3, num_identity_experts=3, rngs=nnx.Rngs(0))
+  assert model.router.kernel.shape == (D, E + 3)
+  model.router.kernel[...] = jax.random.normal(jax.random.key(1), (D, E + 3))
+  x = jax.random.normal(jax.random.key(2), (32, D))
+  _, _, weights, chosen = model.route_tokens(x)
+  identity = np.asarray(chosen) >= E
+  assert identity.any() and (~identity).any()
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def reference(p, x):
+    def one_token(x_t, experts, w):
+      y = jnp.zeros(D)
+      for j in range(model.top_k):
+        e = jnp.minimum(experts[j], E - 1)
+        z = x_t @ p["gate_up"]["kernel"][e]
+        ffn = (jax.nn.silu(z[:F]) * z[F:]) @ p["down"]["kernel"][e]
+        y = y + w[j] * jnp.where(experts[j] >= E, x_t, ffn)
+      return y
+    logits = x @ p["router"]["kernel"]
+    w = jnp.take_along_axis(jax.nn.softmax(logits), chosen, axis=-1)
+    return jax.vmap(one_token)(x, chosen, w / jnp.sum(w, -1, keepdims=True))
+
+  def loss(fn, p, x):
+    return jnp.sum(jnp.sin(fn(p, x)))
+
+  def layer(fused):
+    def fn(p, x):
+      moe = nnx.merge(graphdef, p, rest)
+      moe.fused = fused
+      return moe(x)[0]
+    return fn
+
+  pure = nnx.to_pure_dict(params)
+  want, want_grads = jax.jit(jax.value_and_grad(lambda p, x: loss(reference, p, x),
+                                                (0, 1)))(pure, x)
+  for fused in (True, False):
+    got, (got_params, got_dx) = jax.jit(jax.value_and_grad(
+        lambda p, x: loss(layer(fused), p, x), (0, 1)))(params, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_dx, want_grads[1], rtol=1e-4, atol=1e-5)
+    got_params = nnx.to_pure_dict(got_params)
+    for path, g in jax.tree_util.tree_leaves_with_path(want_grads[0]):
+      np.testing.assert_allclose(leaf(got_params, path), g, rtol=2e-3, atol=1e-5,
+                                 err_msg=jax.tree_util.keystr(path))
+  with pytest.raises(NotImplementedError, match="capacity_factor"):
+    nn.MoE(E, D, F, num_identity_experts=2, capacity_factor=1.0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_identity_experts"):
+    nn.MoE(E, D, F, num_identity_experts=-1, rngs=nnx.Rngs(0))

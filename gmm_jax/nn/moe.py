@@ -97,6 +97,11 @@ class MoE(nnx.Module):
       (Llama 4; the same only for linear experts). Fused, the gathered rows are scaled
       (one ``[T*k, D]`` copy the output weighting does not make); also under
       expert parallelism and `routed_experts`.
+    num_identity_experts: Z zero-computation experts that return their input (LongCat-
+      Flash's "zero experts"): the router scores E + Z experts (``router.kernel [D, E+Z]``,
+      its biases ``[E+Z]``), and a chosen id ``e >= E`` adds ``w * x`` to the token's
+      output instead of an FFN, so that a token can spend fewer than top_k FFNs. Not with
+      capacity_factor or a replacement router.
     num_shared_experts, shared_mlp: shared experts, one dense FFN of width ``shared_mlp``
       (default ``mlp * num_shared_experts``) applied to every token, gated like the experts.
     shared_gate: the shared experts' output times ``sigmoid(x @ shared.gate.kernel)``, a
@@ -187,7 +192,8 @@ class MoE(nnx.Module):
                routed_scaling_factor: float = 1.0,
                router_bias: bool = False, router: nnx.Module | None = None,
                load_balancing_convention: str = "gmm_jax",
-               router_weight_on: str = "output", num_shared_experts: int = 0,
+               router_weight_on: str = "output", num_identity_experts: int = 0,
+               num_shared_experts: int = 0,
                shared_mlp: int | None = None, shared_gate: bool = False,
                use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
                swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool | None = None,
@@ -225,6 +231,12 @@ class MoE(nnx.Module):
           "expert_parallel, data_parallel and partitionable=True need layout='ragged'")
     if buffer_factor is not None and buffer_factor <= 0:
       raise ValueError(f"buffer_factor must be positive, got {buffer_factor}")
+    if not isinstance(num_identity_experts, int) or num_identity_experts < 0:
+      raise ValueError(f"num_identity_experts must be an int >= 0, got "
+                       f"{num_identity_experts!r}")
+    if num_identity_experts and (capacity_factor is not None or router is not None):
+      raise NotImplementedError("num_identity_experts with capacity_factor or a "
+                                "replacement router")
     if transport not in experts.TRANSPORTS:
       raise ValueError(f"transport must be one of {experts.TRANSPORTS}, got {transport!r}")
     router_options = dict(score=score, normalize_top_k=normalize_top_k,
@@ -235,7 +247,8 @@ class MoE(nnx.Module):
                           load_balancing_convention=load_balancing_convention)
     if router is None:
       options = dict(router_options)
-      router = Router(embed, num_experts, top_k=top_k, use_bias=options.pop("router_bias"),
+      router = Router(embed, num_experts + num_identity_experts, top_k=top_k,
+                      use_bias=options.pop("router_bias"),
                       param_dtype=param_dtype, rngs=rngs, **options)
     else:
       changed = sorted(k for k, v in router_options.items() if v != _ROUTER_DEFAULTS[k])
@@ -247,6 +260,7 @@ class MoE(nnx.Module):
                          f"{type(router).__name__}")
     self.num_experts, self.embed, self.mlp, self.top_k = num_experts, embed, mlp, top_k
     self.activation, self.gated, self.fused = activation, gated, fused
+    self.num_identity_experts = num_identity_experts
     self.gated_prologue = None if gated_prologue is None else bool(gated_prologue)
     self.router_weight_on = router_weight_on
     self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
@@ -343,6 +357,11 @@ class MoE(nnx.Module):
       raise ValueError(f"the router chose experts of shape {top_e.shape}; the layer takes "
                        f"[{tokens.shape[0]}, top_k={self.top_k}]")
     dtype = self.dtype or jnp.result_type(x, in_kernel)
+    identity_weight = None
+    if self.num_identity_experts:  # ids >= E: w * x, and no FFN row
+      is_identity = top_e >= self.num_experts
+      identity_weight = jnp.sum(jnp.where(is_identity, top_p, 0), axis=-1, keepdims=True)
+      top_e = jnp.where(is_identity, -1, top_e)
     sequence_length = None
     if self.capacity_per == "sequence":  # x [..., S, D]; a 2-D x is one sequence
       sequence_length = shape[-2] if len(shape) >= 3 else tokens.shape[0]
@@ -357,6 +376,8 @@ class MoE(nnx.Module):
         capacity_factor=self.capacity_factor, buffer_factor=self.buffer_factor,
         transport=self.transport, sequence_length=sequence_length,
         masked_rows=(self.max_rows or tokens.shape[0]) if self.layout == "masked" else None)
+    if identity_weight is not None:
+      y = y + (identity_weight.astype(jnp.float32) * tokens.astype(jnp.float32))
     if self.shared is not None:
       y = y + self.shared(tokens).astype(jnp.float32)
     aux = dict(routing.aux)
