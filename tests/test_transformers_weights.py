@@ -26,9 +26,9 @@ from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 ARCHS = ("dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "ernie4_5_vl_moe",
-         "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "kimi_linear", "llama4", "mixtral",
-         "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_omni_moe_talker_text",
-         "qwen3_omni_moe_text", "switch_transformers")
+         "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "kimi_linear", "llama4",
+         "longcat_flash", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+         "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text", "switch_transformers")
 RTOL = ATOL = 1e-5
 
 # A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
@@ -207,6 +207,8 @@ EXPECTED_OPTIONS = {
     "glm4_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
                      num_expert_groups=None, top_k=2),
     "llama4": dict(score="sigmoid", normalize_top_k=False, top_k=1),
+    "longcat_flash": dict(score="softmax", normalize_top_k=False, routed_scaling_factor=1.5,
+                          top_k=3, num_experts=8, num_identity_experts=4),
     "switch_transformers": dict(score="softmax", normalize_top_k=False, top_k=1,
                                 gated=False),
 }
@@ -220,7 +222,7 @@ def test_options_from_config(arch):
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
   assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "dots1", "ernie4_5_moe",
                                                      "ernie4_5_vl_moe", "glm4_moe",
-                                                     "kimi_linear"))
+                                                     "kimi_linear", "longcat_flash"))
   assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next",
                                                "qwen3_omni_moe_talker_text", "deepseek_v2",
                                                "deepseek_v3", "dots1", "ernie4_5_moe",
@@ -236,7 +238,7 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "deepseek_v2": "deepseek-v2", "deepseek_v3": "deepseek-v3", "dots1": "dots.llm1",
            "ernie4_5_moe": "ernie-4.5-21b-a3b",
            "ernie4_5_vl_moe": "ernie-4.5-vl-28b-a3b-text", "hunyuan_v1_moe": "hunyuan-a13b",
-           "kimi_linear": "kimi-linear-48b-a3b", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
+           "kimi_linear": "kimi-linear-48b-a3b", "longcat_flash": "longcat-flash", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
            "llama4": "llama-4-scout", "switch_transformers": "switch-base-8"}
 
@@ -320,7 +322,7 @@ def _our_expert(moe, e, x):
 
 
 ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "hunyuan_v1_moe": "gate.wg",
-           "llama4": "router",
+           "llama4": "router", "longcat_flash": "router.classifier",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "qwen3_omni_moe_talker_text": "shared_expert",
@@ -428,6 +430,9 @@ def test_bad_inputs():
   hunyuan = _load("hunyuan_v1_moe")
   with pytest.raises(ValueError, match="per layer"):
     nn.from_transformers({**_config(hunyuan), "moe_topk": [2, 2]}, _state_dict(hunyuan))
+  longcat = _load("longcat_flash")
+  with pytest.raises(NotImplementedError, match="leave out"):
+    nn.from_transformers({**_config(longcat), "router_bias": True}, _state_dict(longcat))
   switch = _load("switch_transformers")
   with pytest.raises(ValueError, match="seq_len"):
     nn.from_transformers(_config(switch), _state_dict(switch))

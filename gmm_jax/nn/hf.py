@@ -10,7 +10,7 @@ The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixt
 qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe_text and qwen3_omni_moe_talker_text (Qwen3-Omni's
 thinker and talker), deepseek_v2, deepseek_v3, dots1, ernie4_5_moe,
 ernie4_5_vl_moe (one modality's experts), olmoe,
-gpt_oss, granitemoe, hunyuan_v1_moe, kimi_linear, dbrx, glm4_moe, llama4 (``llama4_text``) and
+gpt_oss, granitemoe, hunyuan_v1_moe, kimi_linear, longcat_flash, dbrx, glm4_moe, llama4 (``llama4_text``) and
 switch_transformers. Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
@@ -253,6 +253,24 @@ def _kimi_linear(config):
                                  default=0)})
 
 
+def _longcat_flash(config):
+  if _field(config, "router_bias", default=False):
+    raise NotImplementedError("longcat_flash router_bias=True: transformers' "
+                              "LongcatFlashTopkRouter keeps a classifier bias its logits "
+                              "leave out")
+  # softmax over the routed and the zero (identity) experts, chosen with the correction
+  # bias, not renormalized, scaled.
+  return dict(num_experts=int(_field(config, "n_routed_experts", "num_local_experts")),
+              num_identity_experts=int(_field(config, "zero_expert_num", default=0) or 0),
+              embed=int(_field(config, "hidden_size")),
+              mlp=int(_field(config, "expert_ffn_hidden_size", "moe_intermediate_size")),
+              top_k=int(_field(config, "moe_topk", "num_experts_per_tok")),
+              activation=_activation(_field(config, "hidden_act", default="silu")),
+              score="softmax", routing_bias=True, normalize_top_k=False,
+              routed_scaling_factor=float(_field(config, "routed_scaling_factor",
+                                                 default=1.0)))
+
+
 def _dbrx(config):
   ffn = _field(config, "ffn_config")
   top_k = int(_field(ffn, "moe_top_k"))
@@ -327,6 +345,9 @@ class Architecture:
 
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
+    Architecture("longcat_flash", ("LongcatFlashMoE",), _longcat_flash,
+                 router="router.classifier.weight",
+                 routing_bias="router.e_score_correction_bias"),
     Architecture("mixtral", ("MixtralSparseMoeBlock",), _mixtral),
     Architecture("qwen2_moe", ("Qwen2MoeSparseMoeBlock",), _qwen_shared(False),
                  shared="shared_expert", shared_gate="shared_expert_gate.weight"),
@@ -522,7 +543,8 @@ def _write_experts(arch: Architecture, w: dict, o: dict) -> dict:
 
 def _read(arch: Architecture, tensors: _Tensors, o: dict) -> dict:
   """The state dict -> the canonical arrays (`_PARAMS` names, nn.MoE's layout)."""
-  num_experts, embed = o["num_experts"], o["embed"]
+  embed = o["embed"]
+  num_experts = o["num_experts"] + o.get("num_identity_experts", 0)  # the router's
   router = arch.router
   if arch.name == "granitemoe" and not tensors.has(router):  # transformers 4.x
     router = "router.layer.weight"

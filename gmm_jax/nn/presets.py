@@ -59,6 +59,11 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
                                 score="sigmoid", routing_bias=True, normalize_top_k=True,
                                 routed_scaling_factor=2.446, num_shared_experts=1,
                                 activation="silu"),
+    # LongCat-Flash: softmax over 512 experts and 256 zero (identity) experts, top-12 chosen
+    # with a correction bias, not renormalized, scaled by 6.
+    "longcat-flash": dict(num_experts=512, num_identity_experts=256, embed=6144, mlp=2048,
+                          top_k=12, score="softmax", routing_bias=True, normalize_top_k=False,
+                          routed_scaling_factor=6.0, activation="silu"),
     # OLMoE-1B-7B: softmax top-8 of 64, not renormalized (norm_topk_prob=False).
     "olmoe-1b-7b": dict(num_experts=64, embed=2048, mlp=1024, top_k=8, score="softmax",
                         normalize_top_k=False, activation="silu"),
