@@ -312,7 +312,9 @@ def test_presets():
   assert set(nn.MOE_PRESETS) == {
       "mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-moe-30b-a3b", "qwen3-next-80b-a3b",
       "deepseek-v3", "olmoe-1b-7b", "gpt-oss-120b", "granite-3.0-3b-a800m", "dbrx",
-      "glm-4.5-air", "llama-4-scout", "switch-base-8"}
+      "glm-4.5-air", "llama-4-scout", "switch-base-8", "deepseek-v2", "dots.llm1",
+      "ernie-4.5-21b-a3b", "ernie-4.5-vl-28b-a3b-text", "hunyuan-a13b",
+      "kimi-linear-48b-a3b", "longcat-flash", "phi-3.5-moe"}
   # The models' own defaults: Qwen2-MoE and OLMoE do not renormalize, Qwen3-MoE does.
   normalized = {name: nn.MOE_PRESETS[name].get("normalize_top_k") for name in
                 ("qwen1.5-moe-a2.7b", "olmoe-1b-7b", "qwen3-moe-30b-a3b")}
@@ -340,7 +342,10 @@ def test_presets():
 
     y, aux = nnx.eval_shape(tiny_call)
     assert y.shape == (4, 16)
-    assert aux["expert_load"].shape == (nn.MOE_PRESETS[name]["num_experts"],)
+    # The router's experts: the identity experts too.
+    routed = (nn.MOE_PRESETS[name]["num_experts"]
+              + nn.MOE_PRESETS[name].get("num_identity_experts", 0))
+    assert aux["expert_load"].shape == (routed,)
   with pytest.raises(ValueError, match="unknown preset"):
     nn.MoE.from_preset("mixtral", rngs=nnx.Rngs(0))
 
@@ -539,3 +544,28 @@ def test_identity_experts_add_their_weight_times_the_input():
     nn.MoE(E, D, F, num_identity_experts=2, capacity_factor=1.0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="num_identity_experts"):
     nn.MoE(E, D, F, num_identity_experts=-1, rngs=nnx.Rngs(0))
+
+
+def test_sparsemixer_weights_follow_the_window_rule():
+  """score="sparsemixer": the k best logits; the j-th weight is the softmax over the
+  logits not chosen before it within the relative window 2 * eps of its own (numpy loop)."""
+  eps = 0.2
+  router = nn.Router(D, E, top_k=3, score="sparsemixer", sparsemixer_eps=eps,
+                     rngs=nnx.Rngs(0))
+  router.kernel[...] = jax.random.normal(jax.random.key(3), (D, E))
+  x = jax.random.normal(jax.random.key(4), (24, D))
+  logits, _, weights, experts = router.select(x)
+  assert not router.normalize_top_k
+  logits, weights, experts = map(np.asarray, (logits, weights, experts))
+  assert (weights < 1).any() and np.isclose(weights, 1).any()
+  for t in range(x.shape[0]):
+    order = np.argsort(-logits[t], kind="stable")[:3]
+    np.testing.assert_array_equal(experts[t], order)
+    for j, e in enumerate(order):
+      rest = [i for i in range(E) if i not in order[:j]]
+      window = [i for i in rest if (logits[t, e] - logits[t, i])
+                / max(abs(logits[t, i]), logits[t, e]) <= 2 * eps]
+      want = 1 / np.sum(np.exp(logits[t, window] - logits[t, e]))
+      np.testing.assert_allclose(weights[t, j], want, rtol=1e-5)
+  with pytest.raises(NotImplementedError, match="sparsemixer"):
+    nn.Router(D, E, score="sparsemixer", normalize_top_k=True, rngs=nnx.Rngs(0))

@@ -27,7 +27,7 @@ from gmm_jax import nn  # noqa: E402
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 ARCHS = ("dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "ernie4_5_vl_moe",
          "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "kimi_linear", "llama4",
-         "longcat_flash", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+         "longcat_flash", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
          "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text", "switch_transformers")
 RTOL = ATOL = 1e-5
 
@@ -184,6 +184,7 @@ def test_bfloat16_weights_stay_bfloat16():
 # them out).
 EXPECTED_OPTIONS = {
     "mixtral": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "phimoe": dict(score="sparsemixer", normalize_top_k=False, top_k=2),
     "qwen2_moe": dict(score="softmax", normalize_top_k=False, top_k=3),
     "qwen3_moe": dict(score="softmax", normalize_top_k=True, top_k=3),
     "qwen3_next": dict(score="softmax", normalize_top_k=True, top_k=3),
@@ -238,7 +239,8 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "deepseek_v2": "deepseek-v2", "deepseek_v3": "deepseek-v3", "dots1": "dots.llm1",
            "ernie4_5_moe": "ernie-4.5-21b-a3b",
            "ernie4_5_vl_moe": "ernie-4.5-vl-28b-a3b-text", "hunyuan_v1_moe": "hunyuan-a13b",
-           "kimi_linear": "kimi-linear-48b-a3b", "longcat_flash": "longcat-flash", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
+           "kimi_linear": "kimi-linear-48b-a3b", "longcat_flash": "longcat-flash",
+           "phimoe": "phi-3.5-moe", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
            "llama4": "llama-4-scout", "switch_transformers": "switch-base-8"}
 
@@ -322,7 +324,7 @@ def _our_expert(moe, e, x):
 
 
 ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "hunyuan_v1_moe": "gate.wg",
-           "llama4": "router", "longcat_flash": "router.classifier",
+           "llama4": "router", "longcat_flash": "router.classifier", "phimoe": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "qwen3_omni_moe_talker_text": "shared_expert",

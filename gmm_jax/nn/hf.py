@@ -10,7 +10,7 @@ The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixt
 qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe_text and qwen3_omni_moe_talker_text (Qwen3-Omni's
 thinker and talker), deepseek_v2, deepseek_v3, dots1, ernie4_5_moe,
 ernie4_5_vl_moe (one modality's experts), olmoe,
-gpt_oss, granitemoe, hunyuan_v1_moe, kimi_linear, longcat_flash, dbrx, glm4_moe, llama4 (``llama4_text``) and
+gpt_oss, granitemoe, hunyuan_v1_moe, kimi_linear, longcat_flash, phimoe, dbrx, glm4_moe, llama4 (``llama4_text``) and
 switch_transformers. Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
@@ -271,6 +271,17 @@ def _longcat_flash(config):
                                                  default=1.0)))
 
 
+def _phimoe(config):
+  # SparseMixer at inference: its sparsemixer() picks two experts whatever
+  # num_experts_per_tok says.
+  return dict(num_experts=int(_field(config, "num_local_experts", "num_experts")),
+              embed=int(_field(config, "hidden_size")),
+              mlp=int(_field(config, "intermediate_size")), top_k=2,
+              activation=_activation(_field(config, "hidden_act", default="silu")),
+              score="sparsemixer", normalize_top_k=False,
+              sparsemixer_eps=float(_field(config, "router_jitter_noise", default=0.01)))
+
+
 def _dbrx(config):
   ffn = _field(config, "ffn_config")
   top_k = int(_field(ffn, "moe_top_k"))
@@ -349,6 +360,7 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
                  router="router.classifier.weight",
                  routing_bias="router.e_score_correction_bias"),
     Architecture("mixtral", ("MixtralSparseMoeBlock",), _mixtral),
+    Architecture("phimoe", ("PhimoeSparseMoeBlock",), _phimoe, router="router.weight"),
     Architecture("qwen2_moe", ("Qwen2MoeSparseMoeBlock",), _qwen_shared(False),
                  shared="shared_expert", shared_gate="shared_expert_gate.weight"),
     Architecture("qwen3_moe", ("Qwen3MoeSparseMoeBlock",), _qwen3_moe),

@@ -26,7 +26,8 @@ Array = jax.Array
 # The router options of `MoE` with their defaults (a replacement router takes none).
 _ROUTER_DEFAULTS = dict(score="softmax", normalize_top_k=None, routing_bias=False,
                         num_expert_groups=None, top_k_groups=None,
-                        group_score="sum_top2", routed_scaling_factor=1.0, router_bias=False,
+                        group_score="sum_top2", routed_scaling_factor=1.0,
+                        sparsemixer_eps=0.01, router_bias=False,
                         load_balancing_convention="gmm_jax")
 CAPACITY_PER = ("call", "sequence")
 LAYOUTS = ("ragged", "masked")
@@ -71,7 +72,10 @@ class MoE(nnx.Module):
       cotangent of the pre-activation) comes from one gmm. None (default): where the
       platform's kernels do both natively (TPU), else not; True/False force it
       (`gmm_jax.ExpertFFN`, with the measurements).
-    score: "softmax" or "sigmoid" router scores.
+    score: "softmax" or "sigmoid" router scores, or "sparsemixer" (PhiMoE's: the k best
+      logits, each weighted by a softmax over a window of the logits not chosen before it,
+      `Router`).
+    sparsemixer_eps: the window of "sparsemixer" (PhiMoE's ``router_jitter_noise``).
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
     routing_bias: add a `RoutingBias` (zeros at first) to the scores for the selection.
@@ -189,7 +193,7 @@ class MoE(nnx.Module):
                score: str = "softmax", normalize_top_k: bool | None = None,
                routing_bias: bool = False, num_expert_groups: int | None = None,
                top_k_groups: int | None = None, group_score: str = "sum_top2",
-               routed_scaling_factor: float = 1.0,
+               routed_scaling_factor: float = 1.0, sparsemixer_eps: float = 0.01,
                router_bias: bool = False, router: nnx.Module | None = None,
                load_balancing_convention: str = "gmm_jax",
                router_weight_on: str = "output", num_identity_experts: int = 0,
@@ -242,6 +246,7 @@ class MoE(nnx.Module):
     router_options = dict(score=score, normalize_top_k=normalize_top_k,
                           routing_bias=routing_bias, num_expert_groups=num_expert_groups,
                           top_k_groups=top_k_groups, group_score=group_score,
+                          sparsemixer_eps=sparsemixer_eps,
                           routed_scaling_factor=routed_scaling_factor,
                           router_bias=router_bias,
                           load_balancing_convention=load_balancing_convention)

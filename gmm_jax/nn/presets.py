@@ -8,6 +8,9 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     # Mixtral-8x7B: softmax top-2 of 8, renormalized, SwiGLU experts.
     "mixtral-8x7b": dict(num_experts=8, embed=4096, mlp=14336, top_k=2, score="softmax",
                          activation="silu"),
+    # Phi-3.5-MoE: SparseMixer's top-2 of 16 (router_jitter_noise 0.01), SwiGLU experts.
+    "phi-3.5-moe": dict(num_experts=16, embed=4096, mlp=6400, top_k=2, score="sparsemixer",
+                        normalize_top_k=False, sparsemixer_eps=0.01, activation="silu"),
     # Qwen1.5-MoE-A2.7B (Qwen2-MoE): softmax top-4 of 60, not renormalized
     # (norm_topk_prob=False), a shared expert of width 5632 scaled by sigmoid(x @ w).
     "qwen1.5-moe-a2.7b": dict(num_experts=60, embed=2048, mlp=1408, top_k=4,

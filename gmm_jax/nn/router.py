@@ -14,7 +14,7 @@ from gmm_jax.nn.params import param, replicated_last
 
 Array = jax.Array
 
-SCORES = ("softmax", "sigmoid")
+SCORES = ("softmax", "sigmoid", "sparsemixer")
 GROUP_SCORES = ("sum_top2", "max")
 LOAD_BALANCING_CONVENTIONS = ("gmm_jax", "transformers")
 
@@ -64,7 +64,14 @@ class Router(nnx.Module):
   Args:
     embed, num_experts: D, E.
     top_k: experts per token.
-    score: "softmax" or "sigmoid" scores.
+    score: "softmax" or "sigmoid" scores, or "sparsemixer" (SparseMixer's inference-time
+      routing, PhiMoE's): the experts of the k best logits; the j-th one's weight is the
+      softmax, over the experts not chosen before it whose logit l is within a relative
+      distance ``(l_j - l) / max(|l|, l_j) <= 2 * sparsemixer_eps`` of its own, taken at
+      it (the window is chosen without gradient). Not renormalized; no routing bias or
+      groups. SparseMixer's training-time Gumbel sampling and its gradient estimator are
+      not reproduced: the weights' gradient is the plain one of this formula.
+    sparsemixer_eps: the window of "sparsemixer" (PhiMoE's ``router_jitter_noise``).
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
     routing_bias: a `RoutingBias` (zeros at first) added to the scores for the selection.
@@ -90,11 +97,18 @@ class Router(nnx.Module):
                top_k_groups: int | None = None, group_score: str = "sum_top2",
                routed_scaling_factor: float = 1.0,
                use_bias: bool = False, load_balancing_convention: str = "gmm_jax",
+               sparsemixer_eps: float = 0.01,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if score not in SCORES:
-      raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+      raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if score == "sparsemixer" and (normalize_top_k or routing_bias
+                                   or num_expert_groups is not None):
+      raise NotImplementedError("score='sparsemixer' with normalize_top_k, routing_bias or "
+                                "group-limited routing")
+    if not sparsemixer_eps >= 0:
+      raise ValueError(f"sparsemixer_eps must be >= 0, got {sparsemixer_eps!r}")
     if load_balancing_convention not in LOAD_BALANCING_CONVENTIONS:
       raise ValueError(f"load_balancing_convention must be one of "
                        f"{LOAD_BALANCING_CONVENTIONS}, got {load_balancing_convention!r}")
@@ -109,7 +123,9 @@ class Router(nnx.Module):
       if top_k_groups * (num_experts // num_expert_groups) < top_k:
         raise ValueError(f"top_k={top_k} is more than the experts of {top_k_groups} groups")
     self.num_experts, self.top_k, self.score = num_experts, top_k, score
-    self.normalize_top_k = top_k > 1 if normalize_top_k is None else normalize_top_k
+    self.normalize_top_k = ((top_k > 1 and score != "sparsemixer") if normalize_top_k is None
+                            else normalize_top_k)
+    self.sparsemixer_eps = float(sparsemixer_eps)
     self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
     self.group_score = group_score
     self.routed_scaling_factor = routed_scaling_factor
@@ -140,8 +156,14 @@ class Router(nnx.Module):
     """tokens ``[T, D]`` -> (logits ``[T, E]`` f32, scores ``[T, E]``, weights ``[T, k]``,
     experts int32 ``[T, k]``)."""
     logits = replicated_last(self(tokens).astype(jnp.float32))
-    scores = (jax.nn.softmax(logits, axis=-1) if self.score == "softmax"
-              else jax.nn.sigmoid(logits))
+    scores = (jax.nn.sigmoid(logits) if self.score == "sigmoid"
+              else jax.nn.softmax(logits, axis=-1))
+    if self.score == "sparsemixer":  # the softmax: for the auxiliary losses
+      top_e = top_k(jax.lax.stop_gradient(logits), self.top_k)
+      weights = sparsemixer_weights(logits, top_e, self.sparsemixer_eps)
+      if self.routed_scaling_factor != 1.0:
+        weights = weights * self.routed_scaling_factor
+      return logits, scores, weights, top_e
     choice = scores
     if self.routing_bias is not None:
       choice = choice + jax.lax.stop_gradient(self.routing_bias[...]).astype(jnp.float32)
@@ -217,6 +239,24 @@ def top_k(scores, k: int):
     remaining = jnp.where(jax.nn.one_hot(index, scores.shape[-1], dtype=bool), -jnp.inf,
                           remaining)
   return jnp.stack(indices, axis=-1)
+
+
+def sparsemixer_weights(logits, experts, eps: float):
+  """SparseMixer's weights at inference: ``[T, k]`` for the experts ``[T, k]`` (ranked
+  best first) of logits ``[T, E]``; the j-th is the softmax, over the experts not chosen
+  before it within a relative distance ``2 * eps`` of its logit, taken at it."""
+  num_experts = logits.shape[-1]
+  fixed = jax.lax.stop_gradient(logits)
+  excluded = jnp.zeros(logits.shape, bool)
+  weights = []
+  for j in range(experts.shape[-1]):
+    chosen = jax.nn.one_hot(experts[:, j], num_experts, dtype=bool)
+    threshold = jnp.sum(jnp.where(chosen, fixed, 0), axis=-1, keepdims=True)
+    far = (threshold - fixed) / jnp.maximum(jnp.abs(fixed), threshold) > 2 * eps
+    masked = jnp.where(excluded | far, -jnp.inf, logits)
+    weights.append(jnp.sum(jnp.where(chosen, jax.nn.softmax(masked, axis=-1), 0), axis=-1))
+    excluded = excluded | chosen
+  return jnp.stack(weights, axis=-1)
 
 
 def limit_to_groups(choice, num_groups: int, top_groups: int, group_score: str = "sum_top2"):
