@@ -314,7 +314,7 @@ def test_presets():
       "deepseek-v3", "olmoe-1b-7b", "gpt-oss-120b", "granite-3.0-3b-a800m", "dbrx",
       "glm-4.5-air", "llama-4-scout", "switch-base-8", "deepseek-v2", "dots.llm1",
       "ernie-4.5-21b-a3b", "ernie-4.5-vl-28b-a3b-text", "hunyuan-a13b",
-      "kimi-linear-48b-a3b", "longcat-flash", "phi-3.5-moe"}
+      "jetmoe-8b", "kimi-linear-48b-a3b", "longcat-flash", "phi-3.5-moe"}
   # The models' own defaults: Qwen2-MoE and OLMoE do not renormalize, Qwen3-MoE does.
   normalized = {name: nn.MOE_PRESETS[name].get("normalize_top_k") for name in
                 ("qwen1.5-moe-a2.7b", "olmoe-1b-7b", "qwen3-moe-30b-a3b")}
@@ -569,3 +569,17 @@ def test_sparsemixer_weights_follow_the_window_rule():
       np.testing.assert_allclose(weights[t, j], want, rtol=1e-5)
   with pytest.raises(NotImplementedError, match="sparsemixer"):
     nn.Router(D, E, score="sparsemixer", normalize_top_k=True, rngs=nnx.Rngs(0))
+
+
+def test_output_bias_is_added_to_every_token():
+  """output_bias=True: a [D] parameter added to the layer's output, with its gradient the
+  sum of the output's cotangent over the tokens."""
+  plain = nn.MoE(E, D, F, rngs=nnx.Rngs(0))
+  biased = nn.MoE(E, D, F, output_bias=True, rngs=nnx.Rngs(0))
+  assert biased.output_bias.shape == (D,) and plain.output_bias is None
+  biased.output_bias[...] = jnp.arange(D, dtype=jnp.float32)
+  x = jax.random.normal(jax.random.key(5), (6, D))
+  np.testing.assert_allclose(biased(x)[0] - plain(x)[0], np.broadcast_to(np.arange(D), (6, D)),
+                             rtol=1e-5, atol=1e-5)
+  grads = nnx.grad(lambda m: jnp.sum(m(x)[0] * 2.0))(biased)
+  np.testing.assert_allclose(grads.output_bias[...], np.full(D, 12.0), rtol=1e-6)

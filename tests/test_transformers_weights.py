@@ -26,7 +26,7 @@ from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 ARCHS = ("dbrx", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "ernie4_5_vl_moe",
-         "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "kimi_linear", "llama4",
+         "glm4_moe", "gpt_oss", "granitemoe", "hunyuan_v1_moe", "jetmoe", "kimi_linear", "llama4",
          "longcat_flash", "mixtral", "olmoe", "phimoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
          "qwen3_omni_moe_talker_text", "qwen3_omni_moe_text", "switch_transformers")
 RTOL = ATOL = 1e-5
@@ -202,6 +202,7 @@ EXPECTED_OPTIONS = {
     "gpt_oss": dict(score="softmax", normalize_top_k=True, top_k=2),
     "granitemoe": dict(score="softmax", normalize_top_k=True, top_k=2),
     "hunyuan_v1_moe": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "jetmoe": dict(score="softmax", normalize_top_k=True, top_k=2),
     "kimi_linear": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.0,
                         num_expert_groups=4, top_k_groups=2, group_score="sum_top2", top_k=3),
     "dbrx": dict(score="softmax", normalize_top_k=True, top_k=2),
@@ -239,7 +240,7 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "deepseek_v2": "deepseek-v2", "deepseek_v3": "deepseek-v3", "dots1": "dots.llm1",
            "ernie4_5_moe": "ernie-4.5-21b-a3b",
            "ernie4_5_vl_moe": "ernie-4.5-vl-28b-a3b-text", "hunyuan_v1_moe": "hunyuan-a13b",
-           "kimi_linear": "kimi-linear-48b-a3b", "longcat_flash": "longcat-flash",
+           "jetmoe": "jetmoe-8b", "kimi_linear": "kimi-linear-48b-a3b", "longcat_flash": "longcat-flash",
            "phimoe": "phi-3.5-moe", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
            "llama4": "llama-4-scout", "switch_transformers": "switch-base-8"}
@@ -286,6 +287,9 @@ def _hf_expert(arch, p, config, e, x):
     w1, v1, w2 = (p[f"experts.mlp.{n}"].reshape(experts, -1, x.shape[0])[e]
                   for n in ("w1", "v1", "w2"))
     return (_silu(x @ w1.T) * (x @ v1.T)) @ w2
+  if arch == "jetmoe":
+    gate, up = np.split(p["input_linear.weight"][e] @ x, 2)
+    return p["output_linear.weight"][e] @ (_silu(gate) * up)
   if arch == "switch_transformers":
     hidden = np.maximum(p[f"experts.expert_{e}.wi.weight"] @ x, 0)
     return p[f"experts.expert_{e}.wo.weight"] @ hidden
@@ -324,6 +328,7 @@ def _our_expert(moe, e, x):
 
 
 ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "hunyuan_v1_moe": "gate.wg",
+           "jetmoe": "router.layer",
            "llama4": "router", "longcat_flash": "router.classifier", "phimoe": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
@@ -362,6 +367,8 @@ def test_layout_computes_the_blocks_ffn(arch):
     if "shared_expert_gate.weight" in p:
       np.testing.assert_allclose(x @ _f64(moe.shared.gate.kernel),
                                  p["shared_expert_gate.weight"] @ x, rtol=1e-6, atol=1e-9)
+  if arch == "jetmoe":
+    np.testing.assert_array_equal(_f64(moe.output_bias), p["bias"])
   for name in ("gate.e_score_correction_bias", "gate.moe_statics.e_score_correction_bias"):
     if name in p:
       np.testing.assert_array_equal(_f64(moe.routing_bias), p[name].reshape(-1))
@@ -432,6 +439,8 @@ def test_bad_inputs():
   hunyuan = _load("hunyuan_v1_moe")
   with pytest.raises(ValueError, match="per layer"):
     nn.from_transformers({**_config(hunyuan), "moe_topk": [2, 2]}, _state_dict(hunyuan))
+  with pytest.raises(NotImplementedError, match="attention experts"):
+    nn.from_transformers(type("JetMoeMoA", (), {"state_dict": dict})())
   longcat = _load("longcat_flash")
   with pytest.raises(NotImplementedError, match="leave out"):
     nn.from_transformers({**_config(longcat), "router_bias": True}, _state_dict(longcat))

@@ -10,7 +10,7 @@ The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixt
 qwen2_moe, qwen3_moe, qwen3_next, qwen3_omni_moe_text and qwen3_omni_moe_talker_text (Qwen3-Omni's
 thinker and talker), deepseek_v2, deepseek_v3, dots1, ernie4_5_moe,
 ernie4_5_vl_moe (one modality's experts), olmoe,
-gpt_oss, granitemoe, hunyuan_v1_moe, kimi_linear, longcat_flash, phimoe, dbrx, glm4_moe, llama4 (``llama4_text``) and
+gpt_oss, granitemoe, hunyuan_v1_moe, jetmoe (its MLP experts), kimi_linear, longcat_flash, phimoe, dbrx, glm4_moe, llama4 (``llama4_text``) and
 switch_transformers. Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
@@ -282,6 +282,17 @@ def _phimoe(config):
               sparsemixer_eps=float(_field(config, "router_jitter_noise", default=0.01)))
 
 
+def _jetmoe(config):
+  # A softmax over the top-k logits (= renormalized), and a bias [D] on the output.
+  return dict(num_experts=int(_field(config, "num_local_experts", "num_experts")),
+              embed=int(_field(config, "hidden_size")),
+              mlp=int(_field(config, "intermediate_size")),
+              top_k=int(_field(config, "num_experts_per_tok")),
+              activation=_activation(_field(config, "activation_function", "hidden_act",
+                                            default="silu")),
+              score="softmax", normalize_top_k=True, output_bias=True)
+
+
 def _dbrx(config):
   ffn = _field(config, "ffn_config")
   top_k = int(_field(ffn, "moe_top_k"))
@@ -334,13 +345,16 @@ class Architecture:
     experts: the expert layout: "fused" (``gate_up_proj [E, 2F, D]``, ``down_proj
       [E, D, F]``), "fused_in_out" (``[E, D, 2F]`` gate first, ``[E, F, D]``: Llama 4),
       "interleaved" (gpt-oss: ``[E, D, 2F]`` gate and up columns alternating, biases
-      too), "dbrx" (``w1``, ``v1``, ``w2`` ``[E * F, D]``), "per_expert" (Switch).
+      too), "dbrx" (``w1``, ``v1``, ``w2`` ``[E * F, D]``), "per_expert" (Switch),
+      "input_output_linear" (JetMoE: ``input_linear.weight [E, 2F, D]`` gate rows first,
+      ``output_linear.weight [E, D, F]``).
     router: the router's weight ``[E, D]`` (its bias: the same name, ``bias``).
     shared: the shared expert's module (``gate_proj``, ``up_proj``, ``down_proj``), or None.
     shared_gate: the shared expert's gate weight ``[1, D]``, or None.
     routing_bias: the selection-only bias ``[E]`` (``[1, E]`` with `routing_bias_2d`), or
       None.
     routing_bias_2d: the routing bias is stored as ``[1, E]`` (Ernie 4.5).
+    output_bias: the bias ``[D]`` added to the block's output, or None.
     model_types: the config ``model_type`` values it answers to.
   """
   name: str
@@ -352,6 +366,7 @@ class Architecture:
   shared_gate: str | None = None
   routing_bias: str | None = None
   routing_bias_2d: bool = False
+  output_bias: str | None = None
   model_types: tuple[str, ...] = ()
 
 
@@ -392,6 +407,8 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("dbrx", ("DbrxFFN",), _dbrx, experts="dbrx", router="router.layer.weight"),
     Architecture("glm4_moe", ("Glm4MoeMoE",), _deepseek, shared="shared_experts",
                  routing_bias="gate.e_score_correction_bias"),
+    Architecture("jetmoe", ("JetMoeMoE",), _jetmoe, experts="input_output_linear",
+                 router="router.layer.weight", output_bias="bias"),
     Architecture("kimi_linear", ("KimiLinearMoE",), _kimi_linear, shared="shared_experts",
                  routing_bias="gate.e_score_correction_bias"),
     Architecture("llama4", ("Llama4TextMoe",), _llama4, experts="fused_in_out",
@@ -408,6 +425,9 @@ REFUSED: dict[str, str] = {
         "Ernie 4.5 VL's MoE block runs text and vision tokens through two sets of experts "
         "picked by moe_mm_token_type_ids (modality-isolated experts); load its text_moe or "
         "vision_moe sub-block (each an nn.MoE) and its shared_experts apart"),
+    "JetMoeMoA": (
+        "JetMoE's mixture of attention experts routes tokens to per-expert query and output "
+        "projections around attention, not to FFNs; its JetMoeMoE (the MLP experts) loads"),
 }
 
 
@@ -479,7 +499,8 @@ def _read_experts(arch: Architecture, tensors: _Tensors, o: dict) -> dict:
                                (num_experts, 2 * mlp, embed)).transpose(0, 2, 1)
     out["w_down"] = tensors.take("experts.down_proj",
                                  (num_experts, embed, mlp)).transpose(0, 2, 1)
-  elif arch.experts == "fused" and tensors.has("input_linear.weight"):  # GraniteMoE 4.x
+  elif arch.experts == "input_output_linear" or (  # JetMoE; GraniteMoE 4.x
+      arch.experts == "fused" and tensors.has("input_linear.weight")):
     out["w_in"] = tensors.take("input_linear.weight",
                                (num_experts, 2 * mlp, embed)).transpose(0, 2, 1)
     out["w_down"] = tensors.take("output_linear.weight",
@@ -531,6 +552,9 @@ def _write_experts(arch: Architecture, w: dict, o: dict) -> dict:
             "experts.down_proj": w["w_down"].transpose(0, 2, 1)}
   if arch.experts == "fused_in_out":
     return {"experts.gate_up_proj": w["w_in"], "experts.down_proj": w["w_down"]}
+  if arch.experts == "input_output_linear":
+    return {"input_linear.weight": w["w_in"].transpose(0, 2, 1),
+            "output_linear.weight": w["w_down"].transpose(0, 2, 1)}
   if arch.experts == "interleaved":
     def interleave(a):
       out = np.empty_like(a)
@@ -578,6 +602,8 @@ def _read(arch: Architecture, tensors: _Tensors, o: dict) -> dict:
                                               (embed, shared_mlp)).T
   if arch.shared_gate:
     canonical["shared_gate"] = tensors.take(arch.shared_gate, (1, embed)).T
+  if arch.output_bias:
+    canonical["output_bias"] = tensors.take(arch.output_bias, (embed,))
   tensors.check_all_used(arch.name)
   return canonical
 
@@ -599,6 +625,8 @@ def _write(arch: Architecture, canonical: dict, o: dict) -> dict:
     out[f"{arch.shared}.down_proj.weight"] = canonical["shared_w_down"].T
   if arch.shared_gate:
     out[arch.shared_gate] = canonical["shared_gate"].T
+  if arch.output_bias:
+    out[arch.output_bias] = canonical["output_bias"]
   return {name: np.ascontiguousarray(value) for name, value in out.items()}
 
 
@@ -616,6 +644,7 @@ _PARAMS = {
     "shared_w_in": ("shared", "up", "kernel"),
     "shared_w_down": ("shared", "down", "kernel"),
     "shared_gate": ("shared", "gate", "kernel"),
+    "output_bias": ("output_bias",),
 }
 
 
@@ -780,6 +809,8 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
     wanted |= {"shared_w_in", "shared_w_down"}
   if arch.shared_gate:
     wanted.add("shared_gate")
+  if arch.output_bias:
+    wanted.add("output_bias")
   missing = sorted(wanted - set(canonical))
   extra = sorted(set(canonical) - wanted)
   if missing or extra:
@@ -811,7 +842,7 @@ def _module_activation(module) -> str:
 
 def _block_config(arch: Architecture, block):
   """The config of a block: its own or a submodule's (transformers 5.x's experts keep it);
-  DBRX and Switch blocks keep none, their options are read from the modules."""
+  DBRX, JetMoE and Switch blocks keep none, their options are read from the modules."""
   for module in [block, *block.modules()]:
     config = getattr(module, "config", None)
     if config is not None and hasattr(config, "to_dict"):
@@ -829,6 +860,12 @@ def _block_config(arch: Architecture, block):
                            "moe_top_k": block.top_k,
                            "moe_normalize_expert_weights": block.moe_normalize_expert_weights,
                            "ffn_act_fn": {"name": _module_activation(mlp.activation_fn)}}}
+  if arch.name == "jetmoe":
+    return {"model_type": "jetmoe", "hidden_size": block.input_size,
+            "intermediate_size": block.hidden_size,
+            "num_local_experts": block.router.num_experts,
+            "num_experts_per_tok": block.router.top_k,
+            "activation_function": _module_activation(block.activation)}
   if arch.name == "switch_transformers":
     first = block.experts["expert_0"]
     return {"model_type": "switch_transformers", "num_experts": block.router.num_experts,

@@ -14,7 +14,7 @@ from gmm_jax import QuantSpec
 from gmm_jax.nn import dispatch
 from gmm_jax.nn.expert_ffn import check_options, expert_layers, expert_params, ffn_spec
 from gmm_jax.nn.grouped_linear import GroupedLinear
-from gmm_jax.nn.params import reshard
+from gmm_jax.nn.params import param, reshard
 from gmm_jax.nn.presets import scaled
 from gmm_jax.nn.router import Router
 from gmm_jax.nn.shared import SharedExperts
@@ -112,6 +112,8 @@ class MoE(nnx.Module):
       learned ``[D, 1]`` kernel (Qwen2-MoE's and Qwen3-Next's ``shared_expert_gate``);
       needs num_shared_experts >= 1.
     use_bias: expert biases ``[E, 2F]`` (or ``[E, F]``) and ``[E, D]`` (gpt-oss).
+    output_bias: a learned ``[D]`` bias (zeros at first, ``output_bias``) added to every
+      token's output, after the routed and shared experts (JetMoE's MoE ``bias``).
     capacity_factor: None (dropless) or c: each expert takes at most
       ``ceil(c * T * top_k / E)`` assignments (earlier tokens first; the rest give 0), and
       the grouped buffers hold ``min(T * top_k, E * capacity)`` rows.
@@ -178,7 +180,7 @@ class MoE(nnx.Module):
   the latter a `RoutingBias`), ``gate_up.kernel [E, D, 2F]`` (gate half first) or
   ``up.kernel [E, D, F]``, ``down.kernel [E, F, D]`` (biases ``[E, 2F]``/``[E, F]`` and
   ``[E, D]``), ``shared.up.kernel [D, 2F_s]``, ``shared.down.kernel [F_s, D]``,
-  ``shared.gate.kernel [D, 1]``.
+  ``shared.gate.kernel [D, 1]``, ``output_bias [D]``.
 
   Returns (from __call__): ``(y, aux)``: the router's aux (the built-in router's:
   ``aux["load_balancing_loss"]`` the Switch balance loss ``E * sum_e f_e * P_e`` (f_e:
@@ -199,7 +201,8 @@ class MoE(nnx.Module):
                router_weight_on: str = "output", num_identity_experts: int = 0,
                num_shared_experts: int = 0,
                shared_mlp: int | None = None, shared_gate: bool = False,
-               use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
+               use_bias: bool = False, output_bias: bool = False,
+               swiglu_limit: float = SWIGLU_LIMIT,
                swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool | None = None,
                capacity_factor: float | None = None, capacity_per: str = "call",
                buffer_factor: float | None = None, layout: str = "ragged",
@@ -282,6 +285,8 @@ class MoE(nnx.Module):
         param_dtype=param_dtype, weight_quant=weight_quant, input_quant=input_quant,
         quantization=quantization,
         implementation=implementation, kernel_metadata=kernel_metadata, rngs=rngs)
+    self.output_bias = (param(jnp.zeros((embed,), param_dtype), ("embed",)) if output_bias
+                        else None)
     shared_mlp = shared_mlp or mlp * num_shared_experts
     self.shared = SharedExperts(embed, shared_mlp, gated=gated, activation=activation,
                                 gate=shared_gate, swiglu_limit=swiglu_limit,
@@ -385,6 +390,8 @@ class MoE(nnx.Module):
       y = y + (identity_weight.astype(jnp.float32) * tokens.astype(jnp.float32))
     if self.shared is not None:
       y = y + self.shared(tokens).astype(jnp.float32)
+    if self.output_bias is not None:
+      y = y + self.output_bias[...].astype(jnp.float32)
     aux = dict(routing.aux)
     aux["dropped_fraction"] = (jnp.zeros((), jnp.float32) if kept is None
                                else 1.0 - jnp.mean(kept.astype(jnp.float32)))

@@ -56,6 +56,10 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     # Hunyuan-A13B: softmax top-8 of 64, renormalized, a shared MLP of the experts' width.
     "hunyuan-a13b": dict(num_experts=64, embed=4096, mlp=3072, top_k=8, score="softmax",
                          normalize_top_k=True, num_shared_experts=1, activation="silu"),
+    # JetMoE-8B (its MLP experts): softmax over the top-2 logits of 8 (= renormalized), a
+    # bias on the layer's output.
+    "jetmoe-8b": dict(num_experts=8, embed=2048, mlp=5632, top_k=2, score="softmax",
+                      normalize_top_k=True, output_bias=True, activation="silu"),
     # Kimi-Linear-48B-A3B (its MoE layers): DeepSeek-V3's routing (sigmoid, bias-corrected
     # selection, one group), top-8 of 256, renormalized, scaled by 2.446, one shared expert.
     "kimi-linear-48b-a3b": dict(num_experts=256, embed=2304, mlp=1024, top_k=8,
