@@ -303,20 +303,35 @@ def test_tgmm_num_actual_groups_and_bf16_existing_out_rounding():
   _close(got, want, **tolerances(jnp.bfloat16, k=M, scale=16.0))
 
 
+def _qwix_int8(x, axis):
+  """qwix's absmax int8 (MaxText's quantizer): the absmax maps to 127.5, values round to
+  nearest and saturate at [-128, 127], computed in float32 as qwix does for float32
+  operands; dequantized, in float64. XLA divides by the constant 127.5 as a product with
+  its float32 reciprocal: the scale here is that product, to the last bit."""
+  x = np.asarray(x, np.float32)
+  scale = np.abs(x).max(axis=axis, keepdims=True) * np.float32(1 / 127.5)
+  return np.clip(np.round(x / scale), -128, 127).astype(np.float64) * scale
+
+
+def _positive_absmax(x, axis):
+  """`x` with each channel's largest magnitude made positive. A channel's absmax lands on
+  +-127.5, a rounding tie: +127.5 gives 127 both ways, but -127.5 gives -128 or -127 as the
+  last bit of the scale falls, which is rounding, not quantization."""
+  x = np.array(x)
+  peak = np.abs(x) == np.abs(x).max(axis=axis, keepdims=True)
+  return np.where(peak, np.abs(x), x)
+
+
 def test_rhs_quantize_dtype_is_per_column_absmax():
   lhs, rhs, sizes = _inputs(11)
+  lhs, rhs = jnp.asarray(_positive_absmax(lhs, 1)), jnp.asarray(_positive_absmax(rhs, (0, 1)))
   got = _jit(lambda: megablox.gmm(lhs, rhs, sizes, rhs_quantize_dtype=jnp.int8))
-  w = f64(rhs)
-  scale = np.abs(w).max(axis=(0, 1), keepdims=True) / 127  # per output column n
-  dequantized = np.clip(np.round(w / scale), -127, 127) * scale
+  dequantized = _qwix_int8(rhs, axis=(0, 1))  # per output column n, all experts
   want = gmm_oracle(lhs, dequantized, SIZES, "m")
   _close(got, want, rtol=1e-5, atol=1e-3)
   both = _jit(lambda: ops.gmm(lhs, rhs, sizes, lhs_quantize_dtype=jnp.int8,
                               rhs_quantize_dtype=jnp.int8))
-  x = f64(lhs)
-  x_scale = np.abs(x).max(axis=1, keepdims=True) / 127  # per row of lhs
-  want = gmm_oracle(np.clip(np.round(x / x_scale), -127, 127) * x_scale, dequantized, SIZES,
-                    "m")
+  want = gmm_oracle(_qwix_int8(lhs, axis=1), dequantized, SIZES, "m")  # lhs per row
   _close(both, want, rtol=1e-5, atol=1e-3)
   with pytest.raises(NotImplementedError, match="quantized rhs"):
     megablox.gmm(lhs, rhs, sizes, lhs_quantize_dtype=jnp.int8)

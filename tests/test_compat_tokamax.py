@@ -197,7 +197,7 @@ def test_activation_runs_in_f32_before_the_cast():
   np.testing.assert_allclose(f64(out), want, **tolerances(jnp.bfloat16, k=16, scale=16.0))
 
 
-@pytest.mark.parametrize("fuse", ["silu", "gelu_tanh", "swigluoai"])
+@pytest.mark.parametrize("fuse", ["silu", "gelu_tanh", "swigluoai", "silu_and_mul_with_clamp"])
 def test_fuse_gateup_activation(fuse):
   lhs, rhs, sizes = _inputs(3, n=16)
   z = gmm_oracle(lhs, rhs, np.asarray(sizes), "m")
@@ -206,14 +206,17 @@ def test_fuse_gateup_activation(fuse):
     want = gate / (1 + np.exp(-gate)) * up
   elif fuse == "gelu_tanh":
     want = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3))) * up
-  else:  # gpt-oss: gate clamped above at 7, up to [-7, 7], sigmoid(1.702 x), up + 1
+  elif fuse == "swigluoai":  # gpt-oss: gate clamped above at 7, up to [-7, 7], 1.702, up + 1
     gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
     want = gate / (1 + np.exp(-1.702 * gate)) * (up + 1)
+  else:  # DeepSeek-V4's: gate clamped above at 10, up to [-10, 10], plain silu
+    gate, up = np.minimum(gate, 10.0), np.clip(up, -10.0, 10.0)
+    want = gate / (1 + np.exp(-gate)) * up
   out = _jit(lambda: tk.ragged_dot(lhs, rhs, sizes, fuse_gateup_activation=fuse))
   assert out.shape == (24, 8)
   np.testing.assert_allclose(f64(out), want, **tolerances(jnp.float32, k=16, scale=64.0))
   with pytest.raises(NotImplementedError, match="Unsupported fused activation"):
-    tk.ragged_dot(lhs, rhs, sizes, fuse_gateup_activation="silu_and_mul_with_clamp")
+    tk.ragged_dot(lhs, rhs, sizes, fuse_gateup_activation="relu_and_mul")
 
 
 def test_quantized_rhs_as_tokamax_takes_it():
