@@ -244,3 +244,24 @@ def test_equals_tokamax_live():
     want = _call(tokamax, a["lhs"], a["rhs"], sizes, spec, tokamax.RaggedDotGroupSizes)
     got = _call(tk, a["lhs"], a["rhs"], sizes, spec, tokamax.RaggedDotGroupSizes)
     np.testing.assert_allclose(f64(got), f64(want), **_tol(spec, a, scale=16.0))
+
+
+def test_group_sizes_object_as_maxtext_builds_it():
+  """MaxText builds tokamax.RaggedDotGroupSizes(group_sizes, num_rows); it travels through
+  jit as a pytree and gives the sizes its value holds."""
+  lhs, rhs, sizes = _inputs(9)
+  group_sizes = tk.RaggedDotGroupSizes(sizes, lhs.shape[0])
+  assert tk.GroupSizes is tk.RaggedDotGroupSizes
+  got = jax.jit(lambda l, r, gs: tk.ragged_dot(l, r, gs, implementation="xla"))(
+      lhs, rhs, group_sizes)
+  np.testing.assert_allclose(f64(got), gmm_oracle(lhs, rhs, np.asarray(sizes), "m"),
+                             **tolerances(jnp.float32, k=16, scale=16.0))
+  assert tk.GroupSizes(np.asarray([3, 0, 5], np.int32), 8).representative_value == (3, 0, 5)
+  assert tk.GroupSizes(jax.ShapeDtypeStruct((3,), jnp.int32), 8).representative_value == (
+      3, 3, 2)
+  assert tk.GroupSizes(sizes, (1, 2, 3, 4)[:len(sizes)]).repr_value_or_total_size == (
+      1, 2, 3, 4)[:len(sizes)]
+  with pytest.raises(ValueError, match="integers"):
+    tk.GroupSizes(jnp.zeros(3, jnp.float32), 3)
+  with pytest.raises(ValueError, match="same length"):
+    tk.GroupSizes(sizes, (1,) * (len(sizes) + 1))
