@@ -477,3 +477,44 @@ def test_masked_layout_refuses_meshes_and_bad_rows():
     nn.MoE(E, D, F, max_rows=4, rngs=nnx.Rngs(0))  # without layout="masked"
   with pytest.raises(ValueError, match="max_rows"):
     nn.MoE(E, D, F, layout="masked", max_rows=0, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("capacity_per, shape", [("call", (24, D)), ("sequence", (3, 8, D))])
+def test_expert_capacity_is_the_capacity_factor_of_that_count(capacity_per, shape):
+  """An absolute capacity C is the factor whose ceil(c * n * k / E) is C (n: the call's
+  tokens, or each sequence's), for every C up to the dropless count."""
+  x = jax.random.normal(jax.random.key(11), shape)
+  counted = shape[-2] if capacity_per == "sequence" else shape[0]
+  for capacity in (1, 2, 5, counted * 2):
+    absolute, _ = build(dict(top_k=2, expert_capacity=capacity, capacity_per=capacity_per))
+    factor = capacity * E / (counted * 2) * (1 - 1e-9)
+    relative, _ = build(dict(top_k=2, capacity_factor=factor, capacity_per=capacity_per))
+    y, aux = nnx.jit(lambda m: m(x))(absolute)
+    want, want_aux = nnx.jit(lambda m: m(x))(relative)
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+    assert float(aux["dropped_fraction"]) == float(want_aux["dropped_fraction"])
+    if capacity == 1:  # 2 * n assignments, at most E kept
+      assert float(aux["dropped_fraction"]) >= 1 - E / (counted * 2)
+    if capacity >= counted * 2:
+      assert float(aux["dropped_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(expert_capacity=0), "positive int"),
+    (dict(expert_capacity=2.5), "positive int"),
+    (dict(expert_capacity=True), "positive int"),
+    (dict(expert_capacity=4, capacity_factor=1.0), "give one"),
+    (dict(gated_prologue="yes"), "gated_prologue must be None"),
+    (dict(gated_prologue=1), "gated_prologue must be None"),
+])
+def test_capacity_and_prologue_options_are_checked(options, match):
+  with pytest.raises(ValueError, match=match):
+    nn.MoE(E, D, F, rngs=nnx.Rngs(0), **options)
+
+
+def test_dropped_fraction_is_exactly_zero_when_nothing_is_dropped():
+  """Under jit 1 - mean(kept) rounded to -4.5e-8 for a capacity that dropped nothing."""
+  x = jax.random.normal(jax.random.key(12), (3, 56, D))
+  model, _ = build(dict(top_k=2, expert_capacity=112, capacity_per="sequence"))
+  aux = nnx.jit(lambda m: m(x)[1])(model)
+  assert float(aux["dropped_fraction"]) == 0.0

@@ -59,8 +59,6 @@ def _config(fixture):
   return json.loads(str(fixture["config"]))
 
 
-def _seq_len(arch, fixture):
-  return dict(seq_len=fixture["x"].shape[1]) if arch == "switch_transformers" else {}
 
 
 def _run(moe, x, cotangent):
@@ -133,7 +131,7 @@ def test_matches_transformers(arch, fast_compile):
   """Forward, input and parameter gradients, chosen experts and auxiliary losses equal
   transformers' for the fixture's block, built from its config and state dict."""
   fixture = _load(arch)
-  moe = nn.from_transformers(_config(fixture), _state_dict(fixture), **_seq_len(arch, fixture))
+  moe = nn.from_transformers(_config(fixture), _state_dict(fixture))
   _check(arch, moe, fixture)
 
 
@@ -143,7 +141,7 @@ def test_round_trip(arch):
   under the same names; a prefix goes both ways."""
   fixture = _load(arch)
   config, state_dict = _config(fixture), _state_dict(fixture)
-  moe = nn.from_transformers(config, state_dict, **_seq_len(arch, fixture))
+  moe = nn.from_transformers(config, state_dict)
   out = nn.to_transformers(moe, config)
   assert sorted(out) == sorted(state_dict)
   for name, value in state_dict.items():
@@ -153,8 +151,7 @@ def test_round_trip(arch):
   by_name = nn.to_transformers(moe, arch, prefix=prefix)
   assert sorted(by_name) == sorted(prefix + k for k in state_dict)
   whole_model = {**by_name, "model.layers.3.input_layernorm.weight": np.ones(4)}
-  again = nn.from_transformers(json.dumps(config), whole_model, prefix=prefix,
-                               **_seq_len(arch, fixture))
+  again = nn.from_transformers(json.dumps(config), whole_model, prefix=prefix)
   for name, value in nn.to_transformers(again, config).items():
     np.testing.assert_array_equal(value, state_dict[name], err_msg=name)
 
@@ -202,7 +199,7 @@ EXPECTED_OPTIONS = {
 @_by_arch(ARCHS)
 def test_options_from_config(arch):
   fixture = _load(arch)
-  moe = nn.from_transformers(_config(fixture), _state_dict(fixture), **_seq_len(arch, fixture))
+  moe = nn.from_transformers(_config(fixture), _state_dict(fixture))
   for name, value in EXPECTED_OPTIONS[arch].items():
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
   assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "glm4_moe"))
@@ -232,7 +229,7 @@ def test_preset_routes_as_the_block(arch):
   """Each architecture's preset (its real model's shapes) routes and computes as the layer
   from_transformers builds from the tiny config (built abstractly: no weights drawn)."""
   fixture = _load(arch)
-  moe = nn.from_transformers(_config(fixture), _state_dict(fixture), **_seq_len(arch, fixture))
+  moe = nn.from_transformers(_config(fixture), _state_dict(fixture))
   preset = nnx.eval_shape(lambda: nn.MoE.from_preset(PRESETS[arch], rngs=nnx.Rngs(0)))
   assert _routing_kind(preset) == _routing_kind(moe)
 
@@ -311,7 +308,7 @@ def test_layout_computes_the_blocks_ffn(arch):
   compiling the layer."""
   fixture = _load(arch)
   config, p = _config(fixture), {k: v.astype(np.float64) for k, v in _state_dict(fixture).items()}
-  moe = nn.from_transformers(config, _state_dict(fixture), **_seq_len(arch, fixture))
+  moe = nn.from_transformers(config, _state_dict(fixture))
   tokens = fixture["x"].reshape(-1, fixture["x"].shape[-1]).astype(np.float64)[:3]
   for x in tokens:
     for e in range(moe.num_experts):
@@ -386,10 +383,12 @@ def test_bad_inputs():
   with pytest.raises(NotImplementedError, match="2-norm"):
     nn.from_transformers(dbrx_config, _state_dict(dbrx))
   switch = _load("switch_transformers")
-  with pytest.raises(ValueError, match="seq_len"):
-    nn.from_transformers(_config(switch), _state_dict(switch))
+  # Switch's expert_capacity counts each sequence's assignments per expert, whatever S is.
+  capped = nn.from_transformers(_config(switch), _state_dict(switch))
+  assert capped.expert_capacity == _config(switch)["expert_capacity"]
+  assert capped.capacity_per == "sequence" and capped.capacity_factor is None
   dropless = nn.from_transformers(_config(switch), _state_dict(switch), capacity_factor=None)
-  assert dropless.capacity_factor is None
+  assert dropless.capacity_factor is None and dropless.expert_capacity is None
   # A layer without the shared expert a Qwen2-MoE block has cannot be written as one.
   moe = nn.from_transformers(config, state)
   with pytest.raises(ValueError, match="lacks"):
@@ -429,7 +428,7 @@ def test_live_transformers(arch, fast_compile):
   make_fixtures = _make_fixtures()
   import torch
   fixture, block = make_fixtures.make(arch, seed=20261202)
-  moe = nn.from_transformers(block, **_seq_len(arch, fixture))
+  moe = nn.from_transformers(block)
   _check(arch, moe, fixture)
   state = nn.to_transformers(moe, _config(fixture))
   block.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()},

@@ -469,18 +469,12 @@ def _moe_arrays(moe) -> dict:
 
 
 def _moe_arguments(arch: Architecture, options: dict, seq_len, overrides) -> dict:
+  del seq_len  # Switch's per-sequence capacity is nn.MoE's expert_capacity: no length needed
   kwargs = dict(options)
-  capacity = kwargs.pop("expert_capacity", None)
-  if capacity is not None and "capacity_factor" not in overrides:
-    if seq_len is None:
-      raise ValueError(
-          f"{arch.name}: expert_capacity={capacity} counts a sequence's tokens per expert; "
-          f"pass seq_len (the length of the sequences the layer gets) to make it a "
-          f"capacity_factor, or capacity_factor=None for dropless routing")
-    # ceil(c * S * k / E) == capacity: a hair under the exact quotient.
-    kwargs["capacity_factor"] = (capacity * kwargs["num_experts"]
-                                 / (seq_len * kwargs["top_k"]) * (1 - 1e-9))
+  if "expert_capacity" in kwargs:
     kwargs["capacity_per"] = "sequence"
+    if "capacity_factor" in overrides:  # a factor (or None: dropless) replaces it
+      del kwargs["expert_capacity"]
   kwargs["load_balancing_convention"] = "transformers"
   kwargs.update(overrides)
   return kwargs
@@ -502,8 +496,9 @@ def from_transformers(block_or_config, state_dict: Mapping[str, Any] | None = No
     config: with a block: its config, where the block does not keep one.
     prefix: only the tensors whose names start with it, the prefix removed (e.g.
       ``"model.layers.3.mlp."`` of a whole model's state dict).
-    seq_len: Switch only: the sequence length its per-sequence ``expert_capacity`` (a
-      count of tokens) is for.
+    seq_len: accepted for compatibility and not needed: Switch's per-sequence
+      ``expert_capacity`` becomes nn.MoE's ``expert_capacity`` with
+      ``capacity_per="sequence"``, whatever the sequences' length.
     **overrides: more `MoE` arguments (``dtype``, ``param_dtype``, ``fused``,
       ``implementation``, ...); they replace the ones the config gives.
 

@@ -4,10 +4,12 @@ experts (`shared`)."""
 
 from __future__ import annotations
 
+import fractions
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gmm_jax import QuantSpec
@@ -107,7 +109,12 @@ class MoE(nnx.Module):
       mesh) or "sequence": x ``[..., S, D]`` (a 2-D x is one sequence), each sequence's
       assignments ranked on their own, ``ceil(c * S * top_k / E)`` per expert and
       sequence (Switch Transformer in transformers: its ``expert_capacity`` is this
-      number, ``c = expert_capacity * E / (S * top_k)``).
+      number: `expert_capacity`).
+    expert_capacity: None, or C (an int, instead of capacity_factor): each expert takes at
+      most C assignments of the call, or of each sequence with ``capacity_per="sequence"``
+      (Switch Transformer's ``expert_capacity``); the capacity_factor whose capacity is C
+      for the call's sizes. On a mesh with sharded tokens, each token shard's capacity is
+      its share, as for capacity_factor.
     layout: "ragged" (default: the routed rows as one grouped gmm of T * top_k rows) or
       "masked" (decode: the rows as ``[E, max_rows, D]`` slots, `gmm_jax.MaskedArray`,
       every shape independent of the routing, as vLLM's and DeepGEMM's masked grouped
@@ -188,6 +195,7 @@ class MoE(nnx.Module):
                use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
                swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool | None = None,
                capacity_factor: float | None = None, capacity_per: str = "call",
+               expert_capacity: int | None = None,
                buffer_factor: float | None = None, layout: str = "ragged",
                max_rows: int | None = None,
                partitionable: bool | None = None, transport: str = "auto",
@@ -201,6 +209,16 @@ class MoE(nnx.Module):
       raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if capacity_factor is not None and capacity_factor <= 0:
       raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+    if expert_capacity is not None:
+      if (isinstance(expert_capacity, (bool, np.bool_))
+          or not isinstance(expert_capacity, (int, np.integer)) or expert_capacity < 1):
+        raise ValueError(f"expert_capacity must be a positive int, got {expert_capacity!r}")
+      if capacity_factor is not None:
+        raise ValueError(f"expert_capacity={expert_capacity} and capacity_factor="
+                         f"{capacity_factor} both bound the experts' load: give one")
+    if gated_prologue is not None and not isinstance(gated_prologue, (bool, np.bool_)):
+      raise ValueError(f"gated_prologue must be None (the platform's choice), True or False, "
+                       f"got {gated_prologue!r}")
     check_options(activation, gated, router_weight_on=router_weight_on,
                   swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     if capacity_per not in CAPACITY_PER:
@@ -248,6 +266,7 @@ class MoE(nnx.Module):
     self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
     self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
     self.capacity_per = capacity_per
+    self.expert_capacity = None if expert_capacity is None else int(expert_capacity)
     self.layout, self.max_rows = layout, max_rows
     self.partitionable, self.transport = partitionable, transport
     self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
@@ -342,18 +361,25 @@ class MoE(nnx.Module):
                     self._in_layer(), dtype, weight_on=self.router_weight_on,
                     swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
                     gated_prologue=self.gated_prologue)
+    capacity_factor = self.capacity_factor
+    if self.expert_capacity is not None:
+      # The factor whose capacity ceil(c * n * k / E) is expert_capacity, exactly.
+      counted = sequence_length if sequence_length is not None else tokens.shape[0]
+      capacity_factor = fractions.Fraction(self.expert_capacity * self.num_experts,
+                                           max(counted * self.top_k, 1))
     y, kept = dispatch.run_experts(
         spec, tokens.astype(dtype), top_e, top_p,
         expert_params(self._in_layer(), self.down, dtype), mesh=mesh, axis=axis,
         token_axes=token_axes, partitionable=self.partitionable,
-        capacity_factor=self.capacity_factor, buffer_factor=self.buffer_factor,
+        capacity_factor=capacity_factor, buffer_factor=self.buffer_factor,
         transport=self.transport, sequence_length=sequence_length,
         masked_rows=(self.max_rows or tokens.shape[0]) if self.layout == "masked" else None)
     if self.shared is not None:
       y = y + self.shared(tokens).astype(jnp.float32)
     aux = dict(routing.aux)
+    # The mean of exact 0s and 1s: 0 when nothing is dropped (1 - mean(kept) rounds).
     aux["dropped_fraction"] = (jnp.zeros((), jnp.float32) if kept is None
-                               else 1.0 - jnp.mean(kept.astype(jnp.float32)))
+                               else jnp.mean(1.0 - kept.astype(jnp.float32)))
     y = y.astype(x.dtype).reshape(shape)
     out_sharding = self.out_sharding if out_sharding is None else out_sharding
     return reshard(y, out_sharding), aux
