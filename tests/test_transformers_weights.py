@@ -1,7 +1,7 @@
 """nn.from_transformers / nn.to_transformers against Hugging Face transformers' own MoE blocks.
 
-The reference is transformers itself: tests/fixtures/hf/<arch>.npz hold, for each of twelve
-architectures, a tiny block's config, weights, input, output, gradients (of
+The reference is transformers itself: tests/fixtures/hf/<arch>.npz hold, for each architecture of
+ARCHS, a tiny block's config, weights, input, output, gradients (of
 ``sum(y * cotangent)``), chosen experts and auxiliary losses, written by
 tests/fixtures/hf/make_fixtures.py with torch (CPU) and transformers 5.x. The default run
 needs neither: it builds the layer from each fixture's config and state dict. The live test
@@ -25,8 +25,9 @@ nnx = pytest.importorskip("flax.nnx")
 from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-ARCHS = ("dbrx", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "llama4", "mixtral",
-         "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "switch_transformers")
+ARCHS = ("dbrx", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "llama4", "minimax_m2",
+         "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+         "switch_transformers")
 RTOL = ATOL = 1e-5
 
 # A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
@@ -108,7 +109,7 @@ def _check(arch, moe, fixture):
 
 
 def test_fixtures_are_whole():
-  """Twelve architectures, each written by transformers >= 5, small in all."""
+  """Every architecture of ARCHS, each written by transformers >= 5, small in all."""
   assert sorted(p.stem for p in FIXTURES.glob("*.npz")) == sorted(ARCHS)
   total = sum(p.stat().st_size for p in FIXTURES.glob("*.npz"))
   assert total < 2 * 1024 * 1024, total
@@ -194,6 +195,9 @@ EXPECTED_OPTIONS = {
     "glm4_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
                      num_expert_groups=None, top_k=2),
     "llama4": dict(score="sigmoid", normalize_top_k=False, top_k=1),
+    "minimax_m2": dict(score="sigmoid", normalize_top_k=True, top_k=3),
+    "mistral4": dict(score="softmax", normalize_top_k=True, routed_scaling_factor=1.5,
+                     num_expert_groups=4, top_k_groups=2, top_k=3),
     "switch_transformers": dict(score="softmax", normalize_top_k=False, top_k=1,
                                 gated=False),
 }
@@ -205,9 +209,8 @@ def test_options_from_config(arch):
   moe = nn.from_transformers(_config(fixture), _state_dict(fixture), **_seq_len(arch, fixture))
   for name, value in EXPECTED_OPTIONS[arch].items():
     assert getattr(moe, name) == value, (arch, name, getattr(moe, name))
-  assert (moe.routing_bias is not None) == (arch in ("deepseek_v3", "glm4_moe"))
-  assert (moe.shared is not None) == (arch in ("qwen2_moe", "qwen3_next", "deepseek_v3",
-                                               "glm4_moe", "llama4"))
+  assert (moe.routing_bias is not None) == (arch in ROUTING_BIAS)
+  assert (moe.shared is not None) == (arch in SHARED)
 
 
 # The nn.MoE preset of each architecture (docs/transformers.md's table).
@@ -215,7 +218,8 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "qwen3_moe": "qwen3-moe-30b-a3b", "qwen3_next": "qwen3-next-80b-a3b",
            "deepseek_v3": "deepseek-v3", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
-           "llama4": "llama-4-scout", "switch_transformers": "switch-base-8"}
+           "llama4": "llama-4-scout", "minimax_m2": "minimax-m2", "mistral4": "mistral-small-4",
+           "switch_transformers": "switch-base-8"}
 
 
 def _routing_kind(moe):
@@ -300,7 +304,11 @@ ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "llama4": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "llama4": "shared_expert", "deepseek_v3": "shared_experts",
-          "glm4_moe": "shared_experts"}
+          "glm4_moe": "shared_experts", "mistral4": "shared_experts"}
+# Where the block keeps the correction bias that only selects.
+ROUTING_BIAS = {"deepseek_v3": "gate.e_score_correction_bias",
+                "glm4_moe": "gate.e_score_correction_bias",
+                "minimax_m2": "e_score_correction_bias"}
 
 
 @_by_arch(ARCHS)
@@ -331,8 +339,8 @@ def test_layout_computes_the_blocks_ffn(arch):
     if "shared_expert_gate.weight" in p:
       np.testing.assert_allclose(x @ _f64(moe.shared.gate.kernel),
                                  p["shared_expert_gate.weight"] @ x, rtol=1e-6, atol=1e-9)
-  if "gate.e_score_correction_bias" in p:
-    np.testing.assert_array_equal(_f64(moe.routing_bias), p["gate.e_score_correction_bias"])
+  if arch in ROUTING_BIAS:
+    np.testing.assert_array_equal(_f64(moe.routing_bias), p[ROUTING_BIAS[arch]])
 
 
 def _per_expert(fixture, names):

@@ -6,9 +6,9 @@ Neither torch nor transformers is imported here: a block's tensors are read thro
 ``state_dict()`` (``.detach().cpu()`` then numpy), and a config may be the transformers
 object or its ``to_dict()``, so that weights saved as numpy arrays load without torch.
 
-Twelve architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
+The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
 qwen2_moe, qwen3_moe, qwen3_next, deepseek_v3, olmoe, gpt_oss, granitemoe, dbrx, glm4_moe,
-llama4 (``llama4_text``) and switch_transformers. Expert layouts read: transformers 5.x's
+llama4 (``llama4_text``), switch_transformers, minimax_m2 and mistral4. Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
 biases); Llama 4's ``[E, D, 2F]`` (gate columns first); DBRX's ``w1``/``v1``/``w2``
@@ -158,6 +158,38 @@ def _dbrx(config):
               normalize_top_k=power is not None)
 
 
+def _minimax_m2(config):
+  # Sigmoid scores, the block's correction bias only selecting, the chosen weights always
+  # renormalized.
+  return dict(num_experts=int(_field(config, "num_local_experts", "num_experts")),
+              embed=int(_field(config, "hidden_size")),
+              mlp=int(_field(config, "intermediate_size")),
+              top_k=int(_field(config, "num_experts_per_tok")),
+              activation=_activation(_field(config, "hidden_act", default="silu")),
+              score="sigmoid", routing_bias=True, normalize_top_k=True)
+
+
+def _mistral4(config):
+  # DeepSeek-V3's group-limited routing on softmax scores, without a correction bias.
+  mlp = int(_field(config, "moe_intermediate_size"))
+  groups = int(_field(config, "n_group", default=1) or 1)
+  shared = int(_field(config, "n_shared_experts", default=1))
+  kwargs = dict(num_experts=int(_field(config, "n_routed_experts", "num_local_experts")),
+                embed=int(_field(config, "hidden_size")), mlp=mlp,
+                top_k=int(_field(config, "num_experts_per_tok")),
+                activation=_activation(_field(config, "hidden_act", default="silu")),
+                score="softmax",
+                normalize_top_k=bool(_field(config, "norm_topk_prob", default=True)),
+                routed_scaling_factor=float(_field(config, "routed_scaling_factor",
+                                                   default=1.0)))
+  if groups > 1:  # one group: no limit
+    kwargs.update(num_expert_groups=groups,
+                  top_k_groups=int(_field(config, "topk_group", default=1) or 1))
+  if shared:
+    kwargs.update(num_shared_experts=shared, shared_mlp=mlp * shared)
+  return kwargs
+
+
 def _llama4(config):
   config = _field(config, "text_config", default=config)
   mlp = int(_field(config, "intermediate_size"))
@@ -231,6 +263,9 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("llama4", ("Llama4TextMoe",), _llama4, experts="fused_in_out",
                  router="router.weight", shared="shared_expert",
                  model_types=("llama4_text",)),
+    Architecture("minimax_m2", ("MiniMaxM2SparseMoeBlock",), _minimax_m2,
+                 routing_bias="e_score_correction_bias"),
+    Architecture("mistral4", ("Mistral4MoE",), _mistral4, shared="shared_experts"),
     Architecture("switch_transformers", ("SwitchTransformersSparseMLP",), _switch,
                  experts="per_expert", router="router.classifier.weight"),
 ]}

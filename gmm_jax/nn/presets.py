@@ -54,6 +54,14 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     "llama-4-scout": dict(num_experts=16, embed=5120, mlp=8192, top_k=1, score="sigmoid",
                           normalize_top_k=False, router_weight_on="input",
                           num_shared_experts=1, activation="silu"),
+    # MiniMax-M2: sigmoid scores with a bias-corrected selection, top-8 of 256,
+    # renormalized, no shared expert.
+    "minimax-m2": dict(num_experts=256, embed=3072, mlp=1536, top_k=8, score="sigmoid",
+                       routing_bias=True, normalize_top_k=True, activation="silu"),
+    # Mistral-Small-4-119B (Mistral 4): softmax scores, top-4 of 128 (one group: no group
+    # limit), renormalized, one shared expert of the experts' width.
+    "mistral-small-4": dict(num_experts=128, embed=4096, mlp=2048, top_k=4, score="softmax",
+                            normalize_top_k=True, num_shared_experts=1, activation="silu"),
     # Switch-Base-8: softmax top-1 of 8, not renormalized, ReLU FFN (not gated), capacity
     # per sequence (expert_capacity 64 at 512 tokens: capacity_factor 1.0).
     "switch-base-8": dict(num_experts=8, embed=768, mlp=3072, top_k=1, score="softmax",
