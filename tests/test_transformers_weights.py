@@ -25,8 +25,8 @@ nnx = pytest.importorskip("flax.nnx")
 from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-ARCHS = ("dbrx", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "llama4", "minimax_m2",
-         "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+ARCHS = ("dbrx", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "granitemoehybrid",
+         "granitemoeshared", "llama4", "minimax_m2", "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
          "switch_transformers")
 RTOL = ATOL = 1e-5
 
@@ -191,6 +191,8 @@ EXPECTED_OPTIONS = {
     "olmoe": dict(score="softmax", normalize_top_k=False, top_k=2),
     "gpt_oss": dict(score="softmax", normalize_top_k=True, top_k=2),
     "granitemoe": dict(score="softmax", normalize_top_k=True, top_k=2),
+    "granitemoehybrid": dict(score="softmax", normalize_top_k=True, top_k=3),
+    "granitemoeshared": dict(score="softmax", normalize_top_k=True, top_k=2),
     "dbrx": dict(score="softmax", normalize_top_k=True, top_k=2),
     "glm4_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.5,
                      num_expert_groups=None, top_k=2),
@@ -218,7 +220,8 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "qwen3_moe": "qwen3-moe-30b-a3b", "qwen3_next": "qwen3-next-80b-a3b",
            "deepseek_v3": "deepseek-v3", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
-           "llama4": "llama-4-scout", "minimax_m2": "minimax-m2", "mistral4": "mistral-small-4",
+           "llama4": "llama-4-scout", "minimax_m2": "minimax-m2",
+           "granitemoehybrid": "granite-4.0-h-tiny", "mistral4": "mistral-small-4",
            "switch_transformers": "switch-base-8"}
 
 
@@ -231,7 +234,7 @@ def _routing_kind(moe):
               shared_gate=moe.shared is not None and moe.shared.gate is not None)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", sorted(PRESETS))
 def test_preset_routes_as_the_block(arch):
   """Each architecture's preset (its real model's shapes) routes and computes as the layer
   from_transformers builds from the tiny config (built abstractly: no weights drawn)."""
@@ -271,6 +274,9 @@ def _hf_expert(arch, p, config, e, x):
 
 
 def _hf_shared(p, prefix, x):
+  if f"{prefix}.input_linear.weight" in p:  # Granite: gate rows first
+    gate, up = np.split(p[f"{prefix}.input_linear.weight"] @ x, 2)
+    return p[f"{prefix}.output_linear.weight"] @ (_silu(gate) * up)
   gate, up = p[f"{prefix}.gate_proj.weight"] @ x, p[f"{prefix}.up_proj.weight"] @ x
   return p[f"{prefix}.down_proj.weight"] @ (_silu(gate) * up)
 
@@ -300,11 +306,15 @@ def _our_expert(moe, e, x):
   return out if moe.down.bias is None else out + _f64(moe.down.bias)[e]
 
 
-ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "llama4": "router",
+ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "granitemoehybrid": "router",
+           "granitemoeshared": "router", "llama4": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "llama4": "shared_expert", "deepseek_v3": "shared_experts",
-          "glm4_moe": "shared_experts", "mistral4": "shared_experts"}
+          "glm4_moe": "shared_experts", "mistral4": "shared_experts",
+          "granitemoehybrid": "shared_mlp", "granitemoeshared": "shared_mlp"}
+# Where the block is a decoder layer: the prefix of its routed block's tensors.
+EXPERTS_AT = {"granitemoehybrid": "block_sparse_moe.", "granitemoeshared": "block_sparse_moe."}
 # Where the block keeps the correction bias that only selects.
 ROUTING_BIAS = {"deepseek_v3": "gate.e_score_correction_bias",
                 "glm4_moe": "gate.e_score_correction_bias",
@@ -319,6 +329,8 @@ def test_layout_computes_the_blocks_ffn(arch):
   compiling the layer."""
   fixture = _load(arch)
   config, p = _config(fixture), {k: v.astype(np.float64) for k, v in _state_dict(fixture).items()}
+  at = EXPERTS_AT.get(arch, "")
+  p = {k[len(at):] if k.startswith(at) else k: v for k, v in p.items()}
   moe = nn.from_transformers(config, _state_dict(fixture), **_seq_len(arch, fixture))
   tokens = fixture["x"].reshape(-1, fixture["x"].shape[-1]).astype(np.float64)[:3]
   for x in tokens:
@@ -440,9 +452,35 @@ def test_live_transformers(arch, fast_compile):
   moe = nn.from_transformers(block, **_seq_len(arch, fixture))
   _check(arch, moe, fixture)
   state = nn.to_transformers(moe, _config(fixture))
-  block.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
-                        strict=True)
+  ffn = make_fixtures.LAYER_FFN.get(arch)  # a decoder layer: its FFN's tensors only
+  result = block.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in state.items()},
+                                 strict=ffn is None)
+  if ffn is not None:
+    assert not result.unexpected_keys, result.unexpected_keys
+    assert not [k for k in result.missing_keys if k.startswith(ffn)], result.missing_keys
   with torch.no_grad():
-    out = block(torch.from_numpy(fixture["x"]))
-  out = out[0] if isinstance(out, tuple) else out
+    out = make_fixtures.run_block(arch, block, torch.from_numpy(fixture["x"]))
   np.testing.assert_array_equal(out.numpy(), fixture["y"])
+
+
+def test_granite_shared_mlp_beside_the_block():
+  """GraniteMoeShared's FFN is its decoder layer's routed block plus the shared MLP beside
+  it: the layer's other tensors are ignored; without a shared MLP
+  (shared_intermediate_size=0, the config's default) the layer has none and exports none;
+  the routed block alone is refused with what to pass instead."""
+  fixture = _load("granitemoeshared")
+  config, state = _config(fixture), _state_dict(fixture)
+  layer = {**state, "self_attn.q_proj.weight": np.zeros((4, 4)),
+           "input_layernorm.weight": np.ones(4)}
+  moe = nn.from_transformers(config, layer)
+  assert moe.shared is not None and moe.shared.gate is None
+  routed_only = {k: v for k, v in state.items() if not k.startswith("shared_mlp.")}
+  plain = nn.from_transformers({**config, "shared_intermediate_size": 0}, routed_only)
+  assert plain.shared is None
+  for target in ({**config, "shared_intermediate_size": 0}, "granitemoeshared"):
+    out = nn.to_transformers(plain, target)
+    assert sorted(out) == sorted(routed_only)
+  with pytest.raises(ValueError, match="lacks"):
+    nn.to_transformers(plain, config)
+  with pytest.raises(ValueError, match="pass the decoder layer"):
+    nn.to_transformers(plain, "GraniteMoeSharedMoE")

@@ -114,6 +114,18 @@ def _granitemoe(config):
   return _softmax_top_k(config, "num_local_experts|num_experts", "intermediate_size", True)
 
 
+def _granite_shared_mlp(config):
+  # GraniteMoE's routing; the decoder layer's shared MLP (none when its width is 0) added.
+  kwargs = _granitemoe(config)
+  if not kwargs["num_experts"]:
+    raise NotImplementedError(f"{_field(config, 'model_type')} with num_local_experts=0: a "
+                              f"dense layer (its shared MLP only), no experts to route to")
+  shared = int(_field(config, "shared_intermediate_size", default=0))
+  if shared:
+    kwargs.update(num_shared_experts=1, shared_mlp=shared)
+  return kwargs
+
+
 def _gpt_oss(config):
   kwargs = _softmax_top_k(config, "num_local_experts|num_experts", "intermediate_size", True)
   kwargs.update(activation="swiglu_clamped", router_bias=True, use_bias=True,
@@ -228,7 +240,16 @@ class Architecture:
       "interleaved" (gpt-oss: ``[E, D, 2F]`` gate and up columns alternating, biases
       too), "dbrx" (``w1``, ``v1``, ``w2`` ``[E * F, D]``), "per_expert" (Switch).
     router: the router's weight ``[E, D]`` (its bias: the same name, ``bias``).
-    shared: the shared expert's module (``gate_proj``, ``up_proj``, ``down_proj``), or None.
+    shared: the shared expert's module, or None.
+    shared_layout: its tensors: "gate_up_down" (``gate_proj``, ``up_proj``, ``down_proj``
+      weights) or "input_output" (Granite's ``input_linear [2F_s, D]``, gate rows first, and
+      ``output_linear [D, F_s]``).
+    shared_optional: the block has the shared expert only when the config's options ask
+      for it (``num_shared_experts``).
+    experts_at: the prefix of the router's and experts' module (Granite's decoder layer:
+      ``block_sparse_moe.``) before the experts' tensor names.
+    reads: where the block is a decoder layer, the prefixes of the tensors of its FFN; the
+      layer's others (attention, norms) are ignored.
     shared_gate: the shared expert's gate weight ``[1, D]``, or None.
     routing_bias: the selection-only bias ``[E]``, or None.
     model_types: the config ``model_type`` values it answers to.
@@ -242,7 +263,21 @@ class Architecture:
   shared_gate: str | None = None
   routing_bias: str | None = None
   model_types: tuple[str, ...] = ()
+  shared_layout: str = "gate_up_down"
+  shared_optional: bool = False
+  experts_at: str = ""
+  reads: tuple[str, ...] = ()
 
+
+# GraniteMoeShared / GraniteMoeHybrid: the routed block and the shared MLP are siblings in
+# the decoder layer, which adds their outputs: the layer's FFN is the block.
+_GRANITE_SHARED = dict(router="block_sparse_moe.router.weight", experts_at="block_sparse_moe.",
+                       shared="shared_mlp", shared_layout="input_output", shared_optional=True,
+                       reads=("block_sparse_moe.", "shared_mlp."))
+
+# Blocks that are only part of their layer's FFN -> the module to pass instead.
+_PART_OF = {"GraniteMoeSharedMoE": "GraniteMoeSharedDecoderLayer",
+            "GraniteMoeHybridMoE": "GraniteMoeHybridDecoderLayer"}
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("mixtral", ("MixtralSparseMoeBlock",), _mixtral),
@@ -263,6 +298,10 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("llama4", ("Llama4TextMoe",), _llama4, experts="fused_in_out",
                  router="router.weight", shared="shared_expert",
                  model_types=("llama4_text",)),
+    Architecture("granitemoehybrid", ("GraniteMoeHybridDecoderLayer",), _granite_shared_mlp,
+                 **_GRANITE_SHARED),
+    Architecture("granitemoeshared", ("GraniteMoeSharedDecoderLayer",), _granite_shared_mlp,
+                 **_GRANITE_SHARED),
     Architecture("minimax_m2", ("MiniMaxM2SparseMoeBlock",), _minimax_m2,
                  routing_bias="e_score_correction_bias"),
     Architecture("mistral4", ("Mistral4MoE",), _mistral4, shared="shared_experts"),
@@ -272,6 +311,10 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
 
 
 def _architecture(name) -> Architecture:
+  if name in _PART_OF:
+    raise ValueError(f"{name} is the routed half of its layer's FFN: the shared MLP "
+                     f"(shared_mlp) is its sibling in the {_PART_OF[name]}, which adds them; "
+                     f"pass the decoder layer (or its config and state dict)")
   for arch in ARCHITECTURES.values():
     if name == arch.name or name in arch.model_types or name in arch.block_classes:
       return arch
@@ -283,9 +326,10 @@ class _Tensors:
   """A state dict's arrays by name; `take` marks a name used, so that tensors of a layout
   not read are an error rather than silently dropped."""
 
-  def __init__(self, state_dict: Mapping[str, Any], prefix: str):
+  def __init__(self, state_dict: Mapping[str, Any], prefix: str, reads: tuple[str, ...] = ()):
     self.arrays = {name[len(prefix):]: _to_numpy(value) for name, value in state_dict.items()
-                   if name.startswith(prefix)}
+                   if name.startswith(prefix)
+                   and (not reads or name[len(prefix):].startswith(reads))}
     if not self.arrays:
       raise ValueError(f"no tensors named {prefix!r}... in the state dict "
                        f"(first names: {sorted(state_dict)[:5]})")
@@ -309,6 +353,19 @@ class _Tensors:
     if unused:
       raise ValueError(f"{arch}: tensors of the state dict that this layout does not read: "
                        f"{unused}")
+
+
+class _Scoped:
+  """The tensors under a prefix of a `_Tensors` (names without it)."""
+
+  def __init__(self, tensors: _Tensors, prefix: str):
+    self.tensors, self.prefix = tensors, prefix
+
+  def has(self, name):
+    return self.tensors.has(self.prefix + name)
+
+  def take(self, name, shape=None):
+    return self.tensors.take(self.prefix + name, shape)
 
 
 def _to_numpy(value) -> np.ndarray:
@@ -423,15 +480,21 @@ def _read(arch: Architecture, tensors: _Tensors, o: dict) -> dict:
                                             (num_experts,))
   if arch.routing_bias:
     canonical["routing_bias"] = tensors.take(arch.routing_bias, (num_experts,))
-  experts = _read_experts(arch, tensors, o)
+  experts = _read_experts(arch, _Scoped(tensors, arch.experts_at), o)
   canonical.update({f"experts_{k}": v for k, v in experts.items()})
-  if arch.shared:
+  if arch.shared and o.get("num_shared_experts"):
     shared_mlp = o["shared_mlp"]
-    gate, up = (tensors.take(f"{arch.shared}.{n}_proj.weight", (shared_mlp, embed))
-                for n in ("gate", "up"))
-    canonical["shared_w_in"] = np.concatenate([gate, up], axis=0).T
-    canonical["shared_w_down"] = tensors.take(f"{arch.shared}.down_proj.weight",
-                                              (embed, shared_mlp)).T
+    if arch.shared_layout == "input_output":
+      canonical["shared_w_in"] = tensors.take(f"{arch.shared}.input_linear.weight",
+                                              (2 * shared_mlp, embed)).T
+      canonical["shared_w_down"] = tensors.take(f"{arch.shared}.output_linear.weight",
+                                                (embed, shared_mlp)).T
+    else:
+      gate, up = (tensors.take(f"{arch.shared}.{n}_proj.weight", (shared_mlp, embed))
+                  for n in ("gate", "up"))
+      canonical["shared_w_in"] = np.concatenate([gate, up], axis=0).T
+      canonical["shared_w_down"] = tensors.take(f"{arch.shared}.down_proj.weight",
+                                                (embed, shared_mlp)).T
   if arch.shared_gate:
     canonical["shared_gate"] = tensors.take(arch.shared_gate, (1, embed)).T
   tensors.check_all_used(arch.name)
@@ -444,9 +507,13 @@ def _write(arch: Architecture, canonical: dict, o: dict) -> dict:
     out[arch.router.rsplit(".", 1)[0] + ".bias"] = canonical["router_bias"]
   if arch.routing_bias:
     out[arch.routing_bias] = canonical["routing_bias"]
-  out.update(_write_experts(arch, {k[len("experts_"):]: v for k, v in canonical.items()
-                                   if k.startswith("experts_")}, o))
-  if arch.shared:
+  experts = _write_experts(arch, {k[len("experts_"):]: v for k, v in canonical.items()
+                                  if k.startswith("experts_")}, o)
+  out.update({arch.experts_at + name: value for name, value in experts.items()})
+  if arch.shared and arch.shared_layout == "input_output" and "shared_w_in" in canonical:
+    out[f"{arch.shared}.input_linear.weight"] = canonical["shared_w_in"].T
+    out[f"{arch.shared}.output_linear.weight"] = canonical["shared_w_down"].T
+  elif arch.shared and "shared_w_in" in canonical:
     w_in = canonical["shared_w_in"].T  # [2Fs, D]
     half = w_in.shape[0] // 2
     out[f"{arch.shared}.gate_proj.weight"] = w_in[:half]
@@ -567,7 +634,7 @@ def from_transformers(block_or_config, state_dict: Mapping[str, Any] | None = No
       raise ValueError("the config has no model_type: cannot tell its architecture")
     arch = _architecture(model_type)
   options = arch.options(config)
-  tensors = _Tensors(state_dict, prefix)
+  tensors = _Tensors(state_dict, prefix, arch.reads)
   canonical = _read(arch, tensors, options)
   kwargs = _moe_arguments(arch, options, seq_len, overrides)
   kwargs.setdefault("param_dtype", canonical["experts_w_in"].dtype)
@@ -614,6 +681,8 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
   if isinstance(config_or_arch, str) and not config_or_arch.lstrip().startswith("{"):
     arch = _architecture(config_or_arch)
     options = dict(num_experts=moe.num_experts, embed=moe.embed, mlp=moe.mlp)
+    if arch.shared and (moe.shared is not None or not arch.shared_optional):
+      options["num_shared_experts"] = 1
   else:
     config = _as_dict(config_or_arch)
     arch = _architecture(_field(config, "model_type"))
@@ -630,7 +699,7 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
     wanted.add("router_bias")
   if arch.routing_bias:
     wanted.add("routing_bias")
-  if arch.shared:
+  if arch.shared and options.get("num_shared_experts"):
     wanted |= {"shared_w_in", "shared_w_down"}
   if arch.shared_gate:
     wanted.add("shared_gate")

@@ -54,6 +54,11 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     "llama-4-scout": dict(num_experts=16, embed=5120, mlp=8192, top_k=1, score="sigmoid",
                           normalize_top_k=False, router_weight_on="input",
                           num_shared_experts=1, activation="silu"),
+    # Granite-4.0-H-Tiny (GraniteMoeHybrid): softmax over the top-6 logits of 64 (=
+    # renormalized), the decoder layer's shared MLP of width 1024 added.
+    "granite-4.0-h-tiny": dict(num_experts=64, embed=1536, mlp=512, top_k=6, score="softmax",
+                               normalize_top_k=True, num_shared_experts=1, shared_mlp=1024,
+                               activation="silu"),
     # MiniMax-M2: sigmoid scores with a bias-corrected selection, top-8 of 256,
     # renormalized, no shared expert.
     "minimax-m2": dict(num_experts=256, embed=3072, mlp=1536, top_k=8, score="sigmoid",
