@@ -25,8 +25,9 @@ nnx = pytest.importorskip("flax.nnx")
 from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-ARCHS = ("dbrx", "deepseek_v3", "glm4_moe", "gpt_oss", "granitemoe", "granitemoehybrid",
-         "granitemoeshared", "llama4", "minimax_m2", "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+ARCHS = ("dbrx", "deepseek_v3", "exaone_moe", "glm4_moe", "gpt_oss", "granitemoe",
+         "granitemoehybrid", "granitemoeshared", "jamba", "llama4", "minimax_m2", "mistral4",
+         "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open",
          "switch_transformers")
 RTOL = ATOL = 1e-5
 
@@ -189,6 +190,11 @@ EXPECTED_OPTIONS = {
     "deepseek_v3": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
                         num_expert_groups=4, top_k_groups=2, top_k=3),
     "olmoe": dict(score="softmax", normalize_top_k=False, top_k=2),
+    "exaone_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
+                       num_expert_groups=2, top_k_groups=1, top_k=3),
+    "jamba": dict(score="softmax", normalize_top_k=False, top_k=2),
+    "solar_open": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.0,
+                       num_expert_groups=None, top_k=2),
     "gpt_oss": dict(score="softmax", normalize_top_k=True, top_k=2),
     "granitemoe": dict(score="softmax", normalize_top_k=True, top_k=2),
     "granitemoehybrid": dict(score="softmax", normalize_top_k=True, top_k=3),
@@ -221,7 +227,8 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "deepseek_v3": "deepseek-v3", "olmoe": "olmoe-1b-7b", "gpt_oss": "gpt-oss-120b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
            "llama4": "llama-4-scout", "minimax_m2": "minimax-m2",
-           "granitemoehybrid": "granite-4.0-h-tiny", "mistral4": "mistral-small-4",
+           "granitemoehybrid": "granite-4.0-h-tiny", "jamba": "jamba-v0.1",
+           "solar_open": "solar-open-100b", "mistral4": "mistral-small-4",
            "switch_transformers": "switch-base-8"}
 
 
@@ -307,18 +314,21 @@ def _our_expert(moe, e, x):
 
 
 ROUTERS = {"gpt_oss": "router", "granitemoe": "router", "granitemoehybrid": "router",
-           "granitemoeshared": "router", "llama4": "router",
+           "granitemoeshared": "router", "jamba": "router", "llama4": "router",
            "dbrx": "router.layer", "switch_transformers": "router.classifier"}
 SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "llama4": "shared_expert", "deepseek_v3": "shared_experts",
           "glm4_moe": "shared_experts", "mistral4": "shared_experts",
-          "granitemoehybrid": "shared_mlp", "granitemoeshared": "shared_mlp"}
+          "granitemoehybrid": "shared_mlp", "granitemoeshared": "shared_mlp",
+          "exaone_moe": "shared_experts", "solar_open": "shared_experts"}
 # Where the block is a decoder layer: the prefix of its routed block's tensors.
 EXPERTS_AT = {"granitemoehybrid": "block_sparse_moe.", "granitemoeshared": "block_sparse_moe."}
 # Where the block keeps the correction bias that only selects.
 ROUTING_BIAS = {"deepseek_v3": "gate.e_score_correction_bias",
                 "glm4_moe": "gate.e_score_correction_bias",
-                "minimax_m2": "e_score_correction_bias"}
+                "minimax_m2": "e_score_correction_bias",
+                "exaone_moe": "gate.e_score_correction_bias",
+                "solar_open": "gate.e_score_correction_bias"}
 
 
 @_by_arch(ARCHS)

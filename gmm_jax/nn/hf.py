@@ -114,6 +114,10 @@ def _granitemoe(config):
   return _softmax_top_k(config, "num_local_experts|num_experts", "intermediate_size", True)
 
 
+def _jamba(config):
+  return _softmax_top_k(config, "num_experts|num_local_experts", "intermediate_size", False)
+
+
 def _granite_shared_mlp(config):
   # GraniteMoE's routing; the decoder layer's shared MLP (none when its width is 0) added.
   kwargs = _granitemoe(config)
@@ -152,6 +156,13 @@ def _deepseek(config):
   if shared:
     kwargs.update(num_shared_experts=shared, shared_mlp=mlp * shared)
   return kwargs
+
+
+def _exaone_moe(config):
+  # DeepSeek-V3's routing and shared experts under other config names.
+  config = _as_dict(config)
+  return _deepseek({**config, "n_routed_experts": _field(config, "num_experts"),
+                    "n_shared_experts": _field(config, "num_shared_experts", default=0)})
 
 
 def _dbrx(config):
@@ -302,9 +313,14 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
                  **_GRANITE_SHARED),
     Architecture("granitemoeshared", ("GraniteMoeSharedDecoderLayer",), _granite_shared_mlp,
                  **_GRANITE_SHARED),
+    Architecture("exaone_moe", ("ExaoneMoeSparseMoEBlock",), _exaone_moe,
+                 shared="shared_experts", routing_bias="gate.e_score_correction_bias"),
+    Architecture("jamba", ("JambaSparseMoeBlock",), _jamba, router="router.weight"),
     Architecture("minimax_m2", ("MiniMaxM2SparseMoeBlock",), _minimax_m2,
                  routing_bias="e_score_correction_bias"),
     Architecture("mistral4", ("Mistral4MoE",), _mistral4, shared="shared_experts"),
+    Architecture("solar_open", ("SolarOpenMoE",), _deepseek, shared="shared_experts",
+                 routing_bias="gate.e_score_correction_bias"),
     Architecture("switch_transformers", ("SwitchTransformersSparseMLP",), _switch,
                  experts="per_expert", router="router.classifier.weight"),
 ]}
