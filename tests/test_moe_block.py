@@ -378,10 +378,40 @@ def test_kernel_metadata_and_bad_options():
       (dict(shared_gate=True), "num_shared_experts"),
       (dict(router=nnx.Linear(D, E, rngs=nnx.Rngs(0))), "route"),
       (dict(router=nn.Router(D, E, rngs=nnx.Rngs(0)), score="sigmoid"), "score"),
+      (dict(normalize_epsilon=-1e-6), "normalize_epsilon"),
+      (dict(normalize_top_k=False, normalize_epsilon=1e-6), "normalize_top_k"),
+      (dict(router=nn.Router(D, E, rngs=nnx.Rngs(0)), normalize_epsilon=1e-6),
+       "normalize_epsilon"),
   ]
   for options, message in bad:
     with pytest.raises(ValueError, match=message):
       nn.MoE(E, D, F, rngs=nnx.Rngs(0), **options)
+
+
+def test_normalize_epsilon_adds_to_the_sum():
+  """normalize_epsilon: the chosen weights divided by their sum plus it (a value large
+  enough to see), in the forward and the router's gradient."""
+  model = nn.MoE(E, D, F, top_k=3, score="sigmoid", normalize_top_k=True,
+                 normalize_epsilon=0.25, rngs=nnx.Rngs(3))
+  assert model.normalize_epsilon == 0.25
+  x = jax.random.normal(jax.random.key(4), (6, D))
+
+  def weights(kernel, epsilon):
+    scores = jax.nn.sigmoid(x @ kernel)
+    chosen = model.route_tokens(x)[3]
+    w = jnp.take_along_axis(scores, chosen, axis=-1)
+    return w / (jnp.sum(w, axis=-1, keepdims=True) + epsilon)
+
+  kernel = model.router.kernel[...]
+  np.testing.assert_allclose(model.route_tokens(x)[2], weights(kernel, 0.25), rtol=1e-6)
+  assert not np.allclose(weights(kernel, 0.25), weights(kernel, 0.0), rtol=1e-3)
+
+  def loss(router):
+    return jnp.sum(router.route(x).weights * jnp.arange(3.0))
+
+  grad = nnx.grad(loss)(model.router).kernel[...]
+  expected = jax.grad(lambda k: jnp.sum(weights(k, 0.25) * jnp.arange(3.0)))(kernel)
+  np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_a_replacement_router():

@@ -26,19 +26,19 @@ from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 ARCHS = ("dbrx", "deepseek_v3", "exaone_moe", "glm4_moe", "gpt_oss", "granitemoe",
-         "granitemoehybrid", "granitemoeshared", "jamba", "llama4", "minimax_m2", "mistral4",
-         "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open",
+         "granitemoehybrid", "granitemoeshared", "jamba", "lfm2_moe", "llama4", "minimax_m2",
+         "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open",
          "switch_transformers")
 RTOL = ATOL = 1e-5
 
 # A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
-# each, with jax_disable_most_optimizations). By default: the four architectures whose
-# options only they use (a gated shared expert; gpt-oss's interleave, biases and clamp;
-# router weights on the input; Switch's plain FFN and per-sequence capacity); the other
-# eight with -m slow. Every architecture's layout, options and round trip are checked by
+# each, with jax_disable_most_optimizations). By default: the architectures whose options
+# only they use (a gated shared expert; gpt-oss's interleave, biases and clamp; router
+# weights on the input; Switch's plain FFN and per-sequence capacity; LFM2-MoE's epsilon in
+# the renormalization); the others with -m slow. Every architecture's layout, options and round trip are checked by
 # default without compiling the layer (test_layout_computes_the_blocks_ffn,
 # test_options_from_config, test_round_trip).
-DEFAULT_RUN = {"qwen2_moe", "gpt_oss", "llama4", "switch_transformers"}
+DEFAULT_RUN = {"qwen2_moe", "gpt_oss", "llama4", "switch_transformers", "lfm2_moe"}
 
 
 def _by_arch(names, slow=False):
@@ -193,6 +193,8 @@ EXPECTED_OPTIONS = {
     "exaone_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
                        num_expert_groups=2, top_k_groups=1, top_k=3),
     "jamba": dict(score="softmax", normalize_top_k=False, top_k=2),
+    "lfm2_moe": dict(score="sigmoid", normalize_top_k=True, normalize_epsilon=1e-6,
+                     routed_scaling_factor=1.5, top_k=3),
     "solar_open": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.0,
                        num_expert_groups=None, top_k=2),
     "gpt_oss": dict(score="softmax", normalize_top_k=True, top_k=2),
@@ -228,6 +230,7 @@ PRESETS = {"mixtral": "mixtral-8x7b", "qwen2_moe": "qwen1.5-moe-a2.7b",
            "granitemoe": "granite-3.0-3b-a800m", "dbrx": "dbrx", "glm4_moe": "glm-4.5-air",
            "llama4": "llama-4-scout", "minimax_m2": "minimax-m2",
            "granitemoehybrid": "granite-4.0-h-tiny", "jamba": "jamba-v0.1",
+           "lfm2_moe": "lfm2-8b-a1b",
            "solar_open": "solar-open-100b", "mistral4": "mistral-small-4",
            "switch_transformers": "switch-base-8"}
 
@@ -328,7 +331,7 @@ ROUTING_BIAS = {"deepseek_v3": "gate.e_score_correction_bias",
                 "glm4_moe": "gate.e_score_correction_bias",
                 "minimax_m2": "e_score_correction_bias",
                 "exaone_moe": "gate.e_score_correction_bias",
-                "solar_open": "gate.e_score_correction_bias"}
+                "solar_open": "gate.e_score_correction_bias", "lfm2_moe": "expert_bias"}
 
 
 @_by_arch(ARCHS)
@@ -494,3 +497,17 @@ def test_granite_shared_mlp_beside_the_block():
     nn.to_transformers(plain, config)
   with pytest.raises(ValueError, match="pass the decoder layer"):
     nn.to_transformers(plain, "GraniteMoeSharedMoE")
+
+
+def test_lfm2_moe_without_expert_bias():
+  """LFM2-MoE's expert_bias exists only with use_expert_bias: without it the layer has no
+  routing bias and exports none (by config or by name)."""
+  fixture = _load("lfm2_moe")
+  config = {**_config(fixture), "use_expert_bias": False}
+  state = {k: v for k, v in _state_dict(fixture).items() if k != "expert_bias"}
+  moe = nn.from_transformers(config, state)
+  assert moe.routing_bias is None and moe.normalize_epsilon == 1e-6
+  for target in (config, "lfm2_moe"):
+    assert sorted(nn.to_transformers(moe, target)) == sorted(state)
+  with pytest.raises(ValueError, match="lacks"):
+    nn.to_transformers(moe, _config(fixture))

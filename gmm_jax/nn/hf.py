@@ -158,6 +158,23 @@ def _deepseek(config):
   return kwargs
 
 
+def _lfm2_moe(config):
+  # Sigmoid scores, the block's expert_bias selecting (use_expert_bias), renormalized with
+  # 1e-6 added to the sum; the experts' activation is SiLU whatever hidden_act says.
+  normalize = bool(_field(config, "norm_topk_prob", default=True))
+  kwargs = dict(num_experts=int(_field(config, "num_experts", "num_local_experts")),
+                embed=int(_field(config, "hidden_size")),
+                mlp=int(_field(config, "moe_intermediate_size")),
+                top_k=int(_field(config, "num_experts_per_tok")), activation="silu",
+                score="sigmoid", normalize_top_k=normalize,
+                routing_bias=bool(_field(config, "use_expert_bias", default=True)),
+                routed_scaling_factor=float(_field(config, "routed_scaling_factor",
+                                                   default=1.0)))
+  if normalize:
+    kwargs["normalize_epsilon"] = 1e-6
+  return kwargs
+
+
 def _exaone_moe(config):
   # DeepSeek-V3's routing and shared experts under other config names.
   config = _as_dict(config)
@@ -255,8 +272,8 @@ class Architecture:
     shared_layout: its tensors: "gate_up_down" (``gate_proj``, ``up_proj``, ``down_proj``
       weights) or "input_output" (Granite's ``input_linear [2F_s, D]``, gate rows first, and
       ``output_linear [D, F_s]``).
-    shared_optional: the block has the shared expert only when the config's options ask
-      for it (``num_shared_experts``).
+    optional: the parts ("shared", "routing_bias") the block has only when its config asks
+      for them (the options' ``num_shared_experts``, ``routing_bias``).
     experts_at: the prefix of the router's and experts' module (Granite's decoder layer:
       ``block_sparse_moe.``) before the experts' tensor names.
     reads: where the block is a decoder layer, the prefixes of the tensors of its FFN; the
@@ -275,7 +292,7 @@ class Architecture:
   routing_bias: str | None = None
   model_types: tuple[str, ...] = ()
   shared_layout: str = "gate_up_down"
-  shared_optional: bool = False
+  optional: tuple[str, ...] = ()
   experts_at: str = ""
   reads: tuple[str, ...] = ()
 
@@ -283,7 +300,7 @@ class Architecture:
 # GraniteMoeShared / GraniteMoeHybrid: the routed block and the shared MLP are siblings in
 # the decoder layer, which adds their outputs: the layer's FFN is the block.
 _GRANITE_SHARED = dict(router="block_sparse_moe.router.weight", experts_at="block_sparse_moe.",
-                       shared="shared_mlp", shared_layout="input_output", shared_optional=True,
+                       shared="shared_mlp", shared_layout="input_output", optional=("shared",),
                        reads=("block_sparse_moe.", "shared_mlp."))
 
 # Blocks that are only part of their layer's FFN -> the module to pass instead.
@@ -316,6 +333,8 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("exaone_moe", ("ExaoneMoeSparseMoEBlock",), _exaone_moe,
                  shared="shared_experts", routing_bias="gate.e_score_correction_bias"),
     Architecture("jamba", ("JambaSparseMoeBlock",), _jamba, router="router.weight"),
+    Architecture("lfm2_moe", ("Lfm2MoeSparseMoeBlock",), _lfm2_moe,
+                 routing_bias="expert_bias", optional=("routing_bias",)),
     Architecture("minimax_m2", ("MiniMaxM2SparseMoeBlock",), _minimax_m2,
                  routing_bias="e_score_correction_bias"),
     Architecture("mistral4", ("Mistral4MoE",), _mistral4, shared="shared_experts"),
@@ -494,7 +513,7 @@ def _read(arch: Architecture, tensors: _Tensors, o: dict) -> dict:
   if o.get("router_bias"):
     canonical["router_bias"] = tensors.take(router.rsplit(".", 1)[0] + ".bias",
                                             (num_experts,))
-  if arch.routing_bias:
+  if arch.routing_bias and o.get("routing_bias"):
     canonical["routing_bias"] = tensors.take(arch.routing_bias, (num_experts,))
   experts = _read_experts(arch, _Scoped(tensors, arch.experts_at), o)
   canonical.update({f"experts_{k}": v for k, v in experts.items()})
@@ -521,7 +540,7 @@ def _write(arch: Architecture, canonical: dict, o: dict) -> dict:
   out = {arch.router: canonical["router_kernel"].T}
   if "router_bias" in canonical:
     out[arch.router.rsplit(".", 1)[0] + ".bias"] = canonical["router_bias"]
-  if arch.routing_bias:
+  if arch.routing_bias and "routing_bias" in canonical:
     out[arch.routing_bias] = canonical["routing_bias"]
   experts = _write_experts(arch, {k[len("experts_"):]: v for k, v in canonical.items()
                                   if k.startswith("experts_")}, o)
@@ -697,8 +716,11 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
   if isinstance(config_or_arch, str) and not config_or_arch.lstrip().startswith("{"):
     arch = _architecture(config_or_arch)
     options = dict(num_experts=moe.num_experts, embed=moe.embed, mlp=moe.mlp)
-    if arch.shared and (moe.shared is not None or not arch.shared_optional):
+    if arch.shared and (moe.shared is not None or "shared" not in arch.optional):
       options["num_shared_experts"] = 1
+    if arch.routing_bias and (moe.routing_bias is not None
+                              or "routing_bias" not in arch.optional):
+      options["routing_bias"] = True
   else:
     config = _as_dict(config_or_arch)
     arch = _architecture(_field(config, "model_type"))
@@ -713,7 +735,7 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
     wanted |= {"experts_b_in", "experts_b_down", "router_bias"}
   if arch.name == "switch_transformers" and "router_bias" in canonical:
     wanted.add("router_bias")
-  if arch.routing_bias:
+  if arch.routing_bias and options.get("routing_bias"):
     wanted.add("routing_bias")
   if arch.shared and options.get("num_shared_experts"):
     wanted |= {"shared_w_in", "shared_w_down"}

@@ -27,7 +27,7 @@ Array = jax.Array
 _ROUTER_DEFAULTS = dict(score="softmax", normalize_top_k=None, routing_bias=False,
                         num_expert_groups=None, top_k_groups=None,
                         routed_scaling_factor=1.0, router_bias=False,
-                        load_balancing_convention="gmm_jax")
+                        load_balancing_convention="gmm_jax", normalize_epsilon=0.0)
 CAPACITY_PER = ("call", "sequence")
 LAYOUTS = ("ragged", "masked")
 
@@ -40,7 +40,8 @@ class MoE(nnx.Module):
   ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
   optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked by
   the sum of their top-2 biased scores, DeepSeek-V3); weights ``w = s[chosen]``, divided by
-  their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
+  their sum (plus ``normalize_epsilon``) when ``normalize_top_k``, times
+  ``routed_scaling_factor``.
 
   The fused path (default): `gmm_jax.route` gives the expert-grouped rows; gate and up are
   ONE gmm on the ``[E, D, 2F]`` kernel reading the tokens by ``lhs_indices`` with the gated
@@ -74,6 +75,8 @@ class MoE(nnx.Module):
     score: "softmax" or "sigmoid" router scores.
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+    normalize_epsilon: added to the chosen weights' sum before that division (LFM2-MoE:
+      1e-6); 0 by default.
     routing_bias: add a `RoutingBias` (zeros at first) to the scores for the selection.
     num_expert_groups, top_k_groups: group-limited routing (None: off).
     routed_scaling_factor: multiplies the routed experts' weights.
@@ -179,7 +182,7 @@ class MoE(nnx.Module):
   def __init__(self, num_experts: int, embed: int, mlp: int, *, top_k: int = 2,
                activation="silu", gated: bool = True, fused: bool = True,
                score: str = "softmax", normalize_top_k: bool | None = None,
-               routing_bias: bool = False, num_expert_groups: int | None = None,
+               normalize_epsilon: float = 0.0, routing_bias: bool = False, num_expert_groups: int | None = None,
                top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
                router_bias: bool = False, router: nnx.Module | None = None,
                load_balancing_convention: str = "gmm_jax",
@@ -224,6 +227,7 @@ class MoE(nnx.Module):
     if transport not in experts.TRANSPORTS:
       raise ValueError(f"transport must be one of {experts.TRANSPORTS}, got {transport!r}")
     router_options = dict(score=score, normalize_top_k=normalize_top_k,
+                          normalize_epsilon=normalize_epsilon,
                           routing_bias=routing_bias, num_expert_groups=num_expert_groups,
                           top_k_groups=top_k_groups,
                           routed_scaling_factor=routed_scaling_factor,
@@ -287,6 +291,10 @@ class MoE(nnx.Module):
   @property
   def normalize_top_k(self):
     return getattr(self.router, "normalize_top_k", None)
+
+  @property
+  def normalize_epsilon(self):
+    return getattr(self.router, "normalize_epsilon", None)
 
   @property
   def num_expert_groups(self):

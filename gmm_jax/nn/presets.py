@@ -62,6 +62,11 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     # Jamba-v0.1: softmax top-2 of 16, not renormalized, SwiGLU experts.
     "jamba-v0.1": dict(num_experts=16, embed=4096, mlp=14336, top_k=2, score="softmax",
                        normalize_top_k=False, activation="silu"),
+    # LFM2-8B-A1B (LFM2-MoE): sigmoid scores with a bias-corrected selection (expert_bias),
+    # top-4 of 32, renormalized with 1e-6 added to the sum.
+    "lfm2-8b-a1b": dict(num_experts=32, embed=2048, mlp=1792, top_k=4, score="sigmoid",
+                        routing_bias=True, normalize_top_k=True, normalize_epsilon=1e-6,
+                        activation="silu"),
     # MiniMax-M2: sigmoid scores with a bias-corrected selection, top-8 of 256,
     # renormalized, no shared expert.
     "minimax-m2": dict(num_experts=256, embed=3072, mlp=1536, top_k=8, score="sigmoid",
