@@ -379,6 +379,7 @@ def test_kernel_metadata_and_bad_options():
       (dict(router=nnx.Linear(D, E, rngs=nnx.Rngs(0))), "route"),
       (dict(router=nn.Router(D, E, rngs=nnx.Rngs(0)), score="sigmoid"), "score"),
       (dict(normalize_epsilon=-1e-6), "normalize_epsilon"),
+      (dict(shared_scale=0.5), "num_shared_experts"),
       (dict(normalize_top_k=False, normalize_epsilon=1e-6), "normalize_top_k"),
       (dict(router=nn.Router(D, E, rngs=nnx.Rngs(0)), normalize_epsilon=1e-6),
        "normalize_epsilon"),
@@ -412,6 +413,26 @@ def test_normalize_epsilon_adds_to_the_sum():
   grad = nnx.grad(loss)(model.router).kernel[...]
   expected = jax.grad(lambda k: jnp.sum(weights(k, 0.25) * jnp.arange(3.0)))(kernel)
   np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_shared_scale_multiplies_the_shared_output():
+  """shared_scale=c: y = routed + c * shared, forward and gradients (the same parameters
+  as a layer with c = 1, whose shared part alone is its output minus the routed one)."""
+  scaled = nn.MoE(E, D, F, top_k=2, num_shared_experts=1, shared_scale=0.5,
+                  rngs=nnx.Rngs(5))
+  plain = nn.MoE(E, D, F, top_k=2, num_shared_experts=1, rngs=nnx.Rngs(5))
+  x = jax.random.normal(jax.random.key(6), (6, D))
+  shared = plain.shared(x)
+  y_scaled, _ = scaled(x)
+  y_plain, _ = plain(x)
+  np.testing.assert_allclose(y_scaled, y_plain - 0.5 * shared, rtol=1e-5, atol=1e-6)
+  grad_scaled = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(scaled)
+  grad_down = jax.grad(lambda w: jnp.sum(
+      (y_plain - shared + 0.5 * (jax.nn.silu(x @ plain.shared.up.kernel[...][:, :F]) *
+                                 (x @ plain.shared.up.kernel[...][:, F:])) @ w) ** 2))(
+      plain.shared.down.kernel[...])
+  np.testing.assert_allclose(grad_scaled.shared.down.kernel[...], grad_down, rtol=1e-4,
+                             atol=1e-6)
 
 
 def test_a_replacement_router():

@@ -25,20 +25,21 @@ nnx = pytest.importorskip("flax.nnx")
 from gmm_jax import nn  # noqa: E402
 
 FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-ARCHS = ("dbrx", "deepseek_v3", "exaone_moe", "glm4_moe", "gpt_oss", "granitemoe",
-         "granitemoehybrid", "granitemoeshared", "jamba", "lfm2_moe", "llama4", "minimax_m2",
-         "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next", "solar_open",
-         "switch_transformers")
+ARCHS = ("cohere2_moe", "dbrx", "deepseek_v3", "exaone_moe", "glm4_moe", "gpt_oss",
+         "granitemoe", "granitemoehybrid", "granitemoeshared", "jamba", "lfm2_moe", "llama4",
+         "minimax_m2", "mistral4", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "qwen3_next",
+         "solar_open", "switch_transformers")
 RTOL = ATOL = 1e-5
 
 # A compiled forward + backward of the layer costs seconds of XLA:CPU compile (~4 s of CPU
 # each, with jax_disable_most_optimizations). By default: the architectures whose options
 # only they use (a gated shared expert; gpt-oss's interleave, biases and clamp; router
 # weights on the input; Switch's plain FFN and per-sequence capacity; LFM2-MoE's epsilon in
-# the renormalization); the others with -m slow. Every architecture's layout, options and round trip are checked by
+# the renormalization; Cohere2-MoE's halved shared output); the others with -m slow. Every architecture's layout, options and round trip are checked by
 # default without compiling the layer (test_layout_computes_the_blocks_ffn,
 # test_options_from_config, test_round_trip).
-DEFAULT_RUN = {"qwen2_moe", "gpt_oss", "llama4", "switch_transformers", "lfm2_moe"}
+DEFAULT_RUN = {"qwen2_moe", "gpt_oss", "llama4", "switch_transformers", "lfm2_moe",
+               "cohere2_moe"}
 
 
 def _by_arch(names, slow=False):
@@ -193,6 +194,8 @@ EXPECTED_OPTIONS = {
     "exaone_moe": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=2.5,
                        num_expert_groups=2, top_k_groups=1, top_k=3),
     "jamba": dict(score="softmax", normalize_top_k=False, top_k=2),
+    "cohere2_moe": dict(score="softmax", normalize_top_k=True, routed_scaling_factor=0.5,
+                        shared_scale=0.5, top_k=3),
     "lfm2_moe": dict(score="sigmoid", normalize_top_k=True, normalize_epsilon=1e-6,
                      routed_scaling_factor=1.5, top_k=3),
     "solar_open": dict(score="sigmoid", normalize_top_k=True, routed_scaling_factor=1.0,
@@ -323,7 +326,8 @@ SHARED = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
           "llama4": "shared_expert", "deepseek_v3": "shared_experts",
           "glm4_moe": "shared_experts", "mistral4": "shared_experts",
           "granitemoehybrid": "shared_mlp", "granitemoeshared": "shared_mlp",
-          "exaone_moe": "shared_experts", "solar_open": "shared_experts"}
+          "exaone_moe": "shared_experts", "solar_open": "shared_experts",
+          "cohere2_moe": "shared_experts"}
 # Where the block is a decoder layer: the prefix of its routed block's tensors.
 EXPERTS_AT = {"granitemoehybrid": "block_sparse_moe.", "granitemoeshared": "block_sparse_moe."}
 # Where the block keeps the correction bias that only selects.
@@ -511,3 +515,30 @@ def test_lfm2_moe_without_expert_bias():
     assert sorted(nn.to_transformers(moe, target)) == sorted(state)
   with pytest.raises(ValueError, match="lacks"):
     nn.to_transformers(moe, _config(fixture))
+
+
+@pytest.mark.parametrize("selection,strategy,norm,expected", [
+    ("sigmoid", "sum", True, dict(score="sigmoid", normalize_top_k=True,
+                                  routed_scaling_factor=1.0, shared_scale=1.0)),
+    ("sigmoid", "average", False, dict(score="sigmoid", normalize_top_k=False,
+                                       routed_scaling_factor=0.5, shared_scale=0.5)),
+    ("softmax", "sum", False, dict(score="softmax", normalize_top_k=True,
+                                   routed_scaling_factor=1.0, shared_scale=1.0)),
+])
+def test_cohere2_moe_options(selection, strategy, norm, expected):
+  """Cohere2-MoE's expert_selection_fn (the softmax of the top-k logits is always
+  renormalized; their sigmoid by norm_topk_prob) and shared_expert_combination_strategy;
+  no shared experts: neither read nor written; an unknown strategy is refused."""
+  fixture = _load("cohere2_moe")
+  config = {**_config(fixture), "expert_selection_fn": selection,
+            "shared_expert_combination_strategy": strategy, "norm_topk_prob": norm}
+  moe = nn.from_transformers(config, _state_dict(fixture))
+  for name, value in expected.items():
+    assert getattr(moe, name) == value, name
+  routed = {k: v for k, v in _state_dict(fixture).items() if not k.startswith("shared_")}
+  alone = nn.from_transformers({**config, "num_shared_experts": 0}, routed)
+  assert alone.shared is None and alone.routed_scaling_factor == 1.0
+  assert sorted(nn.to_transformers(alone, "cohere2_moe")) == sorted(routed)
+  with pytest.raises(NotImplementedError, match="'sum' and 'average'"):
+    nn.from_transformers({**config, "shared_expert_combination_strategy": "max"},
+                         _state_dict(fixture))

@@ -138,6 +138,34 @@ def _gpt_oss(config):
   return kwargs
 
 
+def _cohere2_moe(config):
+  # The top-k logits, their softmax (the renormalized top-k of the softmax) or their sigmoid
+  # (renormalized with norm_topk_prob); shared experts added ("sum") or averaged with the
+  # routed output ("average": both halved).
+  selection = _field(config, "expert_selection_fn", default="softmax")
+  if selection not in ("softmax", "sigmoid"):
+    raise NotImplementedError(f"cohere2_moe expert_selection_fn={selection!r}: supported "
+                              f"are 'softmax' and 'sigmoid'")
+  mlp = int(_field(config, "intermediate_size"))
+  kwargs = dict(num_experts=int(_field(config, "num_experts", "num_local_experts")),
+                embed=int(_field(config, "hidden_size")), mlp=mlp,
+                top_k=int(_field(config, "num_experts_per_tok")),
+                activation=_activation(_field(config, "hidden_act", default="silu")),
+                score=selection,
+                normalize_top_k=(selection == "softmax"
+                                 or bool(_field(config, "norm_topk_prob", default=True))))
+  shared = int(_field(config, "num_shared_experts", default=0))
+  if shared:
+    strategy = _field(config, "shared_expert_combination_strategy", default="average")
+    if strategy not in ("sum", "average"):
+      raise NotImplementedError(f"cohere2_moe shared_expert_combination_strategy="
+                                f"{strategy!r}: supported are 'sum' and 'average'")
+    kwargs.update(num_shared_experts=shared, shared_mlp=mlp * shared)
+    if strategy == "average":
+      kwargs.update(routed_scaling_factor=0.5, shared_scale=0.5)
+  return kwargs
+
+
 def _deepseek(config):
   experts = int(_field(config, "n_routed_experts", "num_local_experts"))
   mlp = int(_field(config, "moe_intermediate_size"))
@@ -330,6 +358,8 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
                  **_GRANITE_SHARED),
     Architecture("granitemoeshared", ("GraniteMoeSharedDecoderLayer",), _granite_shared_mlp,
                  **_GRANITE_SHARED),
+    Architecture("cohere2_moe", ("Cohere2MoeSparseMoeBlock",), _cohere2_moe,
+                 shared="shared_experts", optional=("shared",)),
     Architecture("exaone_moe", ("ExaoneMoeSparseMoEBlock",), _exaone_moe,
                  shared="shared_experts", routing_bias="gate.e_score_correction_bias"),
     Architecture("jamba", ("JambaSparseMoeBlock",), _jamba, router="router.weight"),

@@ -35,7 +35,8 @@ LAYOUTS = ("ragged", "masked")
 class MoE(nnx.Module):
   """A top-k routed mixture of experts (dropless by default), with optional shared experts.
 
-  ``y = shared(x) + sum_{e in top_k(x)} w_e(x) * down_e(act(x @ gate_e) * (x @ up_e))``.
+  ``y = c * shared(x) + sum_{e in top_k(x)} w_e(x) * down_e(act(x @ gate_e) * (x @ up_e))``
+  (c: ``shared_scale``, 1 by default).
   The router: ``logits = x @ W_router (+ b)``, scores ``s = softmax(logits)`` or
   ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
   optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked by
@@ -102,6 +103,9 @@ class MoE(nnx.Module):
     shared_gate: the shared experts' output times ``sigmoid(x @ shared.gate.kernel)``, a
       learned ``[D, 1]`` kernel (Qwen2-MoE's and Qwen3-Next's ``shared_expert_gate``);
       needs num_shared_experts >= 1.
+    shared_scale: multiplies the shared experts' output (Cohere2-MoE's "average"
+      combination ``(routed + shared) / 2`` is 0.5 with ``routed_scaling_factor=0.5``);
+      other than 1 it needs num_shared_experts >= 1.
     use_bias: expert biases ``[E, 2F]`` (or ``[E, F]``) and ``[E, D]`` (gpt-oss).
     capacity_factor: None (dropless) or c: each expert takes at most
       ``ceil(c * T * top_k / E)`` assignments (earlier tokens first; the rest give 0), and
@@ -188,7 +192,7 @@ class MoE(nnx.Module):
                load_balancing_convention: str = "gmm_jax",
                router_weight_on: str = "output", num_shared_experts: int = 0,
                shared_mlp: int | None = None, shared_gate: bool = False,
-               use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
+               shared_scale: float = 1.0, use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
                swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool | None = None,
                capacity_factor: float | None = None, capacity_per: str = "call",
                buffer_factor: float | None = None, layout: str = "ragged",
@@ -211,6 +215,9 @@ class MoE(nnx.Module):
     if shared_gate and not num_shared_experts:
       raise ValueError("shared_gate=True gates the shared experts: it needs "
                        "num_shared_experts >= 1")
+    if shared_scale != 1.0 and not num_shared_experts:
+      raise ValueError(f"shared_scale={shared_scale} scales the shared experts: it needs "
+                       f"num_shared_experts >= 1")
     if layout not in LAYOUTS:
       raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if max_rows is not None and (layout != "masked" or not isinstance(max_rows, int)
@@ -252,6 +259,7 @@ class MoE(nnx.Module):
     self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
     self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
     self.capacity_per = capacity_per
+    self.shared_scale = float(shared_scale)
     self.layout, self.max_rows = layout, max_rows
     self.partitionable, self.transport = partitionable, transport
     self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
@@ -358,7 +366,8 @@ class MoE(nnx.Module):
         transport=self.transport, sequence_length=sequence_length,
         masked_rows=(self.max_rows or tokens.shape[0]) if self.layout == "masked" else None)
     if self.shared is not None:
-      y = y + self.shared(tokens).astype(jnp.float32)
+      shared = self.shared(tokens).astype(jnp.float32)
+      y = y + (shared if self.shared_scale == 1.0 else shared * self.shared_scale)
     aux = dict(routing.aux)
     aux["dropped_fraction"] = (jnp.zeros((), jnp.float32) if kept is None
                                else 1.0 - jnp.mean(kept.astype(jnp.float32)))
