@@ -542,3 +542,54 @@ def test_cohere2_moe_options(selection, strategy, norm, expected):
   with pytest.raises(NotImplementedError, match="'sum' and 'average'"):
     nn.from_transformers({**config, "shared_expert_combination_strategy": "max"},
                          _state_dict(fixture))
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("gemma4_text", "pre_feedforward_layernorm_2"), ("gemma4", "per_expert_scale"),
+    ("Gemma4TextDecoderLayer", "routes the residual"),
+    ("nllb-moe", "top-1 mask"), ("NllbMoeSparseMLP", "top-1 assignment ranked before"),
+])
+def test_refused_architectures(name, reason):
+  """Gemma 4's MoE (router and experts on different inputs, a norm after the experts) and
+  NLLB-MoE (transformers' block routes by its top-1 mask's values; capacity ranking and
+  renormalization after drops) are refused, saying why, by model_type, block or name."""
+  with pytest.raises(NotImplementedError, match=reason):
+    if name[0].isupper():
+      block = type(name, (), {"state_dict": lambda self: {}})()
+      nn.from_transformers(block)
+    else:
+      nn.from_transformers({"model_type": name}, {"router.weight": np.zeros((2, 2))})
+  with pytest.raises(NotImplementedError, match=reason):
+    nn.to_transformers(nn.from_transformers(_config(_load("mixtral")),
+                                            _state_dict(_load("mixtral"))), name)
+
+
+def test_nllb_moe_block_is_not_a_top2_moe_of_its_experts():
+  """With torch and transformers: the reason NLLB-MoE is refused still holds. The block's
+  output is expert_1 on every token times its top-1 weight plus expert_0 times its other
+  weights, not the top-2 mixture of the chosen experts (if transformers changes this, the
+  refusal's first reason is to be revisited)."""
+  pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  import torch
+  from transformers.models.nllb_moe import modeling_nllb_moe
+  config = transformers.NllbMoeConfig(
+      d_model=16, encoder_ffn_dim=12, decoder_ffn_dim=12, num_experts=4, expert_capacity=64,
+      encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+      decoder_attention_heads=2, vocab_size=32, moe_token_dropout=0.0)
+  generator = torch.Generator().manual_seed(0)
+  block = modeling_nllb_moe.NllbMoeSparseMLP(config, 12).eval()
+  with torch.no_grad():
+    for tensor in block.parameters():
+      tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    x = torch.randn(1, 6, 16, generator=generator)
+    y = block(x).reshape(6, 16).numpy()
+    tokens = x.reshape(6, 16)
+    top1, weights, _ = block.router(tokens)
+    expert = lambda e, t: block.experts[f"expert_{e}"](tokens[t]).numpy()  # noqa: E731
+    mixture = np.stack([sum(float(weights[t, e]) * expert(e, t) for e in range(4))
+                        for t in range(6)])
+    by_mask = np.stack([sum(float(weights[t, e]) * expert(int(top1[t, e]), t)
+                            for e in range(4)) for t in range(6)])
+  np.testing.assert_allclose(y, by_mask, rtol=1e-5, atol=1e-5)
+  assert np.max(np.abs(y - mixture)) > 1e-2

@@ -335,6 +335,29 @@ _GRANITE_SHARED = dict(router="block_sparse_moe.router.weight", experts_at="bloc
 _PART_OF = {"GraniteMoeSharedMoE": "GraniteMoeSharedDecoderLayer",
             "GraniteMoeHybridMoE": "GraniteMoeHybridDecoderLayer"}
 
+# Architectures whose MoE nn.MoE does not express, by model_type and block class: why.
+_GEMMA4 = (
+    "Gemma 4 has no MoE block: its decoder layer routes the residual through the router's "
+    "own RMSNorm and learned `scale` while the experts read `pre_feedforward_layernorm_2`'s "
+    "output (nn.MoE routes the tokens its experts compute on), multiplies the renormalized "
+    "weights by a learned `per_expert_scale`, and passes the experts' sum through "
+    "`post_feedforward_layernorm_2` (an RMSNorm of the MoE output) before adding it to the "
+    "dense MLP's")
+_NLLB_MOE = (
+    "NLLB-MoE: transformers' NllbMoeSparseMLP hands NllbMoeExperts the router's top-1 mask "
+    "([T, E] of 0/1) where expert ids belong, so expert_1 computes every token with its "
+    "top-1 weight and expert_0 with its other weights, whatever experts were chosen: not a "
+    "routed FFN of its experts. The routing it intends differs from nn.MoE's too: the "
+    "capacity (expert_capacity; ceil(moe_eval_capacity_token_fraction * T) in eval) counts "
+    "the call's tokens with every top-1 assignment ranked before any top-2 one (nn.MoE ranks "
+    "assignments token by token), the weights are renormalized after the drops "
+    "(normalize_router_prob_before_dropping=False), batch_prioritized_routing orders the "
+    "tokens by their top probability, and second_expert_policy 'sampling'/'random' draws at "
+    "random")
+_REFUSED = {"gemma4": _GEMMA4, "gemma4_text": _GEMMA4, "Gemma4TextDecoderLayer": _GEMMA4,
+            "Gemma4TextExperts": _GEMMA4, "Gemma4TextRouter": _GEMMA4,
+            "nllb-moe": _NLLB_MOE, "nllb_moe": _NLLB_MOE, "NllbMoeSparseMLP": _NLLB_MOE}
+
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("mixtral", ("MixtralSparseMoeBlock",), _mixtral),
     Architecture("qwen2_moe", ("Qwen2MoeSparseMoeBlock",), _qwen_shared(False),
@@ -376,6 +399,9 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
 
 
 def _architecture(name) -> Architecture:
+  if name in _REFUSED:
+    raise NotImplementedError(f"transformers architecture {name!r} is not supported: "
+                              f"{_REFUSED[name]}")
   if name in _PART_OF:
     raise ValueError(f"{name} is the routed half of its layer's FFN: the shared MLP "
                      f"(shared_mlp) is its sibling in the {_PART_OF[name]}, which adds them; "
