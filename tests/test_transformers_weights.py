@@ -35,9 +35,9 @@ RTOL = ATOL = 1e-5
 # each, with jax_disable_most_optimizations). By default: the architectures whose options
 # only they use (a gated shared expert; gpt-oss's interleave, biases and clamp; router
 # weights on the input; Switch's plain FFN and per-sequence capacity; LFM2-MoE's epsilon in
-# the renormalization; Cohere2-MoE's halved shared output); the others with -m slow. Every architecture's layout, options and round trip are checked by
-# default without compiling the layer (test_layout_computes_the_blocks_ffn,
-# test_options_from_config, test_round_trip).
+# the renormalization; Cohere2-MoE's halved shared output); the others with -m slow. Every
+# architecture's layout, options and round trip are checked by default without compiling
+# the layer (test_layout_computes_the_blocks_ffn, test_options_from_config, test_round_trip).
 DEFAULT_RUN = {"qwen2_moe", "gpt_oss", "llama4", "switch_transformers", "lfm2_moe",
                "cohere2_moe"}
 

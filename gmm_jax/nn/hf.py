@@ -8,7 +8,10 @@ object or its ``to_dict()``, so that weights saved as numpy arrays load without 
 
 The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
 qwen2_moe, qwen3_moe, qwen3_next, deepseek_v3, olmoe, gpt_oss, granitemoe, dbrx, glm4_moe,
-llama4 (``llama4_text``), switch_transformers, minimax_m2 and mistral4. Expert layouts read: transformers 5.x's
+llama4 (``llama4_text``), switch_transformers, cohere2_moe, exaone_moe, granitemoehybrid and
+granitemoeshared (their decoder layer: the routed block and the shared MLP beside it), jamba,
+lfm2_moe, minimax_m2, mistral4 and solar_open; Gemma 4 and NLLB-MoE are refused, saying why
+(`_REFUSED`). Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
 biases); Llama 4's ``[E, D, 2F]`` (gate columns first); DBRX's ``w1``/``v1``/``w2``
