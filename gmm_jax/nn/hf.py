@@ -380,14 +380,14 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("llama4", ("Llama4TextMoe",), _llama4, experts="fused_in_out",
                  router="router.weight", shared="shared_expert",
                  model_types=("llama4_text",)),
-    Architecture("granitemoehybrid", ("GraniteMoeHybridDecoderLayer",), _granite_shared_mlp,
-                 **_GRANITE_SHARED),
-    Architecture("granitemoeshared", ("GraniteMoeSharedDecoderLayer",), _granite_shared_mlp,
-                 **_GRANITE_SHARED),
     Architecture("cohere2_moe", ("Cohere2MoeSparseMoeBlock",), _cohere2_moe,
                  shared="shared_experts", optional=("shared",)),
     Architecture("exaone_moe", ("ExaoneMoeSparseMoEBlock",), _exaone_moe,
                  shared="shared_experts", routing_bias="gate.e_score_correction_bias"),
+    Architecture("granitemoehybrid", ("GraniteMoeHybridDecoderLayer",), _granite_shared_mlp,
+                 **_GRANITE_SHARED),
+    Architecture("granitemoeshared", ("GraniteMoeSharedDecoderLayer",), _granite_shared_mlp,
+                 **_GRANITE_SHARED),
     Architecture("jamba", ("JambaSparseMoeBlock",), _jamba, router="router.weight"),
     Architecture("lfm2_moe", ("Lfm2MoeSparseMoeBlock",), _lfm2_moe,
                  routing_bias="expert_bias", optional=("routing_bias",)),
@@ -688,8 +688,10 @@ def from_transformers(block_or_config, state_dict: Mapping[str, Any] | None = No
   """The `MoE` of a Hugging Face transformers MoE block, with its weights.
 
   Args:
-    block_or_config: a transformers MoE block (``model.model.layers[i].mlp``: its config
-      is found on it or its submodules, its weights are its ``state_dict()``), or a config
+    block_or_config: a transformers MoE block (``model.model.layers[i].mlp``; for
+      GraniteMoeShared and GraniteMoeHybrid the decoder layer ``model.model.layers[i]``,
+      whose routed block and shared MLP make its FFN: its config is found on it or its
+      submodules, its weights are its ``state_dict()``), or a config
       (a transformers config, its ``to_dict()`` or that as JSON) with `state_dict`.
     state_dict: the block's tensors by name (numpy, torch or jax arrays), as its
       ``state_dict()`` names them (after `prefix`); with a block: instead of its own.
