@@ -306,7 +306,8 @@ def test_presets():
   assert set(nn.MOE_PRESETS) == {
       "mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-moe-30b-a3b", "qwen3-next-80b-a3b",
       "deepseek-v3", "olmoe-1b-7b", "gpt-oss-120b", "granite-3.0-3b-a800m", "dbrx",
-      "glm-4.5-air", "llama-4-scout", "switch-base-8"}
+      "glm-4.5-air", "llama-4-scout", "switch-base-8", "granite-4.0-h-tiny", "jamba-v0.1",
+      "lfm2-8b-a1b", "minimax-m2", "mistral-small-4", "solar-open-100b"}
   # The models' own defaults: Qwen2-MoE and OLMoE do not renormalize, Qwen3-MoE does.
   normalized = {name: nn.MOE_PRESETS[name].get("normalize_top_k") for name in
                 ("qwen1.5-moe-a2.7b", "olmoe-1b-7b", "qwen3-moe-30b-a3b")}
