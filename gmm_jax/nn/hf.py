@@ -6,9 +6,12 @@ Neither torch nor transformers is imported here: a block's tensors are read thro
 ``state_dict()`` (``.detach().cpu()`` then numpy), and a config may be the transformers
 object or its ``to_dict()``, so that weights saved as numpy arrays load without torch.
 
-Twelve architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
+The architectures, by the ``model_type`` of their config (`ARCHITECTURES`): mixtral,
 qwen2_moe, qwen3_moe, qwen3_next, deepseek_v3, olmoe, gpt_oss, granitemoe, dbrx, glm4_moe,
-llama4 (``llama4_text``) and switch_transformers. Expert layouts read: transformers 5.x's
+llama4 (``llama4_text``), switch_transformers, cohere2_moe, exaone_moe, granitemoehybrid and
+granitemoeshared (their decoder layer: the routed block and the shared MLP beside it), jamba,
+lfm2_moe, minimax_m2, mistral4 and solar_open; Gemma 4 and NLLB-MoE are refused, saying why
+(`_REFUSED`). Expert layouts read: transformers 5.x's
 fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows first) and ``experts.down_proj``
 ``[E, D, F]``; gpt-oss's ``[E, D, 2F]`` with gate and up columns interleaved (and their
 biases); Llama 4's ``[E, D, 2F]`` (gate columns first); DBRX's ``w1``/``v1``/``w2``
@@ -114,11 +117,55 @@ def _granitemoe(config):
   return _softmax_top_k(config, "num_local_experts|num_experts", "intermediate_size", True)
 
 
+def _jamba(config):
+  return _softmax_top_k(config, "num_experts|num_local_experts", "intermediate_size", False)
+
+
+def _granite_shared_mlp(config):
+  # GraniteMoE's routing; the decoder layer's shared MLP (none when its width is 0) added.
+  kwargs = _granitemoe(config)
+  if not kwargs["num_experts"]:
+    raise NotImplementedError(f"{_field(config, 'model_type')} with num_local_experts=0: a "
+                              f"dense layer (its shared MLP only), no experts to route to")
+  shared = int(_field(config, "shared_intermediate_size", default=0))
+  if shared:
+    kwargs.update(num_shared_experts=1, shared_mlp=shared)
+  return kwargs
+
+
 def _gpt_oss(config):
   kwargs = _softmax_top_k(config, "num_local_experts|num_experts", "intermediate_size", True)
   kwargs.update(activation="swiglu_clamped", router_bias=True, use_bias=True,
                 swiglu_limit=float(_field(config, "swiglu_limit", default=7.0)),
                 swiglu_alpha=float(_field(config, "swiglu_alpha", default=1.702)))
+  return kwargs
+
+
+def _cohere2_moe(config):
+  # The top-k logits, their softmax (the renormalized top-k of the softmax) or their sigmoid
+  # (renormalized with norm_topk_prob); shared experts added ("sum") or averaged with the
+  # routed output ("average": both halved).
+  selection = _field(config, "expert_selection_fn", default="softmax")
+  if selection not in ("softmax", "sigmoid"):
+    raise NotImplementedError(f"cohere2_moe expert_selection_fn={selection!r}: supported "
+                              f"are 'softmax' and 'sigmoid'")
+  mlp = int(_field(config, "intermediate_size"))
+  kwargs = dict(num_experts=int(_field(config, "num_experts", "num_local_experts")),
+                embed=int(_field(config, "hidden_size")), mlp=mlp,
+                top_k=int(_field(config, "num_experts_per_tok")),
+                activation=_activation(_field(config, "hidden_act", default="silu")),
+                score=selection,
+                normalize_top_k=(selection == "softmax"
+                                 or bool(_field(config, "norm_topk_prob", default=True))))
+  shared = int(_field(config, "num_shared_experts", default=0))
+  if shared:
+    strategy = _field(config, "shared_expert_combination_strategy", default="average")
+    if strategy not in ("sum", "average"):
+      raise NotImplementedError(f"cohere2_moe shared_expert_combination_strategy="
+                                f"{strategy!r}: supported are 'sum' and 'average'")
+    kwargs.update(num_shared_experts=shared, shared_mlp=mlp * shared)
+    if strategy == "average":
+      kwargs.update(routed_scaling_factor=0.5, shared_scale=0.5)
   return kwargs
 
 
@@ -142,6 +189,30 @@ def _deepseek(config):
   return kwargs
 
 
+def _lfm2_moe(config):
+  # Sigmoid scores, the block's expert_bias selecting (use_expert_bias), renormalized with
+  # 1e-6 added to the sum; the experts' activation is SiLU whatever hidden_act says.
+  normalize = bool(_field(config, "norm_topk_prob", default=True))
+  kwargs = dict(num_experts=int(_field(config, "num_experts", "num_local_experts")),
+                embed=int(_field(config, "hidden_size")),
+                mlp=int(_field(config, "moe_intermediate_size")),
+                top_k=int(_field(config, "num_experts_per_tok")), activation="silu",
+                score="sigmoid", normalize_top_k=normalize,
+                routing_bias=bool(_field(config, "use_expert_bias", default=True)),
+                routed_scaling_factor=float(_field(config, "routed_scaling_factor",
+                                                   default=1.0)))
+  if normalize:
+    kwargs["normalize_epsilon"] = 1e-6
+  return kwargs
+
+
+def _exaone_moe(config):
+  # DeepSeek-V3's routing and shared experts under other config names.
+  config = _as_dict(config)
+  return _deepseek({**config, "n_routed_experts": _field(config, "num_experts"),
+                    "n_shared_experts": _field(config, "num_shared_experts", default=0)})
+
+
 def _dbrx(config):
   ffn = _field(config, "ffn_config")
   top_k = int(_field(ffn, "moe_top_k"))
@@ -156,6 +227,38 @@ def _dbrx(config):
               mlp=int(_field(ffn, "ffn_hidden_size")), top_k=top_k,
               activation=_activation(act.get("name", "silu")), score="softmax",
               normalize_top_k=power is not None)
+
+
+def _minimax_m2(config):
+  # Sigmoid scores, the block's correction bias only selecting, the chosen weights always
+  # renormalized.
+  return dict(num_experts=int(_field(config, "num_local_experts", "num_experts")),
+              embed=int(_field(config, "hidden_size")),
+              mlp=int(_field(config, "intermediate_size")),
+              top_k=int(_field(config, "num_experts_per_tok")),
+              activation=_activation(_field(config, "hidden_act", default="silu")),
+              score="sigmoid", routing_bias=True, normalize_top_k=True)
+
+
+def _mistral4(config):
+  # DeepSeek-V3's group-limited routing on softmax scores, without a correction bias.
+  mlp = int(_field(config, "moe_intermediate_size"))
+  groups = int(_field(config, "n_group", default=1) or 1)
+  shared = int(_field(config, "n_shared_experts", default=1))
+  kwargs = dict(num_experts=int(_field(config, "n_routed_experts", "num_local_experts")),
+                embed=int(_field(config, "hidden_size")), mlp=mlp,
+                top_k=int(_field(config, "num_experts_per_tok")),
+                activation=_activation(_field(config, "hidden_act", default="silu")),
+                score="softmax",
+                normalize_top_k=bool(_field(config, "norm_topk_prob", default=True)),
+                routed_scaling_factor=float(_field(config, "routed_scaling_factor",
+                                                   default=1.0)))
+  if groups > 1:  # one group: no limit
+    kwargs.update(num_expert_groups=groups,
+                  top_k_groups=int(_field(config, "topk_group", default=1) or 1))
+  if shared:
+    kwargs.update(num_shared_experts=shared, shared_mlp=mlp * shared)
+  return kwargs
 
 
 def _llama4(config):
@@ -196,7 +299,16 @@ class Architecture:
       "interleaved" (gpt-oss: ``[E, D, 2F]`` gate and up columns alternating, biases
       too), "dbrx" (``w1``, ``v1``, ``w2`` ``[E * F, D]``), "per_expert" (Switch).
     router: the router's weight ``[E, D]`` (its bias: the same name, ``bias``).
-    shared: the shared expert's module (``gate_proj``, ``up_proj``, ``down_proj``), or None.
+    shared: the shared expert's module, or None.
+    shared_layout: its tensors: "gate_up_down" (``gate_proj``, ``up_proj``, ``down_proj``
+      weights) or "input_output" (Granite's ``input_linear [2F_s, D]``, gate rows first, and
+      ``output_linear [D, F_s]``).
+    optional: the parts ("shared", "routing_bias") the block has only when its config asks
+      for them (the options' ``num_shared_experts``, ``routing_bias``).
+    experts_at: the prefix of the router's and experts' module (Granite's decoder layer:
+      ``block_sparse_moe.``) before the experts' tensor names.
+    reads: where the block is a decoder layer, the prefixes of the tensors of its FFN; the
+      layer's others (attention, norms) are ignored.
     shared_gate: the shared expert's gate weight ``[1, D]``, or None.
     routing_bias: the selection-only bias ``[E]``, or None.
     model_types: the config ``model_type`` values it answers to.
@@ -210,7 +322,44 @@ class Architecture:
   shared_gate: str | None = None
   routing_bias: str | None = None
   model_types: tuple[str, ...] = ()
+  shared_layout: str = "gate_up_down"
+  optional: tuple[str, ...] = ()
+  experts_at: str = ""
+  reads: tuple[str, ...] = ()
 
+
+# GraniteMoeShared / GraniteMoeHybrid: the routed block and the shared MLP are siblings in
+# the decoder layer, which adds their outputs: the layer's FFN is the block.
+_GRANITE_SHARED = dict(router="block_sparse_moe.router.weight", experts_at="block_sparse_moe.",
+                       shared="shared_mlp", shared_layout="input_output", optional=("shared",),
+                       reads=("block_sparse_moe.", "shared_mlp."))
+
+# Blocks that are only part of their layer's FFN -> the module to pass instead.
+_PART_OF = {"GraniteMoeSharedMoE": "GraniteMoeSharedDecoderLayer",
+            "GraniteMoeHybridMoE": "GraniteMoeHybridDecoderLayer"}
+
+# Architectures whose MoE nn.MoE does not express, by model_type and block class: why.
+_GEMMA4 = (
+    "Gemma 4 has no MoE block: its decoder layer routes the residual through the router's "
+    "own RMSNorm and learned `scale` while the experts read `pre_feedforward_layernorm_2`'s "
+    "output (nn.MoE routes the tokens its experts compute on), multiplies the renormalized "
+    "weights by a learned `per_expert_scale`, and passes the experts' sum through "
+    "`post_feedforward_layernorm_2` (an RMSNorm of the MoE output) before adding it to the "
+    "dense MLP's")
+_NLLB_MOE = (
+    "NLLB-MoE: transformers' NllbMoeSparseMLP hands NllbMoeExperts the router's top-1 mask "
+    "([T, E] of 0/1) where expert ids belong, so expert_1 computes every token with its "
+    "top-1 weight and expert_0 with its other weights, whatever experts were chosen: not a "
+    "routed FFN of its experts. The routing it intends differs from nn.MoE's too: the "
+    "capacity (expert_capacity; ceil(moe_eval_capacity_token_fraction * T) in eval) counts "
+    "the call's tokens with every top-1 assignment ranked before any top-2 one (nn.MoE ranks "
+    "assignments token by token), the weights are renormalized after the drops "
+    "(normalize_router_prob_before_dropping=False), batch_prioritized_routing orders the "
+    "tokens by their top probability, and second_expert_policy 'sampling'/'random' draws at "
+    "random")
+_REFUSED = {"gemma4": _GEMMA4, "gemma4_text": _GEMMA4, "Gemma4TextDecoderLayer": _GEMMA4,
+            "Gemma4TextExperts": _GEMMA4, "Gemma4TextRouter": _GEMMA4,
+            "nllb-moe": _NLLB_MOE, "nllb_moe": _NLLB_MOE, "NllbMoeSparseMLP": _NLLB_MOE}
 
 ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("mixtral", ("MixtralSparseMoeBlock",), _mixtral),
@@ -231,12 +380,35 @@ ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in [
     Architecture("llama4", ("Llama4TextMoe",), _llama4, experts="fused_in_out",
                  router="router.weight", shared="shared_expert",
                  model_types=("llama4_text",)),
+    Architecture("cohere2_moe", ("Cohere2MoeSparseMoeBlock",), _cohere2_moe,
+                 shared="shared_experts", optional=("shared",)),
+    Architecture("exaone_moe", ("ExaoneMoeSparseMoEBlock",), _exaone_moe,
+                 shared="shared_experts", routing_bias="gate.e_score_correction_bias"),
+    Architecture("granitemoehybrid", ("GraniteMoeHybridDecoderLayer",), _granite_shared_mlp,
+                 **_GRANITE_SHARED),
+    Architecture("granitemoeshared", ("GraniteMoeSharedDecoderLayer",), _granite_shared_mlp,
+                 **_GRANITE_SHARED),
+    Architecture("jamba", ("JambaSparseMoeBlock",), _jamba, router="router.weight"),
+    Architecture("lfm2_moe", ("Lfm2MoeSparseMoeBlock",), _lfm2_moe,
+                 routing_bias="expert_bias", optional=("routing_bias",)),
+    Architecture("minimax_m2", ("MiniMaxM2SparseMoeBlock",), _minimax_m2,
+                 routing_bias="e_score_correction_bias"),
+    Architecture("mistral4", ("Mistral4MoE",), _mistral4, shared="shared_experts"),
+    Architecture("solar_open", ("SolarOpenMoE",), _deepseek, shared="shared_experts",
+                 routing_bias="gate.e_score_correction_bias"),
     Architecture("switch_transformers", ("SwitchTransformersSparseMLP",), _switch,
                  experts="per_expert", router="router.classifier.weight"),
 ]}
 
 
 def _architecture(name) -> Architecture:
+  if name in _REFUSED:
+    raise NotImplementedError(f"transformers architecture {name!r} is not supported: "
+                              f"{_REFUSED[name]}")
+  if name in _PART_OF:
+    raise ValueError(f"{name} is the routed half of its layer's FFN: the shared MLP "
+                     f"(shared_mlp) is its sibling in the {_PART_OF[name]}, which adds them; "
+                     f"pass the decoder layer (or its config and state dict)")
   for arch in ARCHITECTURES.values():
     if name == arch.name or name in arch.model_types or name in arch.block_classes:
       return arch
@@ -248,9 +420,10 @@ class _Tensors:
   """A state dict's arrays by name; `take` marks a name used, so that tensors of a layout
   not read are an error rather than silently dropped."""
 
-  def __init__(self, state_dict: Mapping[str, Any], prefix: str):
+  def __init__(self, state_dict: Mapping[str, Any], prefix: str, reads: tuple[str, ...] = ()):
     self.arrays = {name[len(prefix):]: _to_numpy(value) for name, value in state_dict.items()
-                   if name.startswith(prefix)}
+                   if name.startswith(prefix)
+                   and (not reads or name[len(prefix):].startswith(reads))}
     if not self.arrays:
       raise ValueError(f"no tensors named {prefix!r}... in the state dict "
                        f"(first names: {sorted(state_dict)[:5]})")
@@ -274,6 +447,19 @@ class _Tensors:
     if unused:
       raise ValueError(f"{arch}: tensors of the state dict that this layout does not read: "
                        f"{unused}")
+
+
+class _Scoped:
+  """The tensors under a prefix of a `_Tensors` (names without it)."""
+
+  def __init__(self, tensors: _Tensors, prefix: str):
+    self.tensors, self.prefix = tensors, prefix
+
+  def has(self, name):
+    return self.tensors.has(self.prefix + name)
+
+  def take(self, name, shape=None):
+    return self.tensors.take(self.prefix + name, shape)
 
 
 def _to_numpy(value) -> np.ndarray:
@@ -386,17 +572,23 @@ def _read(arch: Architecture, tensors: _Tensors, o: dict) -> dict:
   if o.get("router_bias"):
     canonical["router_bias"] = tensors.take(router.rsplit(".", 1)[0] + ".bias",
                                             (num_experts,))
-  if arch.routing_bias:
+  if arch.routing_bias and o.get("routing_bias"):
     canonical["routing_bias"] = tensors.take(arch.routing_bias, (num_experts,))
-  experts = _read_experts(arch, tensors, o)
+  experts = _read_experts(arch, _Scoped(tensors, arch.experts_at), o)
   canonical.update({f"experts_{k}": v for k, v in experts.items()})
-  if arch.shared:
+  if arch.shared and o.get("num_shared_experts"):
     shared_mlp = o["shared_mlp"]
-    gate, up = (tensors.take(f"{arch.shared}.{n}_proj.weight", (shared_mlp, embed))
-                for n in ("gate", "up"))
-    canonical["shared_w_in"] = np.concatenate([gate, up], axis=0).T
-    canonical["shared_w_down"] = tensors.take(f"{arch.shared}.down_proj.weight",
-                                              (embed, shared_mlp)).T
+    if arch.shared_layout == "input_output":
+      canonical["shared_w_in"] = tensors.take(f"{arch.shared}.input_linear.weight",
+                                              (2 * shared_mlp, embed)).T
+      canonical["shared_w_down"] = tensors.take(f"{arch.shared}.output_linear.weight",
+                                                (embed, shared_mlp)).T
+    else:
+      gate, up = (tensors.take(f"{arch.shared}.{n}_proj.weight", (shared_mlp, embed))
+                  for n in ("gate", "up"))
+      canonical["shared_w_in"] = np.concatenate([gate, up], axis=0).T
+      canonical["shared_w_down"] = tensors.take(f"{arch.shared}.down_proj.weight",
+                                                (embed, shared_mlp)).T
   if arch.shared_gate:
     canonical["shared_gate"] = tensors.take(arch.shared_gate, (1, embed)).T
   tensors.check_all_used(arch.name)
@@ -407,11 +599,15 @@ def _write(arch: Architecture, canonical: dict, o: dict) -> dict:
   out = {arch.router: canonical["router_kernel"].T}
   if "router_bias" in canonical:
     out[arch.router.rsplit(".", 1)[0] + ".bias"] = canonical["router_bias"]
-  if arch.routing_bias:
+  if arch.routing_bias and "routing_bias" in canonical:
     out[arch.routing_bias] = canonical["routing_bias"]
-  out.update(_write_experts(arch, {k[len("experts_"):]: v for k, v in canonical.items()
-                                   if k.startswith("experts_")}, o))
-  if arch.shared:
+  experts = _write_experts(arch, {k[len("experts_"):]: v for k, v in canonical.items()
+                                  if k.startswith("experts_")}, o)
+  out.update({arch.experts_at + name: value for name, value in experts.items()})
+  if arch.shared and arch.shared_layout == "input_output" and "shared_w_in" in canonical:
+    out[f"{arch.shared}.input_linear.weight"] = canonical["shared_w_in"].T
+    out[f"{arch.shared}.output_linear.weight"] = canonical["shared_w_down"].T
+  elif arch.shared and "shared_w_in" in canonical:
     w_in = canonical["shared_w_in"].T  # [2Fs, D]
     half = w_in.shape[0] // 2
     out[f"{arch.shared}.gate_proj.weight"] = w_in[:half]
@@ -486,8 +682,10 @@ def from_transformers(block_or_config, state_dict: Mapping[str, Any] | None = No
   """The `MoE` of a Hugging Face transformers MoE block, with its weights.
 
   Args:
-    block_or_config: a transformers MoE block (``model.model.layers[i].mlp``: its config
-      is found on it or its submodules, its weights are its ``state_dict()``), or a config
+    block_or_config: a transformers MoE block (``model.model.layers[i].mlp``; for
+      GraniteMoeShared and GraniteMoeHybrid the decoder layer ``model.model.layers[i]``,
+      whose routed block and shared MLP make its FFN: its config is found on it or its
+      submodules, its weights are its ``state_dict()``), or a config
       (a transformers config, its ``to_dict()`` or that as JSON) with `state_dict`.
     state_dict: the block's tensors by name (numpy, torch or jax arrays), as its
       ``state_dict()`` names them (after `prefix`); with a block: instead of its own.
@@ -527,7 +725,7 @@ def from_transformers(block_or_config, state_dict: Mapping[str, Any] | None = No
       raise ValueError("the config has no model_type: cannot tell its architecture")
     arch = _architecture(model_type)
   options = arch.options(config)
-  tensors = _Tensors(state_dict, prefix)
+  tensors = _Tensors(state_dict, prefix, arch.reads)
   canonical = _read(arch, tensors, options)
   kwargs = _moe_arguments(arch, options, seq_len, overrides)
   kwargs.setdefault("param_dtype", canonical["experts_w_in"].dtype)
@@ -574,6 +772,11 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
   if isinstance(config_or_arch, str) and not config_or_arch.lstrip().startswith("{"):
     arch = _architecture(config_or_arch)
     options = dict(num_experts=moe.num_experts, embed=moe.embed, mlp=moe.mlp)
+    if arch.shared and (moe.shared is not None or "shared" not in arch.optional):
+      options["num_shared_experts"] = 1
+    if arch.routing_bias and (moe.routing_bias is not None
+                              or "routing_bias" not in arch.optional):
+      options["routing_bias"] = True
   else:
     config = _as_dict(config_or_arch)
     arch = _architecture(_field(config, "model_type"))
@@ -588,9 +791,9 @@ def to_transformers(moe: MoE, config_or_arch, *, prefix: str = "") -> dict[str, 
     wanted |= {"experts_b_in", "experts_b_down", "router_bias"}
   if arch.name == "switch_transformers" and "router_bias" in canonical:
     wanted.add("router_bias")
-  if arch.routing_bias:
+  if arch.routing_bias and options.get("routing_bias"):
     wanted.add("routing_bias")
-  if arch.shared:
+  if arch.shared and options.get("num_shared_experts"):
     wanted |= {"shared_w_in", "shared_w_down"}
   if arch.shared_gate:
     wanted.add("shared_gate")

@@ -29,7 +29,7 @@ Array = jax.Array
 _ROUTER_DEFAULTS = dict(score="softmax", normalize_top_k=None, routing_bias=False,
                         num_expert_groups=None, top_k_groups=None,
                         routed_scaling_factor=1.0, router_bias=False,
-                        load_balancing_convention="gmm_jax")
+                        load_balancing_convention="gmm_jax", normalize_epsilon=0.0)
 CAPACITY_PER = ("call", "sequence")
 LAYOUTS = ("ragged", "masked")
 
@@ -37,12 +37,14 @@ LAYOUTS = ("ragged", "masked")
 class MoE(nnx.Module):
   """A top-k routed mixture of experts (dropless by default), with optional shared experts.
 
-  ``y = shared(x) + sum_{e in top_k(x)} w_e(x) * down_e(act(x @ gate_e) * (x @ up_e))``.
+  ``y = c * shared(x) + sum_{e in top_k(x)} w_e(x) * down_e(act(x @ gate_e) * (x @ up_e))``
+  (c: ``shared_scale``, 1 by default).
   The router: ``logits = x @ W_router (+ b)``, scores ``s = softmax(logits)`` or
   ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
   optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked by
   the sum of their top-2 biased scores, DeepSeek-V3); weights ``w = s[chosen]``, divided by
-  their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
+  their sum (plus ``normalize_epsilon``) when ``normalize_top_k``, times
+  ``routed_scaling_factor``.
 
   The fused path (default): `gmm_jax.route` gives the expert-grouped rows; gate and up are
   ONE gmm on the ``[E, D, 2F]`` kernel reading the tokens by ``lhs_indices`` with the gated
@@ -76,6 +78,8 @@ class MoE(nnx.Module):
     score: "softmax" or "sigmoid" router scores.
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+    normalize_epsilon: added to the chosen weights' sum before that division (LFM2-MoE:
+      1e-6); 0 by default.
     routing_bias: add a `RoutingBias` (zeros at first) to the scores for the selection.
     num_expert_groups, top_k_groups: group-limited routing (None: off).
     routed_scaling_factor: multiplies the routed experts' weights.
@@ -101,6 +105,9 @@ class MoE(nnx.Module):
     shared_gate: the shared experts' output times ``sigmoid(x @ shared.gate.kernel)``, a
       learned ``[D, 1]`` kernel (Qwen2-MoE's and Qwen3-Next's ``shared_expert_gate``);
       needs num_shared_experts >= 1.
+    shared_scale: multiplies the shared experts' output (Cohere2-MoE's "average"
+      combination ``(routed + shared) / 2`` is 0.5 with ``routed_scaling_factor=0.5``);
+      other than 1 it needs num_shared_experts >= 1.
     use_bias: expert biases ``[E, 2F]`` (or ``[E, F]``) and ``[E, D]`` (gpt-oss).
     capacity_factor: None (dropless) or c: each expert takes at most
       ``ceil(c * T * top_k / E)`` assignments (earlier tokens first; the rest give 0), and
@@ -186,14 +193,16 @@ class MoE(nnx.Module):
   def __init__(self, num_experts: int, embed: int, mlp: int, *, top_k: int = 2,
                activation="silu", gated: bool = True, fused: bool = True,
                score: str = "softmax", normalize_top_k: bool | None = None,
-               routing_bias: bool = False, num_expert_groups: int | None = None,
-               top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
+               normalize_epsilon: float = 0.0, routing_bias: bool = False,
+               num_expert_groups: int | None = None, top_k_groups: int | None = None,
+               routed_scaling_factor: float = 1.0,
                router_bias: bool = False, router: nnx.Module | None = None,
                load_balancing_convention: str = "gmm_jax",
                router_weight_on: str = "output", num_shared_experts: int = 0,
                shared_mlp: int | None = None, shared_gate: bool = False,
-               use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
-               swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool | None = None,
+               shared_scale: float = 1.0, use_bias: bool = False,
+               swiglu_limit: float = SWIGLU_LIMIT, swiglu_alpha: float = SWIGLU_ALPHA,
+               gated_prologue: bool | None = None,
                capacity_factor: float | None = None, capacity_per: str = "call",
                expert_capacity: int | None = None,
                buffer_factor: float | None = None, layout: str = "ragged",
@@ -226,6 +235,9 @@ class MoE(nnx.Module):
     if shared_gate and not num_shared_experts:
       raise ValueError("shared_gate=True gates the shared experts: it needs "
                        "num_shared_experts >= 1")
+    if shared_scale != 1.0 and not num_shared_experts:
+      raise ValueError(f"shared_scale={shared_scale} scales the shared experts: it needs "
+                       f"num_shared_experts >= 1")
     if layout not in LAYOUTS:
       raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if max_rows is not None and (layout != "masked" or not isinstance(max_rows, int)
@@ -242,6 +254,7 @@ class MoE(nnx.Module):
     if transport not in experts.TRANSPORTS:
       raise ValueError(f"transport must be one of {experts.TRANSPORTS}, got {transport!r}")
     router_options = dict(score=score, normalize_top_k=normalize_top_k,
+                          normalize_epsilon=normalize_epsilon,
                           routing_bias=routing_bias, num_expert_groups=num_expert_groups,
                           top_k_groups=top_k_groups,
                           routed_scaling_factor=routed_scaling_factor,
@@ -267,6 +280,7 @@ class MoE(nnx.Module):
     self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
     self.capacity_per = capacity_per
     self.expert_capacity = None if expert_capacity is None else int(expert_capacity)
+    self.shared_scale = float(shared_scale)
     self.layout, self.max_rows = layout, max_rows
     self.partitionable, self.transport = partitionable, transport
     self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
@@ -306,6 +320,10 @@ class MoE(nnx.Module):
   @property
   def normalize_top_k(self):
     return getattr(self.router, "normalize_top_k", None)
+
+  @property
+  def normalize_epsilon(self):
+    return getattr(self.router, "normalize_epsilon", None)
 
   @property
   def num_expert_groups(self):
@@ -375,7 +393,8 @@ class MoE(nnx.Module):
         transport=self.transport, sequence_length=sequence_length,
         masked_rows=(self.max_rows or tokens.shape[0]) if self.layout == "masked" else None)
     if self.shared is not None:
-      y = y + self.shared(tokens).astype(jnp.float32)
+      shared = self.shared(tokens).astype(jnp.float32)
+      y = y + (shared if self.shared_scale == 1.0 else shared * self.shared_scale)
     aux = dict(routing.aux)
     # The mean of exact 0s and 1s: 0 when nothing is dropped (1 - mean(kept) rounds).
     aux["dropped_fraction"] = (jnp.zeros((), jnp.float32) if kept is None

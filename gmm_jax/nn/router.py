@@ -52,7 +52,8 @@ class Router(nnx.Module):
   ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
   optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked
   by the sum of their top-2 biased scores, DeepSeek-V3); weights ``w = s[chosen]``, divided
-  by their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
+  by their sum (plus ``normalize_epsilon``) when ``normalize_top_k``, times
+  ``routed_scaling_factor``.
 
   The interface `MoE` uses (a replacement router, ``MoE(..., router=my_router)``, is any
   nnx.Module with it): ``route(tokens)`` with tokens ``[T, D]`` (the layer's input rows,
@@ -66,6 +67,8 @@ class Router(nnx.Module):
     score: "softmax" or "sigmoid" scores.
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+    normalize_epsilon: added to the chosen weights' sum before the division (LFM2-MoE's
+      1e-6, which keeps sigmoid weights from a near-zero sum finite); 0 by default.
     routing_bias: a `RoutingBias` (zeros at first) added to the scores for the selection.
     num_expert_groups, top_k_groups: group-limited routing (None: off).
     routed_scaling_factor: multiplies the chosen weights.
@@ -85,7 +88,8 @@ class Router(nnx.Module):
                routing_bias: bool = False, num_expert_groups: int | None = None,
                top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
                use_bias: bool = False, load_balancing_convention: str = "gmm_jax",
-               param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               normalize_epsilon: float = 0.0, param_dtype: Any = jnp.float32,
+               rngs: nnx.Rngs):
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if score not in SCORES:
@@ -93,6 +97,8 @@ class Router(nnx.Module):
     if load_balancing_convention not in LOAD_BALANCING_CONVENTIONS:
       raise ValueError(f"load_balancing_convention must be one of "
                        f"{LOAD_BALANCING_CONVENTIONS}, got {load_balancing_convention!r}")
+    if not normalize_epsilon >= 0:
+      raise ValueError(f"normalize_epsilon must be >= 0, got {normalize_epsilon}")
     if (num_expert_groups is None) != (top_k_groups is None):
       raise ValueError("num_expert_groups and top_k_groups go together")
     if num_expert_groups is not None:
@@ -103,6 +109,10 @@ class Router(nnx.Module):
         raise ValueError(f"top_k={top_k} is more than the experts of {top_k_groups} groups")
     self.num_experts, self.top_k, self.score = num_experts, top_k, score
     self.normalize_top_k = top_k > 1 if normalize_top_k is None else normalize_top_k
+    if normalize_epsilon and not self.normalize_top_k:
+      raise ValueError(f"normalize_epsilon={normalize_epsilon} is for the renormalization: "
+                       f"it needs normalize_top_k")
+    self.normalize_epsilon = float(normalize_epsilon)
     self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
     self.routed_scaling_factor = routed_scaling_factor
     self.load_balancing_convention = load_balancing_convention
@@ -143,7 +153,8 @@ class Router(nnx.Module):
     top_e = top_k(choice, self.top_k)
     weights = jnp.take_along_axis(scores, top_e, axis=-1)
     if self.normalize_top_k:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+      total = jnp.sum(weights, axis=-1, keepdims=True)
+      weights = weights / (total + self.normalize_epsilon if self.normalize_epsilon else total)
     if self.routed_scaling_factor != 1.0:
       weights = weights * self.routed_scaling_factor
     return logits, scores, weights, top_e
