@@ -312,8 +312,9 @@ def test_presets():
   assert set(nn.MOE_PRESETS) == {
       "mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-moe-30b-a3b", "qwen3-next-80b-a3b",
       "deepseek-v3", "olmoe-1b-7b", "gpt-oss-120b", "granite-3.0-3b-a800m", "dbrx",
-      "glm-4.5-air", "llama-4-scout", "switch-base-8", "deepseek-v2", "dots.llm1",
-      "ernie-4.5-21b-a3b", "ernie-4.5-vl-28b-a3b-text", "hunyuan-a13b",
+      "glm-4.5-air", "llama-4-scout", "switch-base-8", "granite-4.0-h-tiny", "jamba-v0.1",
+      "lfm2-8b-a1b", "minimax-m2", "mistral-small-4", "solar-open-100b", "deepseek-v2",
+      "dots.llm1", "ernie-4.5-21b-a3b", "ernie-4.5-vl-28b-a3b-text", "hunyuan-a13b",
       "jetmoe-8b", "kimi-linear-48b-a3b", "longcat-flash", "phi-3.5-moe"}
   # The models' own defaults: Qwen2-MoE and OLMoE do not renormalize, Qwen3-MoE does.
   normalized = {name: nn.MOE_PRESETS[name].get("normalize_top_k") for name in
@@ -391,10 +392,61 @@ def test_kernel_metadata_and_bad_options():
       (dict(shared_gate=True), "num_shared_experts"),
       (dict(router=nnx.Linear(D, E, rngs=nnx.Rngs(0))), "route"),
       (dict(router=nn.Router(D, E, rngs=nnx.Rngs(0)), score="sigmoid"), "score"),
+      (dict(normalize_epsilon=-1e-6), "normalize_epsilon"),
+      (dict(shared_scale=0.5), "num_shared_experts"),
+      (dict(normalize_top_k=False, normalize_epsilon=1e-6), "normalize_top_k"),
+      (dict(router=nn.Router(D, E, rngs=nnx.Rngs(0)), normalize_epsilon=1e-6),
+       "normalize_epsilon"),
   ]
   for options, message in bad:
     with pytest.raises(ValueError, match=message):
       nn.MoE(E, D, F, rngs=nnx.Rngs(0), **options)
+
+
+def test_normalize_epsilon_adds_to_the_sum():
+  """normalize_epsilon: the chosen weights divided by their sum plus it (a value large
+  enough to see), in the forward and the router's gradient."""
+  model = nn.MoE(E, D, F, top_k=3, score="sigmoid", normalize_top_k=True,
+                 normalize_epsilon=0.25, rngs=nnx.Rngs(3))
+  assert model.normalize_epsilon == 0.25
+  x = jax.random.normal(jax.random.key(4), (6, D))
+
+  def weights(kernel, epsilon):
+    scores = jax.nn.sigmoid(x @ kernel)
+    chosen = model.route_tokens(x)[3]
+    w = jnp.take_along_axis(scores, chosen, axis=-1)
+    return w / (jnp.sum(w, axis=-1, keepdims=True) + epsilon)
+
+  kernel = model.router.kernel[...]
+  np.testing.assert_allclose(model.route_tokens(x)[2], weights(kernel, 0.25), rtol=1e-6)
+  assert not np.allclose(weights(kernel, 0.25), weights(kernel, 0.0), rtol=1e-3)
+
+  def loss(router):
+    return jnp.sum(router.route(x).weights * jnp.arange(3.0))
+
+  grad = nnx.grad(loss)(model.router).kernel[...]
+  expected = jax.grad(lambda k: jnp.sum(weights(k, 0.25) * jnp.arange(3.0)))(kernel)
+  np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_shared_scale_multiplies_the_shared_output():
+  """shared_scale=c: y = routed + c * shared, forward and gradients (the same parameters
+  as a layer with c = 1, whose shared part alone is its output minus the routed one)."""
+  scaled = nn.MoE(E, D, F, top_k=2, num_shared_experts=1, shared_scale=0.5,
+                  rngs=nnx.Rngs(5))
+  plain = nn.MoE(E, D, F, top_k=2, num_shared_experts=1, rngs=nnx.Rngs(5))
+  x = jax.random.normal(jax.random.key(6), (6, D))
+  shared = plain.shared(x)
+  y_scaled, _ = scaled(x)
+  y_plain, _ = plain(x)
+  np.testing.assert_allclose(y_scaled, y_plain - 0.5 * shared, rtol=1e-5, atol=1e-6)
+  grad_scaled = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(scaled)
+  grad_down = jax.grad(lambda w: jnp.sum(
+      (y_plain - shared + 0.5 * (jax.nn.silu(x @ plain.shared.up.kernel[...][:, :F]) *
+                                 (x @ plain.shared.up.kernel[...][:, F:])) @ w) ** 2))(
+      plain.shared.down.kernel[...])
+  np.testing.assert_allclose(grad_scaled.shared.down.kernel[...], grad_down, rtol=1e-4,
+                             atol=1e-6)
 
 
 def test_a_replacement_router():
@@ -492,6 +544,45 @@ def test_masked_layout_refuses_meshes_and_bad_rows():
     nn.MoE(E, D, F, layout="masked", max_rows=0, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("capacity_per, shape", [("call", (24, D)), ("sequence", (3, 8, D))])
+def test_expert_capacity_is_the_capacity_factor_of_that_count(capacity_per, shape):
+  """An absolute capacity C is the factor whose ceil(c * n * k / E) is C (n: the call's
+  tokens, or each sequence's), for every C up to the dropless count."""
+  x = jax.random.normal(jax.random.key(11), shape)
+  counted = shape[-2] if capacity_per == "sequence" else shape[0]
+  for capacity in (1, 2, 5, counted * 2):
+    absolute, _ = build(dict(top_k=2, expert_capacity=capacity, capacity_per=capacity_per))
+    factor = capacity * E / (counted * 2) * (1 - 1e-9)
+    relative, _ = build(dict(top_k=2, capacity_factor=factor, capacity_per=capacity_per))
+    y, aux = nnx.jit(lambda m: m(x))(absolute)
+    want, want_aux = nnx.jit(lambda m: m(x))(relative)
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+    assert float(aux["dropped_fraction"]) == float(want_aux["dropped_fraction"])
+    if capacity == 1:  # 2 * n assignments, at most E kept
+      assert float(aux["dropped_fraction"]) >= 1 - E / (counted * 2)
+    if capacity >= counted * 2:
+      assert float(aux["dropped_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(expert_capacity=0), "positive int"),
+    (dict(expert_capacity=2.5), "positive int"),
+    (dict(expert_capacity=True), "positive int"),
+    (dict(expert_capacity=4, capacity_factor=1.0), "give one"),
+    (dict(gated_prologue="yes"), "gated_prologue must be None"),
+    (dict(gated_prologue=1), "gated_prologue must be None"),
+])
+def test_capacity_and_prologue_options_are_checked(options, match):
+  with pytest.raises(ValueError, match=match):
+    nn.MoE(E, D, F, rngs=nnx.Rngs(0), **options)
+
+
+def test_dropped_fraction_is_exactly_zero_when_nothing_is_dropped():
+  """Under jit 1 - mean(kept) rounded to -4.5e-8 for a capacity that dropped nothing."""
+  x = jax.random.normal(jax.random.key(12), (3, 56, D))
+  model, _ = build(dict(top_k=2, expert_capacity=112, capacity_per="sequence"))
+  aux = nnx.jit(lambda m: m(x)[1])(model)
+  assert float(aux["dropped_fraction"]) == 0.0
 def test_identity_experts_add_their_weight_times_the_input():
   """num_identity_experts: the router scores E + Z experts; a chosen id >= E adds w * x
   (LongCat-Flash's zero experts), the others run their FFN; forward and gradients equal a

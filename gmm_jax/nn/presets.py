@@ -97,6 +97,32 @@ MOE_PRESETS: dict[str, dict[str, Any]] = {
     "llama-4-scout": dict(num_experts=16, embed=5120, mlp=8192, top_k=1, score="sigmoid",
                           normalize_top_k=False, router_weight_on="input",
                           num_shared_experts=1, activation="silu"),
+    # Granite-4.0-H-Tiny (GraniteMoeHybrid): softmax over the top-6 logits of 64 (=
+    # renormalized), the decoder layer's shared MLP of width 1024 added.
+    "granite-4.0-h-tiny": dict(num_experts=64, embed=1536, mlp=512, top_k=6, score="softmax",
+                               normalize_top_k=True, num_shared_experts=1, shared_mlp=1024,
+                               activation="silu"),
+    # Jamba-v0.1: softmax top-2 of 16, not renormalized, SwiGLU experts.
+    "jamba-v0.1": dict(num_experts=16, embed=4096, mlp=14336, top_k=2, score="softmax",
+                       normalize_top_k=False, activation="silu"),
+    # LFM2-8B-A1B (LFM2-MoE): sigmoid scores with a bias-corrected selection (expert_bias),
+    # top-4 of 32, renormalized with 1e-6 added to the sum.
+    "lfm2-8b-a1b": dict(num_experts=32, embed=2048, mlp=1792, top_k=4, score="sigmoid",
+                        routing_bias=True, normalize_top_k=True, normalize_epsilon=1e-6,
+                        activation="silu"),
+    # MiniMax-M2: sigmoid scores with a bias-corrected selection, top-8 of 256,
+    # renormalized, no shared expert.
+    "minimax-m2": dict(num_experts=256, embed=3072, mlp=1536, top_k=8, score="sigmoid",
+                       routing_bias=True, normalize_top_k=True, activation="silu"),
+    # Mistral-Small-4-119B (Mistral 4): softmax scores, top-4 of 128 (one group: no group
+    # limit), renormalized, one shared expert of the experts' width.
+    "mistral-small-4": dict(num_experts=128, embed=4096, mlp=2048, top_k=4, score="softmax",
+                            normalize_top_k=True, num_shared_experts=1, activation="silu"),
+    # Solar-Open-100B: DeepSeek-V3's routing (sigmoid, bias-corrected selection; one group:
+    # no group limit), top-8 of 128, renormalized, scaling 1.0, one shared expert.
+    "solar-open-100b": dict(num_experts=128, embed=4096, mlp=1280, top_k=8, score="sigmoid",
+                            routing_bias=True, normalize_top_k=True, num_shared_experts=1,
+                            activation="silu"),
     # Switch-Base-8: softmax top-1 of 8, not renormalized, ReLU FFN (not gated), capacity
     # per sequence (expert_capacity 64 at 512 tokens: capacity_factor 1.0).
     "switch-base-8": dict(num_experts=8, embed=768, mlp=3072, top_k=1, score="softmax",

@@ -52,8 +52,9 @@ class Router(nnx.Module):
   """A top-k router: ``logits = x @ kernel (+ bias)``, scores ``s = softmax(logits)`` or
   ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
   optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked
-  by the sum of their top-2 biased scores, DeepSeek-V3, or their best one: `group_score`); weights ``w = s[chosen]``, divided
-  by their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
+  by the sum of their top-2 biased scores, DeepSeek-V3, or their best one: `group_score`);
+  weights ``w = s[chosen]``, divided by their sum (plus ``normalize_epsilon``) when
+  ``normalize_top_k``, times ``routed_scaling_factor``.
 
   The interface `MoE` uses (a replacement router, ``MoE(..., router=my_router)``, is any
   nnx.Module with it): ``route(tokens)`` with tokens ``[T, D]`` (the layer's input rows,
@@ -74,6 +75,8 @@ class Router(nnx.Module):
     sparsemixer_eps: the window of "sparsemixer" (PhiMoE's ``router_jitter_noise``).
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+    normalize_epsilon: added to the chosen weights' sum before the division (LFM2-MoE's
+      1e-6, which keeps sigmoid weights from a near-zero sum finite); 0 by default.
     routing_bias: a `RoutingBias` (zeros at first) added to the scores for the selection.
     num_expert_groups, top_k_groups: group-limited routing (None: off).
     group_score: how a group is ranked for group-limited routing, from its experts' biased
@@ -97,7 +100,7 @@ class Router(nnx.Module):
                top_k_groups: int | None = None, group_score: str = "sum_top2",
                routed_scaling_factor: float = 1.0,
                use_bias: bool = False, load_balancing_convention: str = "gmm_jax",
-               sparsemixer_eps: float = 0.01,
+               normalize_epsilon: float = 0.0, sparsemixer_eps: float = 0.01,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
@@ -112,6 +115,8 @@ class Router(nnx.Module):
     if load_balancing_convention not in LOAD_BALANCING_CONVENTIONS:
       raise ValueError(f"load_balancing_convention must be one of "
                        f"{LOAD_BALANCING_CONVENTIONS}, got {load_balancing_convention!r}")
+    if not normalize_epsilon >= 0:
+      raise ValueError(f"normalize_epsilon must be >= 0, got {normalize_epsilon}")
     if (num_expert_groups is None) != (top_k_groups is None):
       raise ValueError("num_expert_groups and top_k_groups go together")
     if group_score not in GROUP_SCORES:
@@ -125,6 +130,10 @@ class Router(nnx.Module):
     self.num_experts, self.top_k, self.score = num_experts, top_k, score
     self.normalize_top_k = ((top_k > 1 and score != "sparsemixer") if normalize_top_k is None
                             else normalize_top_k)
+    if normalize_epsilon and not self.normalize_top_k:
+      raise ValueError(f"normalize_epsilon={normalize_epsilon} is for the renormalization: "
+                       f"it needs normalize_top_k")
+    self.normalize_epsilon = float(normalize_epsilon)
     self.sparsemixer_eps = float(sparsemixer_eps)
     self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
     self.group_score = group_score
@@ -174,7 +183,8 @@ class Router(nnx.Module):
     top_e = top_k(choice, self.top_k)
     weights = jnp.take_along_axis(scores, top_e, axis=-1)
     if self.normalize_top_k:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+      total = jnp.sum(weights, axis=-1, keepdims=True)
+      weights = weights / (total + self.normalize_epsilon if self.normalize_epsilon else total)
     if self.routed_scaling_factor != 1.0:
       weights = weights * self.routed_scaling_factor
     return logits, scores, weights, top_e
