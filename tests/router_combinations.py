@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from gmm_jax import nn
+from gmm_jax._src import experts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import meshes
@@ -285,7 +286,11 @@ def check_case(case: RouterCase):
       return loss_of(y), y
     return jax.grad(loss, argnums=(0, 1), has_aux=True)(pure, tokens)
 
-  y, aux, grads, dx = run(model, x)
+  with experts.record_layouts() as layouts:
+    y, aux, grads, dx = run(model, x)
+  if case.sharded:  # the partitioner's plan for the layout, forward and backward
+    want_layout = "travel" if case.experts_sharded else "local"
+    assert [layout.strategy for layout, _ in layouts] == [want_layout] * 2, (case, layouts)
   (want_grads, want_dx), want = run_reference(pure, jnp.asarray(tokens))
   message = str(case)
   np.testing.assert_allclose(np.asarray(y).reshape(-1, D), want, rtol=1e-4, atol=1e-5,
