@@ -4,9 +4,9 @@ Every router option (softmax/sigmoid scores, a routing bias that only selects, g
 top-k, routed scaling, top-1 without renormalization, both load-balancing conventions) and
 expert option (shared experts with or without their sigmoid gate, expert biases, clamped
 SwiGLU with its constants, GeGLU, a plain FFN, router weights on the output or the input,
-capacity per call or per sequence) is checked forward and by jax.grad against `reference`,
-which loops over the tokens and their chosen experts with numpy-chosen experts and jnp
-arithmetic, fused and unfused. The top-1 router learns from the task loss; aux, presets,
+capacity per call or per sequence) is checked forward and by jax.grad against `reference`
+(tests/moe_oracle.py), which loops over the tokens and their chosen experts with
+numpy-chosen experts and jnp arithmetic, fused and unfused. The top-1 router learns from the task loss; aux, presets,
 a replacement router, Linen names, metadata, bad options and eager sharding."""
 
 from __future__ import annotations
@@ -23,131 +23,9 @@ import jax.numpy as jnp  # noqa: E402
 from flax import linen, nnx  # noqa: E402
 from gmm_jax import nn  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
+from moe_oracle import balance_loss, choose, kept_of, reference  # noqa: E402
 
 E, D, F = 8, 16, 12
-
-GATES = {
-    "silu": lambda g, u: jax.nn.silu(g) * u,
-    "gelu": lambda g, u: jax.nn.gelu(g, approximate=False) * u,
-}
-PLAIN = {"relu": jax.nn.relu, "gelu": lambda z: jax.nn.gelu(z, approximate=False)}
-
-
-def gate_of(model):
-  """The gated activation on (gate, up), gpt-oss's with the model's limit and alpha."""
-  if model.activation != "swiglu_clamped":
-    return GATES[model.activation]
-  limit, alpha = model.swiglu_limit, model.swiglu_alpha
-  return lambda g, u: (jnp.minimum(g, limit) * jax.nn.sigmoid(alpha * jnp.minimum(g, limit))
-                       * (jnp.clip(u, -limit, limit) + 1))
-
-
-def logits_of(p, tokens):
-  logits = np.asarray(tokens @ p["router"]["kernel"], np.float32)
-  if "bias" in p["router"]:
-    logits = logits + np.asarray(p["router"]["bias"])
-  return logits
-
-
-def balance_loss(model, p, tokens, chosen):
-  """aux["load_balancing_loss"] by the documented formula of the model's convention."""
-  logits = logits_of(p, np.asarray(tokens)).astype(np.float64)
-  softmax = np.exp(logits - logits.max(-1, keepdims=True))
-  softmax /= softmax.sum(-1, keepdims=True)
-  if model.router.load_balancing_convention == "transformers":
-    top = np.argsort(-softmax, axis=-1, kind="stable")[:, :model.top_k]
-    counts = np.bincount(top.reshape(-1), minlength=E) / tokens.shape[0]
-    return E * np.sum(counts * softmax.mean(0))
-  scores = softmax if model.score == "softmax" else 1 / (1 + np.exp(-logits))
-  scores = scores / scores.sum(-1, keepdims=True)
-  load = np.bincount(chosen.reshape(-1), minlength=E) / chosen.size
-  return E * np.sum(load * scores.mean(0))
-
-
-def choose(model: nn.MoE, p, tokens):
-  """The experts each token goes to, by the documented rule, in numpy (float32 scores as
-  the model computes them): [T, k] int."""
-  logits = logits_of(p, tokens)
-  if model.score == "softmax":
-    scores = np.exp(logits - logits.max(-1, keepdims=True))
-    scores /= scores.sum(-1, keepdims=True)
-  else:
-    scores = 1 / (1 + np.exp(-logits))
-  if model.routing_bias is not None:
-    scores = scores + np.asarray(model.routing_bias[...])
-  chosen = []
-  for s in scores:
-    candidates = np.arange(E)
-    if model.num_expert_groups:
-      groups = s.reshape(model.num_expert_groups, -1)
-      group_score = np.sort(groups, axis=-1)[:, -2:].sum(-1)
-      if model.group_score == "max":
-        group_score = groups.max(-1)
-      best = np.argsort(-group_score, kind="stable")[:model.top_k_groups]
-      candidates = np.concatenate([np.arange(g * groups.shape[1], (g + 1) * groups.shape[1])
-                                   for g in sorted(best)])
-    order = np.argsort(-s[candidates], kind="stable")
-    chosen.append(candidates[order[:model.top_k]])
-  return np.stack(chosen)
-
-
-def kept_of(chosen, capacity, sequence=None):
-  """bool [T, k]: each expert takes its first `capacity` assignments in token order (of
-  each sequence of `sequence` tokens when given)."""
-  if sequence is not None:
-    return np.concatenate([kept_of(chosen[s:s + sequence], capacity)
-                           for s in range(0, chosen.shape[0], sequence)])
-  taken = np.zeros(E, int)
-  kept = np.ones(chosen.shape, bool)
-  for t, j in np.ndindex(*chosen.shape):
-    taken[chosen[t, j]] += 1
-    kept[t, j] = capacity is None or taken[chosen[t, j]] <= capacity
-  return kept
-
-
-def reference(model: nn.MoE, p, x, chosen, kept):
-  """y for x [T, D] from params p (a pure dict): the formula for one token (over its
-  chosen experts, a loop), mapped over the tokens."""
-
-  def one_token(x_t, experts, keep):
-    logits = x_t @ p["router"]["kernel"]
-    if "bias" in p["router"]:
-      logits = logits + p["router"]["bias"]
-    s = jax.nn.softmax(logits) if model.score == "softmax" else jax.nn.sigmoid(logits)
-    w = s[experts]
-    if model.normalize_top_k:
-      w = w / jnp.sum(w)
-    w = w * model.routed_scaling_factor
-    on_input = model.router_weight_on == "input"
-    y = jnp.zeros(D)
-    for j in range(model.top_k):
-      e = experts[j]
-      x_in = x_t * w[j] if on_input else x_t  # Llama 4: the weight scales the input
-      if model.gated:
-        z = x_in @ p["gate_up"]["kernel"][e]
-        if "bias" in p["gate_up"]:
-          z = z + p["gate_up"]["bias"][e]
-        h = gate_of(model)(z[:F], z[F:])
-      else:
-        z = x_in @ p["up"]["kernel"][e]
-        if "bias" in p["up"]:
-          z = z + p["up"]["bias"][e]
-        h = PLAIN[model.activation](z)
-      o = h @ p["down"]["kernel"][e]
-      if "bias" in p["down"]:
-        o = o + p["down"]["bias"][e]
-      y = y + jnp.where(keep[j], 1.0 if on_input else w[j], 0.0) * o
-    if "shared" in p:
-      z = x_t @ p["shared"]["up"]["kernel"]
-      half = z.shape[0] // 2
-      shared = gate_of(model)(z[:half], z[half:]) @ p["shared"]["down"]["kernel"]
-      if "gate" in p["shared"]:  # Qwen2-MoE: sigmoid(x @ w) scales the shared expert
-        shared = shared * jax.nn.sigmoid(x_t @ p["shared"]["gate"]["kernel"])[0]
-      y = y + shared
-    return y
-
-  return jax.vmap(one_token)(x, jnp.asarray(chosen), jnp.asarray(kept))
-
 
 # The default run covers every option at least once (several per variant); the rest run
 # with -m slow.
@@ -583,6 +461,8 @@ def test_dropped_fraction_is_exactly_zero_when_nothing_is_dropped():
   model, _ = build(dict(top_k=2, expert_capacity=112, capacity_per="sequence"))
   aux = nnx.jit(lambda m: m(x)[1])(model)
   assert float(aux["dropped_fraction"]) == 0.0
+
+
 def test_identity_experts_add_their_weight_times_the_input():
   """num_identity_experts: the router scores E + Z experts; a chosen id >= E adds w * x
   (LongCat-Flash's zero experts), the others run their FFN; forward and gradients equal a
