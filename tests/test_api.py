@@ -622,3 +622,33 @@ def test_explain_for_another_platform_from_the_cpu():
   assert "on tpu: pallas_tpu" in gmm_jax.explain(lhs, rhs, sizes, platform="tpu")
   text = gmm_jax.explain(lhs, rhs, sizes, activation="swiglu", platform="gpu")
   assert "on gpu: pallas_" in text, text
+
+
+@pytest.mark.parametrize("float_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("int_side", ["lhs", "rhs"])
+def test_float_with_plain_integer_operand_is_multiplied_in_the_float_dtype(float_dtype,
+                                                                           int_side):
+  """As jax.lax.ragged_dot promotes them: the integer operand's values in the float's dtype
+  (exact for int8), the result in that dtype; the float side's gradient flows."""
+  rng = np.random.default_rng(5)
+  sizes = np.array([3, 0, 4], np.int32)
+  x = rng.standard_normal((7, 6)).astype(np.float32)
+  w = rng.standard_normal((3, 6, 5)).astype(np.float32)
+  xi = rng.integers(-128, 128, (7, 6)).astype(np.int8)
+  wi = rng.integers(-128, 128, (3, 6, 5)).astype(np.int8)
+  lhs, rhs = (xi, jnp.asarray(w, float_dtype)) if int_side == "lhs" else (
+      jnp.asarray(x, float_dtype), wi)
+  got = jax.jit(lambda a, b: gmm_jax.gmm(a, b, sizes))(lhs, rhs)
+  assert got.dtype == float_dtype
+  want = jax.lax.ragged_dot(lhs, rhs, sizes)
+  assert want.dtype == got.dtype
+  np.testing.assert_allclose(np.asarray(got, np.float64),
+                             gmm_oracle(np.asarray(lhs, np.float64), np.asarray(rhs, np.float64),
+                                        sizes, "m"), **tolerances(float_dtype, k=6, scale=128.0))
+  float_arg = 1 if int_side == "lhs" else 0
+  grad = jax.grad(lambda *a: gmm_jax.gmm(*a, sizes).astype(jnp.float32).sum(),
+                  argnums=float_arg)(lhs, rhs)
+  want_grad = jax.grad(lambda *a: jax.lax.ragged_dot(*a, sizes).astype(jnp.float32).sum(),
+                       argnums=float_arg)(lhs, rhs)
+  np.testing.assert_allclose(np.asarray(grad, np.float64), np.asarray(want_grad, np.float64),
+                             **tolerances(float_dtype, k=7, scale=128.0))

@@ -12,6 +12,7 @@ import functools
 import importlib
 import pathlib
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -303,20 +304,35 @@ def test_tgmm_num_actual_groups_and_bf16_existing_out_rounding():
   _close(got, want, **tolerances(jnp.bfloat16, k=M, scale=16.0))
 
 
+def _qwix_int8(x, axis):
+  """qwix's absmax int8 (MaxText's quantizer): the absmax maps to 127.5, values round to
+  nearest and saturate at [-128, 127], computed in float32 as qwix does for float32
+  operands; dequantized, in float64. XLA divides by the constant 127.5 as a product with
+  its float32 reciprocal: the scale here is that product, to the last bit."""
+  x = np.asarray(x, np.float32)
+  scale = np.abs(x).max(axis=axis, keepdims=True) * np.float32(1 / 127.5)
+  return np.clip(np.round(x / scale), -128, 127).astype(np.float64) * scale
+
+
+def _positive_absmax(x, axis):
+  """`x` with each channel's largest magnitude made positive. A channel's absmax lands on
+  +-127.5, a rounding tie: +127.5 gives 127 both ways, but -127.5 gives -128 or -127 as the
+  last bit of the scale falls, which is rounding, not quantization."""
+  x = np.array(x)
+  peak = np.abs(x) == np.abs(x).max(axis=axis, keepdims=True)
+  return np.where(peak, np.abs(x), x)
+
+
 def test_rhs_quantize_dtype_is_per_column_absmax():
   lhs, rhs, sizes = _inputs(11)
+  lhs, rhs = jnp.asarray(_positive_absmax(lhs, 1)), jnp.asarray(_positive_absmax(rhs, (0, 1)))
   got = _jit(lambda: megablox.gmm(lhs, rhs, sizes, rhs_quantize_dtype=jnp.int8))
-  w = f64(rhs)
-  scale = np.abs(w).max(axis=(0, 1), keepdims=True) / 127  # per output column n
-  dequantized = np.clip(np.round(w / scale), -127, 127) * scale
+  dequantized = _qwix_int8(rhs, axis=(0, 1))  # per output column n, all experts
   want = gmm_oracle(lhs, dequantized, SIZES, "m")
   _close(got, want, rtol=1e-5, atol=1e-3)
   both = _jit(lambda: ops.gmm(lhs, rhs, sizes, lhs_quantize_dtype=jnp.int8,
                               rhs_quantize_dtype=jnp.int8))
-  x = f64(lhs)
-  x_scale = np.abs(x).max(axis=1, keepdims=True) / 127  # per row of lhs
-  want = gmm_oracle(np.clip(np.round(x / x_scale), -127, 127) * x_scale, dequantized, SIZES,
-                    "m")
+  want = gmm_oracle(_qwix_int8(lhs, axis=1), dequantized, SIZES, "m")  # lhs per row
   _close(both, want, rtol=1e-5, atol=1e-3)
   with pytest.raises(NotImplementedError, match="quantized rhs"):
     megablox.gmm(lhs, rhs, sizes, lhs_quantize_dtype=jnp.int8)
@@ -402,3 +418,156 @@ def test_maxtext_call_site_equals_megablox():
   _close(got[0], want[0], rtol=1e-5, atol=1e-3)
   for g, w in zip(got[1], want[1]):
     _close(g, w)
+
+
+# --------------------------------------------------- MaxText's own megablox keywords
+
+# What MaxText 0.2.x's RoutedMoE passes to its megablox ``ops.gmm`` on every call, at the
+# values of an unquantized megablox run (its kernel-level backend calls add varying_axes).
+MAXTEXT_KEYWORDS = dict(
+    use_qwix_quantization=False, use_tokamax_backend=False, weight_gather_axes=None,
+    lhs_vma_axes=(), rhs_vma_axes=(), use_gmm_v2=False, use_gmm_v2_heuristic_tiling=False,
+    partial_sum=None, qwix_rule=None, use_manual_quantization=False)
+
+
+def test_maxtext_keywords_at_their_do_nothing_values_change_nothing():
+  lhs, rhs, sizes = _inputs(21)
+  plain = _jit(lambda: ops.gmm(lhs, rhs, sizes, jnp.float32, TILES))
+  got = _jit(lambda: ops.gmm(lhs=lhs, rhs=rhs, group_sizes=sizes,
+                             preferred_element_type=jnp.float32, tiling=TILES * 3,
+                             group_offset=None, interpret=None, **MAXTEXT_KEYWORDS))
+  _close(got, plain, rtol=0, atol=0)
+  # The backend switches choose MaxText's kernels, not the result.
+  for flags in (dict(use_tokamax_backend=True), dict(use_gmm_v2=True),
+                dict(use_gmm_v2=True, use_gmm_v2_heuristic_tiling=True)):
+    _close(_jit(lambda: ops.gmm(lhs, rhs, sizes, jnp.float32, TILES, **flags)), plain)
+  # MaxText gathers weights over these axes only for quantized gradients, refused here.
+  _close(_jit(lambda: ops.gmm(lhs, rhs, sizes, weight_gather_axes=[("fsdp", 1)])), plain)
+  kernel = _jit(lambda: megablox.gmm(lhs, rhs, sizes, jnp.float32, TILES, None, None,
+                                     transpose_rhs=False, interpret=False, varying_axes=()))
+  _close(kernel, plain, rtol=0, atol=0)
+  tgmm_plain = _jit(lambda: megablox.tgmm(lhs.T, lhs[:, :N], sizes, jnp.float32, TILES))
+  _close(_jit(lambda: megablox.tgmm(lhs.T, lhs[:, :N], sizes, jnp.float32, TILES, None, None,
+                                    interpret=False, varying_axes=())), tgmm_plain, rtol=0,
+         atol=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(use_manual_quantization=True), "use_manual_quantization"),
+    (dict(use_qwix_quantization=True, qwix_rule=types.SimpleNamespace(
+        act_qtype=jnp.float8_e4m3fn, weight_qtype=jnp.float8_e4m3fn,
+        bwd_qtype=jnp.float8_e5m2)), "bwd_qtype"),
+    (dict(use_qwix_quantization=True, qwix_rule=types.SimpleNamespace(
+        act_qtype=jnp.int8, weight_qtype=jnp.int8, act_calibration_method="fixed,-1,1",
+        weight_calibration_method="absmax")), "calibration_method"),
+])
+def test_maxtext_values_gmm_jax_cannot_honour_raise(kwargs, match):
+  lhs, rhs, sizes = _inputs(22)
+  with pytest.raises(NotImplementedError, match=match):
+    ops.gmm(lhs, rhs, sizes, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(use_gmm_v2="yes"), "use_gmm_v2 must be a bool"),
+    (dict(weight_gather_axes=[("fsdp",)]), "weight_gather_axes"),
+    (dict(lhs_vma_axes="expert"), "lhs_vma_axes"),
+    (dict(partial_sum=jnp.zeros((M, N + 1))), "partial_sum must have"),
+])
+def test_malformed_maxtext_keywords_raise_value_error(kwargs, match):
+  lhs, rhs, sizes = _inputs(23)
+  with pytest.raises(ValueError, match=match):
+    ops.gmm(lhs, rhs, sizes, **kwargs)
+
+
+def test_qwix_rule_quantizes_as_the_handcrafted_dtypes_do():
+  """use_qwix_quantization with a rule of absmax act/weight int8 (channelwise) is MaxText's
+  AQT-style dtypes; with disable_channelwise_axes the scales are per tensor."""
+  lhs, rhs, sizes = _inputs(24)
+  lhs, rhs = jnp.asarray(_positive_absmax(lhs, 1)), jnp.asarray(_positive_absmax(rhs, (0, 1)))
+  rule = types.SimpleNamespace(act_qtype=jnp.int8, weight_qtype=jnp.int8, bwd_qtype=None,
+                               act_calibration_method="absmax",
+                               weight_calibration_method="absmax",
+                               disable_channelwise_axes=False)
+  got = _jit(lambda: ops.gmm(lhs, rhs, sizes, use_qwix_quantization=True, qwix_rule=rule))
+  want = _jit(lambda: ops.gmm(lhs, rhs, sizes, lhs_quantize_dtype=jnp.int8,
+                              rhs_quantize_dtype=jnp.int8))
+  _close(got, want, rtol=0, atol=0)
+  per_tensor = types.SimpleNamespace(**{**vars(rule), "disable_channelwise_axes": True})
+  got = _jit(lambda: ops.gmm(lhs, rhs, sizes, use_qwix_quantization=True,
+                             qwix_rule=per_tensor))
+  # Each tensor's peak is one of its channels' peaks: positive (no rounding tie).
+  want = gmm_oracle(_qwix_int8(lhs, axis=None), _qwix_int8(rhs, axis=None), SIZES, "m")
+  _close(got, want, rtol=1e-5, atol=1e-3)
+  # No rule held (qwix absent or its interception not targeting gmm): no quantization.
+  if importlib.util.find_spec("qwix") is None:
+    _close(_jit(lambda: ops.gmm(lhs, rhs, sizes, use_qwix_quantization=True)),
+           _jit(lambda: ops.gmm(lhs, rhs, sizes)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e4m3fnuz])
+def test_fp8_quantize_dtypes_map_the_absmax_to_the_largest_value(dtype):
+  """MaxText's fp8 and nanoo_fp8 (fnuz: largest finite 240) quantize both operands."""
+  lhs, rhs, sizes = _inputs(25)
+  got = _jit(lambda: ops.gmm(lhs, rhs, sizes, lhs_quantize_dtype=dtype,
+                             rhs_quantize_dtype=dtype))
+  top = float(jnp.finfo(dtype).max)
+
+  def fp8(x, axis):
+    x = np.asarray(x, np.float32)
+    scale = np.abs(x).max(axis=axis, keepdims=True) / np.float32(top)
+    values = np.asarray(jnp.asarray(np.clip(x / scale, -top, top)).astype(dtype), np.float64)
+    return values * scale
+
+  want = gmm_oracle(fp8(lhs, 1), fp8(rhs, (0, 1)), SIZES, "m")
+  _close(got, want, rtol=1e-5, atol=1e-3)
+  # Straight-through gradients: those of the product of the dequantized operands.
+  cot = jnp.asarray(np.random.default_rng(26).standard_normal((M, N)), jnp.float32)
+  dlhs, drhs = jax.jit(jax.grad(lambda l, r: jnp.sum(cot * ops.gmm(
+      l, r, sizes, lhs_quantize_dtype=dtype, rhs_quantize_dtype=dtype)), (0, 1)))(lhs, rhs)
+  assert np.isfinite(f64(dlhs)).all() and np.isfinite(f64(drhs)).all()
+  rows = local_rows(SIZES, M, 0, len(SIZES))
+  want_dlhs = np.zeros((M, K))
+  bounds = np.concatenate([[0], np.cumsum(SIZES)])
+  w = fp8(rhs, (0, 1))
+  for g in range(len(SIZES)):
+    want_dlhs[bounds[g]:bounds[g + 1]] = f64(cot)[bounds[g]:bounds[g + 1]] @ w[g].T
+  _close(np.where(rows[:, None], dlhs, 0), want_dlhs, rtol=1e-5, atol=1e-3)
+
+
+def test_partial_sum_is_added_and_gets_the_cotangent():
+  lhs, rhs, sizes = _inputs(27)
+  partial = jnp.asarray(np.random.default_rng(28).standard_normal((M, N)), jnp.bfloat16)
+  cot = jnp.asarray(np.random.default_rng(29).standard_normal((M, N)), jnp.float32)
+  out, grad = jax.jit(jax.value_and_grad(lambda p: jnp.sum(cot * ops.gmm(
+      lhs, rhs, sizes, jnp.float32, TILES * 3, partial_sum=p).astype(jnp.float32))))(partial)
+  want = gmm_oracle(lhs, rhs, SIZES, "m") + f64(partial)
+  _close(out, np.sum(f64(cot) * want), rtol=1e-5, atol=1e-2)
+  _close(grad, f64(cot).astype(jnp.bfloat16), rtol=0, atol=0)
+
+
+def test_rhs_of_the_first_groups_without_group_offset_is_megablox_default():
+  """megablox defaults group_offset to 0: rhs[:2] holds groups 0 and 1."""
+  lhs, rhs, sizes = _inputs(30)
+  got = _jit(lambda: megablox.gmm(lhs, rhs[:2], sizes, jnp.float32, TILES))
+  want = _jit(lambda: megablox.gmm(lhs, rhs[:2], sizes, jnp.float32, TILES,
+                                   jnp.array(0, jnp.int32)))
+  _close(got, want, rtol=0, atol=0)
+  _close(got, np.where(local_rows(SIZES, M, 0, 2)[:, None],
+                       gmm_oracle(lhs, rhs, SIZES, "m"), 0))
+
+
+def test_maxtext_int8_backward_operands_float_times_plain_int8():
+  """MaxText's int8 backward multiplies the scaled cotangent by the plain int8 values of the
+  other operand, at its kernel level and through ragged_dot_general: gmm multiplies them in
+  the float's dtype, as jax.lax.ragged_dot does."""
+  lhs, rhs, sizes = _inputs(31)
+  q = jnp.asarray(np.random.default_rng(32).integers(-128, 128, (len(SIZES), K, N)), jnp.int8)
+  got = _jit(lambda: megablox.gmm(lhs[:, :N], q, sizes, jnp.float32, TILES,
+                                  transpose_rhs=True, varying_axes=()))
+  want = jax.lax.ragged_dot(lhs[:, :N], jnp.swapaxes(q, 1, 2), sizes)
+  _close(got, want, rtol=1e-6, atol=1e-4)
+  qt = jnp.asarray(np.random.default_rng(33).integers(-128, 128, (K, M)), jnp.int8)
+  got = _jit(lambda: megablox.tgmm(qt, lhs[:, :N], sizes, jnp.float32, TILES, None, 4))
+  want = gmm_oracle(f64(qt), lhs[:, :N], SIZES, "k")
+  _close(got, want, rtol=1e-6, atol=1e-4)
+  assert gmm_jax.gmm(lhs, q, sizes).dtype == jnp.float32

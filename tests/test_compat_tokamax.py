@@ -197,7 +197,7 @@ def test_activation_runs_in_f32_before_the_cast():
   np.testing.assert_allclose(f64(out), want, **tolerances(jnp.bfloat16, k=16, scale=16.0))
 
 
-@pytest.mark.parametrize("fuse", ["silu", "gelu_tanh", "swigluoai"])
+@pytest.mark.parametrize("fuse", ["silu", "gelu_tanh", "swigluoai", "silu_and_mul_with_clamp"])
 def test_fuse_gateup_activation(fuse):
   lhs, rhs, sizes = _inputs(3, n=16)
   z = gmm_oracle(lhs, rhs, np.asarray(sizes), "m")
@@ -206,14 +206,17 @@ def test_fuse_gateup_activation(fuse):
     want = gate / (1 + np.exp(-gate)) * up
   elif fuse == "gelu_tanh":
     want = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3))) * up
-  else:  # gpt-oss: gate clamped above at 7, up to [-7, 7], sigmoid(1.702 x), up + 1
+  elif fuse == "swigluoai":  # gpt-oss: gate clamped above at 7, up to [-7, 7], 1.702, up + 1
     gate, up = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
     want = gate / (1 + np.exp(-1.702 * gate)) * (up + 1)
+  else:  # DeepSeek-V4's: gate clamped above at 10, up to [-10, 10], plain silu
+    gate, up = np.minimum(gate, 10.0), np.clip(up, -10.0, 10.0)
+    want = gate / (1 + np.exp(-gate)) * up
   out = _jit(lambda: tk.ragged_dot(lhs, rhs, sizes, fuse_gateup_activation=fuse))
   assert out.shape == (24, 8)
   np.testing.assert_allclose(f64(out), want, **tolerances(jnp.float32, k=16, scale=64.0))
   with pytest.raises(NotImplementedError, match="Unsupported fused activation"):
-    tk.ragged_dot(lhs, rhs, sizes, fuse_gateup_activation="silu_and_mul_with_clamp")
+    tk.ragged_dot(lhs, rhs, sizes, fuse_gateup_activation="relu_and_mul")
 
 
 def test_quantized_rhs_as_tokamax_takes_it():
@@ -241,3 +244,24 @@ def test_equals_tokamax_live():
     want = _call(tokamax, a["lhs"], a["rhs"], sizes, spec, tokamax.RaggedDotGroupSizes)
     got = _call(tk, a["lhs"], a["rhs"], sizes, spec, tokamax.RaggedDotGroupSizes)
     np.testing.assert_allclose(f64(got), f64(want), **_tol(spec, a, scale=16.0))
+
+
+def test_group_sizes_object_as_maxtext_builds_it():
+  """MaxText builds tokamax.RaggedDotGroupSizes(group_sizes, num_rows); it travels through
+  jit as a pytree and gives the sizes its value holds."""
+  lhs, rhs, sizes = _inputs(9)
+  group_sizes = tk.RaggedDotGroupSizes(sizes, lhs.shape[0])
+  assert tk.GroupSizes is tk.RaggedDotGroupSizes
+  got = jax.jit(lambda l, r, gs: tk.ragged_dot(l, r, gs, implementation="xla"))(
+      lhs, rhs, group_sizes)
+  np.testing.assert_allclose(f64(got), gmm_oracle(lhs, rhs, np.asarray(sizes), "m"),
+                             **tolerances(jnp.float32, k=16, scale=16.0))
+  assert tk.GroupSizes(np.asarray([3, 0, 5], np.int32), 8).representative_value == (3, 0, 5)
+  assert tk.GroupSizes(jax.ShapeDtypeStruct((3,), jnp.int32), 8).representative_value == (
+      3, 3, 2)
+  assert tk.GroupSizes(sizes, (1, 2, 3, 4)[:len(sizes)]).repr_value_or_total_size == (
+      1, 2, 3, 4)[:len(sizes)]
+  with pytest.raises(ValueError, match="integers"):
+    tk.GroupSizes(jnp.zeros(3, jnp.float32), 3)
+  with pytest.raises(ValueError, match="same length"):
+    tk.GroupSizes(sizes, (1,) * (len(sizes) + 1))

@@ -21,7 +21,7 @@ from gmm_jax._src.qarray import check_fits
 from gmm_test_base import encode
 from grids import covering
 from oracle import dequantize as np_dequantize  # numpy, from the raw fields
-from oracle import gmm_oracle, tolerances
+from oracle import f64, gmm_oracle, tolerances
 
 M, K, N, G = 40, 96, 24, 4
 SIZES = [10, 0, 17, 9]  # sum 36 < M: an empty group and rows past the total
@@ -221,10 +221,55 @@ def test_quantize_all_zero_tile():
     (lambda x: QArray(jnp.zeros((4, 8), jnp.int8), jnp.ones((4, 3))), "does not tile"),
     (lambda x: QArray(jnp.zeros((4, 8), jnp.int8), jnp.ones((4, 1)), jnp.ones((4, 2))),
      "zero_point"),
+    (lambda x: quantize(x, jnp.int8, bound=0.0), "bound must be a positive finite"),
+    (lambda x: quantize(x, jnp.int8, bound=np.inf), "bound must be a positive finite"),
+    (lambda x: quantize(x, jnp.int8, bound=True), "bound must be a positive finite"),
+    (lambda x: quantize(x, jnp.int8, bound=127.5, zero_point=True), "symmetric"),
+    (lambda x: gmm_jax.QuantSpec(jnp.int8, bound=-1), "bound must be a positive finite"),
 ])
 def test_quantize_errors(call, match):
   with pytest.raises(ValueError, match=match):
     call(np.ones((4, 8), np.float32))
+
+
+@pytest.mark.parametrize("dtype, bound", [(jnp.int8, 127.5), (jnp.int4, 7.5),
+                                          (jnp.float8_e4m3fn, 240.0)])
+def test_quantize_bound_is_what_the_absmax_maps_to(dtype, bound):
+  """qwix's integer convention (qmax + 0.5): the scale is absmax / bound; values rounding
+  past the type's range saturate."""
+  x = np.linspace(-3.0, 2.0, 32, dtype=np.float32).reshape(4, 8)
+  # Each row's peak positive: a negative peak lands on -bound, a rounding tie that the last
+  # bit of the scale decides.
+  x = np.where(np.abs(x) == np.abs(x).max(axis=1, keepdims=True), np.abs(x), x)
+  q = quantize(x, dtype, channelwise_axes=(0,), bound=bound)
+  scale = np.abs(x).max(axis=1, keepdims=True) / bound
+  np.testing.assert_allclose(np.asarray(q.scale), scale, rtol=1e-6)
+  values = np.asarray(q.qvalue.astype(jnp.float32))
+  low, high = (jnp.iinfo(dtype).min, jnp.iinfo(dtype).max) if jnp.issubdtype(
+      dtype, jnp.integer) else (-float(jnp.finfo(dtype).max), float(jnp.finfo(dtype).max))
+  assert values.min() >= low and values.max() <= high
+  if jnp.issubdtype(dtype, jnp.integer):
+    np.testing.assert_array_equal(values, np.clip(np.round(x / np.asarray(q.scale)), low, high))
+  spec = gmm_jax.QuantSpec(dtype, channelwise_axes=(0,), bound=bound)
+  np.testing.assert_array_equal(np.asarray(spec(x).qvalue), np.asarray(q.qvalue))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz])
+def test_fnuz_fp8_quantize_and_gmm(dtype):
+  """The fnuz fp8 types (MaxText's nanoo_fp8): the absmax maps to their largest finite value,
+  and gmm multiplies them like the other fp8 types."""
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((12, 16)).astype(np.float32)
+  w = rng.standard_normal((3, 16, 8)).astype(np.float32)
+  qx = quantize(x, dtype, channelwise_axes=(0,))
+  qw = quantize(w, dtype, channelwise_axes=(0, 2))
+  assert qx.qtype == np.dtype(dtype)
+  np.testing.assert_allclose(np.abs(np_dequantize(qx)).max(axis=1), np.abs(x).max(axis=1),
+                             rtol=1e-6)
+  sizes = np.array([5, 0, 7], np.int32)
+  got = jax.jit(lambda a, b: gmm_jax.gmm(a, b, sizes))(qx, qw)
+  want = gmm_oracle(np_dequantize(qx), np_dequantize(qw), sizes, "m")
+  np.testing.assert_allclose(f64(got), want, rtol=1e-5, atol=1e-4)
 
 
 def test_qarray_is_a_pytree_through_jit():

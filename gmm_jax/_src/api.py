@@ -80,12 +80,15 @@ def _check_quant_specs(lhs, rhs, quantize_lhs, quantize_rhs) -> None:
       raise ValueError(f"quantize_{name} needs a float {name}, got {_describe(operand)}")
 
 
-def _check_plain_dtypes(lhs, rhs) -> None:
-  if jnp.issubdtype(lhs.dtype, jnp.integer) != jnp.issubdtype(rhs.dtype, jnp.integer):
-    raise NotImplementedError(
-        f"mixed integer and floating operands ({lhs.dtype} x {rhs.dtype}): pass the "
-        "integer side as a gmm_jax.QArray (its scale says what the integers mean); "
-        "plain arrays must be both floating or both integer")
+def _promote_plain(lhs, rhs):
+  """Plain operands of one kind: an integer operand with a floating one is converted to the
+  floating one's dtype, as `jax.lax.dot_general` and `jax.lax.ragged_dot` promote them (a
+  float32 x int8 pair is a float32 product). A QArray is the way to say what integers mean
+  beyond their values (a scale)."""
+  lhs_int = jnp.issubdtype(lhs.dtype, jnp.integer)
+  if lhs_int == jnp.issubdtype(rhs.dtype, jnp.integer):
+    return lhs, rhs
+  return (lhs.astype(rhs.dtype), rhs) if lhs_int else (lhs, rhs.astype(lhs.dtype))
 
 
 def _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs, gated_lhs=False):
@@ -481,7 +484,7 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
           f"device under jit; it does not combine with {', '.join(given)}")
   quantized_call = lhs_q or rhs_q or quantize_lhs is not None or quantize_rhs is not None
   if not quantized_call:
-    _check_plain_dtypes(lhs, rhs)
+    lhs, rhs = _promote_plain(lhs, rhs)
   elif not lhs_q and not jnp.issubdtype(lhs.dtype, jnp.floating):
     raise ValueError(f"with a quantized rhs, lhs must be a float array or a QArray, got "
                      f"{_describe(lhs)}")

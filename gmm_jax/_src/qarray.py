@@ -33,8 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The fnuz fp8 types (no negative zero, no infinities; largest finite 240 and 57344) are
+# what AMD MI300-class chips multiply natively, and what MaxText's "nanoo_fp8" quantizes to.
 QTYPES = tuple(np.dtype(t) for t in (jnp.int8, jnp.int4, jnp.float8_e4m3fn, jnp.float8_e5m2,
-                                     jnp.float4_e2m1fn))
+                                     jnp.float4_e2m1fn, jnp.float8_e4m3fnuz,
+                                     jnp.float8_e5m2fnuz))
 SCALE_DTYPES = tuple(np.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16,
                                            jnp.float8_e8m0fnu))
 E8M0 = np.dtype(jnp.float8_e8m0fnu)
@@ -243,12 +246,13 @@ def _split_sharding(x):
 
 def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
              tiled_axes: Mapping[int, int] | None = None, scale_dtype=None,
-             zero_point: bool = False) -> QArray:
+             zero_point: bool = False, bound: float | None = None) -> QArray:
   """Quantizes `x` (absmax calibration, round to nearest even, saturating).
 
   Args:
     x: a float array.
-    dtype: int8, int4, float8_e4m3fn, float8_e5m2 or float4_e2m1fn.
+    dtype: int8, int4, float8_e4m3fn, float8_e5m2, float4_e2m1fn, float8_e4m3fnuz or
+      float8_e5m2fnuz.
     channelwise_axes: an axis or axes with one scale per index (e.g. 0 or (0,) per token
       of [M, K]; (0, 2) per expert and output channel of [G, K, N]).
     tiled_axes: ``{axis: tile}``: one scale per tile of `tile` indices (per-group along K:
@@ -257,6 +261,11 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
     scale_dtype: f32 (default), bf16, f16, or float8_e8m0fnu (MX: the scale is rounded up
       to a power of 2, so no value saturates).
     zero_point: asymmetric quantization with an integer zero point (integer dtypes only).
+    bound: the value a tile's absmax maps to (symmetric quantization): the scale is
+      ``absmax / bound``. Default: the dtype's largest value (127 for int8, 448 for
+      float8_e4m3fn). qwix (and so MaxText) maps it to ``qmax + 0.5`` for integers (127.5
+      for int8, 7.5 for int4), which fills the largest bucket's rounding interval; values
+      rounding past qmax saturate.
 
   Returns:
     A `QArray`.
@@ -270,6 +279,7 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
         f"scale_dtype must be one of {[str(t) for t in SCALE_DTYPES]}, got {scale_dtype}")
   if zero_point and not _is_int(dtype):
     raise ValueError(f"zero_point=True needs an integer dtype, got {dtype}")
+  bound = _check_bound(bound, zero_point)
   if not hasattr(x, "dtype") and not isinstance(x, (list, tuple, float, int)):
     raise ValueError(f"quantize needs a float array, got {x!r}")
   x = jnp.asarray(x)
@@ -310,7 +320,7 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
     high = jnp.maximum(jnp.max(blocks, axis=reduce_axes), 0.0)
     scale = (high - low) / (qmax - qmin)
   else:
-    scale = jnp.max(jnp.abs(blocks), axis=reduce_axes) / qmax
+    scale = jnp.max(jnp.abs(blocks), axis=reduce_axes) / (qmax if bound is None else bound)
   scale = jnp.where(scale > 0, scale, 1.0)
   if scale_dtype == E8M0:
     scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
@@ -328,6 +338,19 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
     q = xf / full_scale  # the cast rounds to nearest even
   q = jnp.clip(q, qmin, qmax).astype(dtype)
   return QArray(q, scale, zp, tile=tile)
+
+
+def _check_bound(bound, zero_point: bool) -> float | None:
+  """`quantize`'s `bound`, checked: a positive finite number, for symmetric quantization."""
+  if bound is None:
+    return None
+  if zero_point:
+    raise ValueError("bound= is for symmetric quantization; zero_point=True maps the "
+                     "tile's min and max to the dtype's whole range")
+  if (isinstance(bound, (bool, np.bool_)) or not isinstance(bound, (int, float, np.number))
+      or not np.isfinite(bound) or bound <= 0):
+    raise ValueError(f"bound must be a positive finite number, got {bound!r}")
+  return float(bound)
 
 
 def from_qwix(array) -> QArray | None:
@@ -354,6 +377,7 @@ class QuantSpec:
   tiled_axes: tuple[tuple[int, int], ...] = ()
   scale_dtype: Any = None
   zero_point: bool = False
+  bound: float | None = None
 
   def __post_init__(self):
     try:
@@ -380,11 +404,12 @@ class QuantSpec:
       raise ValueError(f"QuantSpec tiled_axes must map int axes to positive int tile sizes, "
                        f"got {self.tiled_axes!r}")
     object.__setattr__(self, "tiled_axes", tuple(sorted((int(a), int(t)) for a, t in tiled)))
+    object.__setattr__(self, "bound", _check_bound(self.bound, self.zero_point))
 
   def __call__(self, x) -> QArray:
     return quantize(x, self.dtype, channelwise_axes=self.channelwise_axes,
                     tiled_axes=dict(self.tiled_axes), scale_dtype=self.scale_dtype,
-                    zero_point=self.zero_point)
+                    zero_point=self.zero_point, bound=self.bound)
 
 
 def compute_dtype(q: QArray):

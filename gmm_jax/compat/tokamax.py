@@ -43,7 +43,8 @@ import numpy as np
 
 import gmm_jax
 
-__all__ = ["IMPLEMENTATION_NAMES", "ragged_dot", "ragged_dot_general"]
+__all__ = ["GroupSizes", "IMPLEMENTATION_NAMES", "RaggedDotGroupSizes", "ragged_dot",
+           "ragged_dot_general"]
 
 #: tokamax's implementation names -> gmm_jax's, tried in order. "mosaic" is tokamax's TPU or
 #: GPU Mosaic kernel, whichever the device is: gmm_jax's dispatcher keeps the one that runs
@@ -66,6 +67,88 @@ GATEUP_ACTIVATIONS = {
     "gelu_tanh": "geglu_tanh",
     "swigluoai": "swiglu_clamped",
 }
+
+# tokamax's "silu_and_mul_with_clamp" (its gmm v2 kernels'; DeepSeek-V4's MLP): the gate
+# clamped from above and the up half to [-limit, limit] before ``silu(gate) * up``.
+SILU_AND_MUL_CLAMP_LIMIT = 10.0
+
+
+def silu_and_mul_with_clamp(z: jax.Array, limit: float = SILU_AND_MUL_CLAMP_LIMIT) -> jax.Array:
+  """``silu(min(gate, limit)) * clip(up, -limit, limit)`` of ``z [..., 2N]`` (gate half
+  first) -> ``[..., N]``."""
+  gate, up = jnp.split(z, 2, axis=-1)
+  return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+# Gated activations gmm_jax has no epilogue of its own for: formed on the f32 product.
+GATEUP_FUNCTIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu_and_mul_with_clamp": silu_and_mul_with_clamp,
+}
+
+
+@jax.tree_util.register_pytree_node_class
+class GroupSizes:
+  """tokamax's ``GroupSizes`` (``tokamax.RaggedDotGroupSizes``): a group sizes array with
+  representative values for autotuning.
+
+  Args:
+    value: the integer group sizes ``[G]`` (an array, or a ``jax.ShapeDtypeStruct`` when
+      only the representative sizes matter).
+    repr_value_or_total_size: representative sizes (G ints), or the total size M; with an
+      int, the representative sizes are the concrete value when there is one, else M split
+      as evenly as possible (tokamax draws a random split there; they serve autotuning only,
+      never the result).
+  """
+
+  def __init__(self, value, repr_value_or_total_size):
+    if not np.issubdtype(np.dtype(value.dtype), np.integer):
+      raise ValueError(f"Group sizes must be integers, got {np.dtype(value.dtype)}")
+    if len(np.shape(value)) != 1:
+      raise ValueError(f"Group sizes must be 1-D, got shape {np.shape(value)}")
+    num_groups = np.shape(value)[0]
+    if isinstance(repr_value_or_total_size, (int, np.integer)):
+      repr_value_or_total_size = int(repr_value_or_total_size)
+    else:
+      repr_value_or_total_size = tuple(int(v) for v in repr_value_or_total_size)
+      if len(repr_value_or_total_size) != num_groups:
+        raise ValueError(f"Representative value must have same length as the group sizes "
+                         f"({num_groups}), got {len(repr_value_or_total_size)}")
+    if isinstance(value, jax.ShapeDtypeStruct):
+      value = np.asarray(self._split(repr_value_or_total_size, num_groups), value.dtype)
+    self.value = value
+    self.repr_value_or_total_size = repr_value_or_total_size
+
+  @staticmethod
+  def _split(repr_value_or_total_size, num_groups: int) -> tuple[int, ...]:
+    if not isinstance(repr_value_or_total_size, int):
+      return repr_value_or_total_size
+    base, extra = divmod(repr_value_or_total_size, max(num_groups, 1))
+    return tuple(base + (g < extra) for g in range(num_groups))
+
+  @property
+  def representative_value(self) -> tuple[int, ...]:
+    if isinstance(self.repr_value_or_total_size, int) and isinstance(self.value, np.ndarray):
+      return tuple(int(v) for v in self.value)
+    return self._split(self.repr_value_or_total_size, np.shape(self.value)[0])
+
+  def __jax_array__(self) -> jax.Array:
+    return jnp.asarray(self.value)
+
+  def tree_flatten(self):
+    return (self.value,), self.repr_value_or_total_size
+
+  @classmethod
+  def tree_unflatten(cls, repr_value_or_total_size, children):
+    obj = object.__new__(cls)
+    obj.value, obj.repr_value_or_total_size = children[0], repr_value_or_total_size
+    return obj
+
+  def __repr__(self):
+    return (f"GroupSizes(value={np.dtype(self.value.dtype).name}{list(np.shape(self.value))}, "
+            f"repr_value_or_total_size={self.repr_value_or_total_size!r})")
+
+
+RaggedDotGroupSizes = GroupSizes
 
 _DEFAULT_DIMS = ((((1,), (1,)), ((), ())), (0,), (0,))  # lhs [M, K], rhs [G, K, N]
 _TRANS_RHS_DIMS = ((((1,), (2,)), ((), ())), (0,), (0,))  # rhs [G, N, K]
@@ -137,9 +220,19 @@ def _gmm_step(lhs, rhs, sizes, dims, names, precision, preferred_element_type, g
   fused in the f32 accumulator), else gmm_jax.ragged_dot_general."""
   gated = None
   if fuse_gateup_activation is not None:
+    ragged_rows = (np.ndim(lhs) == 2 and np.ndim(rhs) == 3
+                   and dims in (_DEFAULT_DIMS, _TRANS_RHS_DIMS))
+    if fuse_gateup_activation in GATEUP_FUNCTIONS and ragged_rows:
+      # No epilogue of gmm_jax's computes it: the f32 product, then the activation(s).
+      out = GATEUP_FUNCTIONS[fuse_gateup_activation](_gmm_step(
+          lhs, rhs, sizes, dims, names, precision, jnp.float32, group_offset, None, None))
+      out = out if activation is None else activation(out)
+      return out.astype(preferred_element_type if preferred_element_type is not None
+                        else jnp.result_type(lhs, rhs))
     if fuse_gateup_activation not in GATEUP_ACTIVATIONS:
-      raise NotImplementedError(f"Unsupported fused activation: {fuse_gateup_activation}; "
-                                f"supported: {sorted(GATEUP_ACTIVATIONS)}")
+      raise NotImplementedError(
+          f"Unsupported fused activation: {fuse_gateup_activation}; supported: "
+          f"{sorted(GATEUP_ACTIVATIONS) + sorted(GATEUP_FUNCTIONS)}")
     gated = GATEUP_ACTIVATIONS[fuse_gateup_activation]
   if np.ndim(lhs) == 2 and np.ndim(rhs) == 3 and dims in (_DEFAULT_DIMS, _TRANS_RHS_DIMS):
     # A callable after a gated activation runs on the gated f32 result, then one cast.
@@ -195,8 +288,11 @@ def ragged_dot_general(lhs: jax.Array, rhs: jax.Array, group_sizes: Any,
     implementation: None (gmm_jax's chain for the platform), a name or a sequence of names
       (`IMPLEMENTATION_NAMES`, or gmm_jax's own) and tokamax-style callables, tried in
       order until one does not raise NotImplementedError.
-    fuse_gateup_activation: "silu", "gelu", "gelu_tanh" or "swigluoai": rhs gives 2N
-      columns, the gate half then the up half, and the result ``act(gate) * up`` has N.
+    fuse_gateup_activation: "silu", "gelu", "gelu_tanh", "swigluoai" or
+      "silu_and_mul_with_clamp": rhs gives 2N columns, the gate half then the up half, and
+      the result ``act(gate) * up`` has N. The first four are gmm_jax's fused gated
+      epilogues; "silu_and_mul_with_clamp" is applied to the f32 product (in the ragged
+      non-contracting mode only, like the others).
 
   Returns:
     The ragged product, of `preferred_element_type` (default: the promoted input dtype).
