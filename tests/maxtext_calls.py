@@ -16,10 +16,12 @@ those are stored as unsigned integers of the same width and viewed back.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
+import types
 from typing import Any, Callable
 
 import jax
@@ -40,9 +42,9 @@ MIXED_TILES = dict(
     wo_tile_drhs_batch_seq=32, wo_tile_drhs_embed_dim=16, wo_tile_drhs_mlp_dim=16)
 
 # Tiles no larger than the dimensions they tile: megablox clamps float operands' tiles to the
-# dimensions, but qwix's block specs of quantized operands assert they fit.
-FIT_TILES = {f"{w}_tile_{p}_{d}": {"batch_seq": 32, "embed_dim": 32, "mlp_dim": 64}[d]
-             for w in ("wi", "wo") for p in ("fwd", "dlhs", "drhs")
+# dimensions, but qwix's block specs of quantized operands assert they fit. One size for every
+# gmm of the layer (its dimensions are 32 and 64), so the up and the down gmm are called alike.
+FIT_TILES = {f"{w}_tile_{p}_{d}": 32 for w in ("wi", "wo") for p in ("fwd", "dlhs", "drhs")
              for d in ("batch_seq", "embed_dim", "mlp_dim")}
 
 # The config every case starts from: a Mixtral-style layer, shrunk (emb 32, mlp 64: unequal,
@@ -65,7 +67,7 @@ CASES = {
     # ... with the ragged sort: all group sizes and a traced group_offset per device
     "expert_ring_ragged_sort": dict(ici_fsdp_parallelism=2, ici_expert_parallelism=4,
                                     use_ring_of_experts=True, use_ragged_sort=True,
-                                    ragged_buffer_factor=2.0, dtype="bfloat16"),
+                                    ragged_buffer_factor=4.0, dtype="bfloat16"),
     "expert4_fsdp2": dict(ici_fsdp_parallelism=2, ici_expert_parallelism=4),
     "mixed_tiles": dict(MIXED_TILES),
     "bf16": dict(dtype="bfloat16", weight_dtype="bfloat16"),
@@ -73,9 +75,35 @@ CASES = {
     "fp8": dict(FIT_TILES, quantization="fp8"),
     "nanoo_fp8": dict(FIT_TILES, quantization="nanoo_fp8"),
     "check_vma": dict(check_vma=True),
+    # tokamax's gmm (MaxText asks for implementation="mosaic", see SUBSTITUTE)
     "tokamax": dict(use_tokamax_gmm=True),
     "int8_qwix": dict(FIT_TILES, quantization="int8", use_qwix_quantization=True),
 }
+
+# Keyword values replaced in a case's calls of an API, in the recording, the replay and the
+# live runs alike: MaxText's tokamax path asks for tokamax's Mosaic kernel, which runs on a
+# TPU only (on the CPU tokamax raises "Unsupported TPU device kind: cpu", and compat.tokamax
+# NotImplementedError), so tokamax's XLA implementation stands in for it.
+SUBSTITUTE = {"tokamax": {"tokamax.ragged_dot": {"implementation": "xla"},
+                          "tokamax.ragged_dot_general": {"implementation": "xla"}}}
+
+def substituted(module, case: str):
+  """`module` (tokamax or compat.tokamax) with the case's SUBSTITUTE applied to its
+  functions; the module itself when the case has none."""
+  subs = {api.split(".", 1)[1]: kwargs for api, kwargs in SUBSTITUTE.get(case, {}).items()}
+  if not subs:
+    return module
+  proxy = types.SimpleNamespace(**{k: getattr(module, k) for k in dir(module)
+                                   if not k.startswith("__")})
+  for name, kwargs in subs.items():
+    fn = getattr(module, name)
+    setattr(proxy, name, functools.partial(_call_with, fn, kwargs))
+  return proxy
+
+
+def _call_with(fn, forced, *args, **kwargs):
+  return fn(*args, **dict(kwargs, **forced))
+
 
 # The APIs a record may name, and the module MaxText's layer reaches each through.
 TOP_LEVEL = ("mblx.gmm", "tokamax.ragged_dot", "tokamax.ragged_dot_general")
@@ -134,7 +162,8 @@ def put_array(arrays: dict, value) -> dict:
   weights every case shares, are stored once); returns the reference JSON keeps."""
   value = np.asarray(value)
   storage = _storage(value.dtype)
-  stored = np.ascontiguousarray(value if storage is None else value.view(storage))
+  # np.array, not np.ascontiguousarray: that one makes a scalar (group_offset) 1-d
+  stored = np.array(value if storage is None else value.view(storage), order="C")
   digest = hashlib.sha1(f"{stored.dtype.str}{stored.shape}".encode() + stored.tobytes())
   key = f"a/{digest.hexdigest()[:20]}"
   arrays[key] = stored
@@ -258,7 +287,7 @@ def _pcast_varying(x, axes):
   return jax.lax.pvary(x, tuple(axes))
 
 
-def _vma(x) -> tuple:
+def vma(x) -> tuple:
   return tuple(sorted(getattr(jax.typeof(x), "vma", ()) or ()))
 
 
@@ -277,7 +306,7 @@ def per_device(fn: Callable, manual_axes, vmas, check_vma: bool) -> Callable:
     leaves = [x if x is None else _pcast_varying(x, axes) if check_vma else x
               for x, axes in zip(leaves, vmas)]
     out = fn(*leaves)
-    return jax.tree.map(lambda y: jax.lax.psum(y, _vma(y)) if _vma(y) else y, out)
+    return jax.tree.map(lambda y: jax.lax.psum(y, vma(y)) if vma(y) else y, out)
 
   spec = jax.sharding.PartitionSpec()
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
@@ -346,8 +375,9 @@ FIXTURE = os.path.join(FIXTURE_DIR, "maxtext_moe.npz")
 
 def run_recorded(fn: Callable, record: dict, values: dict, wrt, cot, check_vma: bool):
   """`fn` called as the record says (its positional and keyword arguments, `values` by
-  name), per device as MaxText called it; returns (out, {name: gradient}) for the operands
+  name, with the record's substitutions), per device as MaxText called it; returns (out, {name: gradient}) for the operands
   named in `wrt` and the cotangent `cot` (None: no gradients)."""
+  values = dict(values, **record.get("substitute", {}))
   leaves, treedef = jax.tree.flatten(values)
   is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
   inputs = [leaf for leaf, array in zip(leaves, is_array) if array]
@@ -380,8 +410,9 @@ def run_recorded(fn: Callable, record: dict, values: dict, wrt, cot, check_vma: 
 
 def load_fixture(path: str = FIXTURE):
   """({case: spec}, arrays) of the recorded cases."""
-  arrays = np.load(path)
-  specs = {key[len("spec/"):]: json.loads(str(arrays[key])) for key in arrays.files
+  with np.load(path) as npz:  # read whole: a few MB
+    arrays = {key: npz[key] for key in npz.files}
+  specs = {key[len("spec/"):]: json.loads(str(arrays.pop(key))) for key in list(arrays)
            if key.startswith("spec/")}
   return specs, arrays
 

@@ -12,7 +12,9 @@
 * Live (skipped unless maxtext imports): the layer itself, forward and gradients, with
   ``maxtext.layers.moe.mblx`` / ``.tokamax`` swapped for the compat modules (and,
   separately, megablox's kernels ``backend.gmm`` / ``backend.tgmm`` swapped for
-  compat.megablox's gmm / tgmm), against the unpatched layer. All slow (tens of seconds
+  compat.megablox's gmm / tgmm), against the unpatched layer. The tokamax case runs
+  tokamax's XLA implementation where MaxText asks for Mosaic (TPU only), on both sides
+  (``SUBSTITUTE`` in tests/maxtext_calls.py). All slow (tens of seconds
   each on a CPU).
 
 Tolerances are MaxText's own, from its tests/unit/moe_test.py: ``assert_moe_close`` for
@@ -77,8 +79,9 @@ def _params():
 
 
 def replay(case: str, index: int, fn=None):
-  """(got, want) of one recorded call made through `fn` (default: its compat
-  counterpart): {"out": ..., "d<name>": ...} each, with None where undefined."""
+  """(got, want, record) of one recorded call made again through `fn` (default: its
+  compat counterpart); got and want are {"out": ..., "dlhs": ..., "drhs": ...} (the
+  gradients where the record has MaxText's)."""
   spec = SPECS[case]
   record = spec["calls"][index]
   fn = fn or COMPAT[record["api"]]
@@ -136,11 +139,13 @@ def _first(api, predicate=lambda record, spec: True):
 
 
 def _fake_quant(x, bound, axis):
-  """x rounded to int8 with absmax / bound scales along `axis` (clipped to [-128, 127])."""
+  """x rounded to int8 with absmax / bound scales reduced over `axis` (clipped to
+  [-128, 127]); the gradient is the straight-through estimator's, as MaxText's."""
   x = x.astype(jnp.float32)
   scale = jnp.max(jnp.abs(x), axis=axis, keepdims=True) / bound
   scale = jnp.where(scale == 0, 1.0, scale)
-  return jnp.clip(jnp.round(x / scale), -128, 127) * scale
+  rounded = jnp.clip(jnp.round(x / scale), -128, 127) * scale
+  return x + jax.lax.stop_gradient(rounded - x)
 
 
 def test_a_127_int8_bound_is_caught():
@@ -197,12 +202,17 @@ def _reference(case):
     # interpreter's dynamic_slice mixes varying and invariant operands); its results are
     # those of the same layer without the check.
     overrides["check_vma"] = False
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+  original = moe.tokamax
+  moe.tokamax = mc.substituted(original, case)
   try:
     cfg, model = mc.build_layer(overrides)
     x, cot = mc.layer_inputs(cfg)
     return cfg, model, x, cot, mc.layer_vjp(cfg, model, x, cot)
   except Exception as err:  # pylint: disable=broad-exception-caught
     return f"{type(err).__name__}: {str(err)[:500]}"
+  finally:
+    moe.tokamax = original
 
 
 def _compare_layer(got, want, dtype, what):
@@ -229,8 +239,9 @@ def test_maxtext_layer_live(case, swap, monkeypatch):
   _, _, x, cot, want = reference
   if swap == "modules":
     monkeypatch.setattr(moe, "mblx", compat_megablox)
-    monkeypatch.setattr(moe, "tokamax", compat_tokamax)
+    monkeypatch.setattr(moe, "tokamax", mc.substituted(compat_tokamax, case))
   else:
+    monkeypatch.setattr(moe, "tokamax", mc.substituted(moe.tokamax, case))
     monkeypatch.setattr(backend, "gmm", compat_megablox.gmm)
     monkeypatch.setattr(backend, "tgmm", compat_megablox.tgmm)
   cfg, model = mc.build_layer(mc.CASES[case])
