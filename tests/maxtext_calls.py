@@ -375,8 +375,9 @@ FIXTURE = os.path.join(FIXTURE_DIR, "maxtext_moe.npz")
 
 def run_recorded(fn: Callable, record: dict, values: dict, wrt, cot, check_vma: bool):
   """`fn` called as the record says (its positional and keyword arguments, `values` by
-  name, with the record's substitutions), per device as MaxText called it; returns (out, {name: gradient}) for the operands
-  named in `wrt` and the cotangent `cot` (None: no gradients)."""
+  name, with the record's substitutions), per device as MaxText called it; returns
+  (out, {name: gradient}) for the operands named in `wrt` and the cotangent `cot` (None:
+  no gradients)."""
   values = dict(values, **record.get("substitute", {}))
   leaves, treedef = jax.tree.flatten(values)
   is_array = [isinstance(leaf, jax.Array) for leaf in leaves]
