@@ -498,15 +498,6 @@ def test_value_errors(call, match):
     call()
 
 
-@pytest.mark.parametrize("lhs_dtype, rhs_dtype", [(jnp.int8, jnp.float32),
-                                                  (jnp.bfloat16, jnp.int8)])
-def test_mixed_integer_and_float_operands_not_implemented(lhs_dtype, rhs_dtype):
-  lhs, rhs = _LHS.astype(lhs_dtype), _RHS.astype(rhs_dtype)
-  with pytest.raises(NotImplementedError,
-                     match=f"{jnp.dtype(lhs_dtype).name} x {jnp.dtype(rhs_dtype).name}"):
-    gmm_jax.gmm(lhs, rhs, _COUNTS)
-
-
 @pytest.mark.parametrize("group_list_type, bad", [
     ("counts", [5, -3, 2]),  # negative
     ("counts", [10, 4, 3]),  # past M

@@ -359,3 +359,10 @@ def test_explicit_sharding_splits_rows_and_experts_not_k():
   with pytest.raises(NotImplementedError, match="K must not be sharded"):
     gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu",
                 sharding=gmm_jax.GmmSharding(mesh, lhs=P(None, "x"), rhs=P(None, "x", None)))
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_expert_ffn_gated_prologue_takes_none_true_or_false(value):
+  with pytest.raises(ValueError, match="gated_prologue must be None"):
+    gmm_jax.ExpertFFN(4, "silu", gated=True, gated_prologue=value)
+  assert gmm_jax.ExpertFFN(4, "silu", gated=True, gated_prologue=np.True_).gated_prologue is True

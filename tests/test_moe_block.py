@@ -81,6 +81,8 @@ def choose(model: nn.MoE, p, tokens):
     if model.num_expert_groups:
       groups = s.reshape(model.num_expert_groups, -1)
       group_score = np.sort(groups, axis=-1)[:, -2:].sum(-1)
+      if model.group_score == "max":
+        group_score = groups.max(-1)
       best = np.argsort(-group_score, kind="stable")[:model.top_k_groups]
       candidates = np.concatenate([np.arange(g * groups.shape[1], (g + 1) * groups.shape[1])
                                    for g in sorted(best)])
@@ -159,6 +161,10 @@ VARIANTS = {
     "deepseek_sigmoid_bias_groups_scaled_shared": dict(
         score="sigmoid", routing_bias=True, num_expert_groups=4, top_k_groups=2, top_k=3,
         routed_scaling_factor=2.5, num_shared_experts=1),
+    # DeepSeek-V2's group_limited_greedy: softmax, groups ranked by their best score.
+    "deepseek_v2_softmax_max_group_score_unnormalized": dict(
+        num_expert_groups=4, top_k_groups=2, group_score="max", top_k=3,
+        normalize_top_k=False, routed_scaling_factor=1.5),
     # gpt-oss with other clamp constants (applied after the gmm) and the router weights on
     # the expert inputs (with biases and capacity: a dropped row's ffn(0) is not 0).
     "gpt_oss_biases_clamp_constants_input_weights_capacity": dict(
@@ -306,7 +312,10 @@ def test_presets():
   assert set(nn.MOE_PRESETS) == {
       "mixtral-8x7b", "qwen1.5-moe-a2.7b", "qwen3-moe-30b-a3b", "qwen3-next-80b-a3b",
       "deepseek-v3", "olmoe-1b-7b", "gpt-oss-120b", "granite-3.0-3b-a800m", "dbrx",
-      "glm-4.5-air", "llama-4-scout", "switch-base-8"}
+      "glm-4.5-air", "llama-4-scout", "switch-base-8", "granite-4.0-h-tiny", "jamba-v0.1",
+      "lfm2-8b-a1b", "minimax-m2", "mistral-small-4", "solar-open-100b", "deepseek-v2",
+      "dots.llm1", "ernie-4.5-21b-a3b", "ernie-4.5-vl-28b-a3b-text", "hunyuan-a13b",
+      "jetmoe-8b", "kimi-linear-48b-a3b", "longcat-flash", "phi-3.5-moe"}
   # The models' own defaults: Qwen2-MoE and OLMoE do not renormalize, Qwen3-MoE does.
   normalized = {name: nn.MOE_PRESETS[name].get("normalize_top_k") for name in
                 ("qwen1.5-moe-a2.7b", "olmoe-1b-7b", "qwen3-moe-30b-a3b")}
@@ -334,7 +343,10 @@ def test_presets():
 
     y, aux = nnx.eval_shape(tiny_call)
     assert y.shape == (4, 16)
-    assert aux["expert_load"].shape == (nn.MOE_PRESETS[name]["num_experts"],)
+    # The router's experts: the identity experts too.
+    routed = (nn.MOE_PRESETS[name]["num_experts"]
+              + nn.MOE_PRESETS[name].get("num_identity_experts", 0))
+    assert aux["expert_load"].shape == (routed,)
   with pytest.raises(ValueError, match="unknown preset"):
     nn.MoE.from_preset("mixtral", rngs=nnx.Rngs(0))
 
@@ -367,6 +379,8 @@ def test_kernel_metadata_and_bad_options():
     nn.MoE(E, D, F, num_expert_groups=3, top_k_groups=1, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="score"):
     nn.MoE(E, D, F, score="relu", rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="group_score"):
+    nn.MoE(E, D, F, num_expert_groups=4, top_k_groups=2, group_score="min", rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="gated activation"):
     nn.MoE(E, D, F, activation="relu", rngs=nnx.Rngs(0))
   bad = [
@@ -378,10 +392,61 @@ def test_kernel_metadata_and_bad_options():
       (dict(shared_gate=True), "num_shared_experts"),
       (dict(router=nnx.Linear(D, E, rngs=nnx.Rngs(0))), "route"),
       (dict(router=nn.Router(D, E, rngs=nnx.Rngs(0)), score="sigmoid"), "score"),
+      (dict(normalize_epsilon=-1e-6), "normalize_epsilon"),
+      (dict(shared_scale=0.5), "num_shared_experts"),
+      (dict(normalize_top_k=False, normalize_epsilon=1e-6), "normalize_top_k"),
+      (dict(router=nn.Router(D, E, rngs=nnx.Rngs(0)), normalize_epsilon=1e-6),
+       "normalize_epsilon"),
   ]
   for options, message in bad:
     with pytest.raises(ValueError, match=message):
       nn.MoE(E, D, F, rngs=nnx.Rngs(0), **options)
+
+
+def test_normalize_epsilon_adds_to_the_sum():
+  """normalize_epsilon: the chosen weights divided by their sum plus it (a value large
+  enough to see), in the forward and the router's gradient."""
+  model = nn.MoE(E, D, F, top_k=3, score="sigmoid", normalize_top_k=True,
+                 normalize_epsilon=0.25, rngs=nnx.Rngs(3))
+  assert model.normalize_epsilon == 0.25
+  x = jax.random.normal(jax.random.key(4), (6, D))
+
+  def weights(kernel, epsilon):
+    scores = jax.nn.sigmoid(x @ kernel)
+    chosen = model.route_tokens(x)[3]
+    w = jnp.take_along_axis(scores, chosen, axis=-1)
+    return w / (jnp.sum(w, axis=-1, keepdims=True) + epsilon)
+
+  kernel = model.router.kernel[...]
+  np.testing.assert_allclose(model.route_tokens(x)[2], weights(kernel, 0.25), rtol=1e-6)
+  assert not np.allclose(weights(kernel, 0.25), weights(kernel, 0.0), rtol=1e-3)
+
+  def loss(router):
+    return jnp.sum(router.route(x).weights * jnp.arange(3.0))
+
+  grad = nnx.grad(loss)(model.router).kernel[...]
+  expected = jax.grad(lambda k: jnp.sum(weights(k, 0.25) * jnp.arange(3.0)))(kernel)
+  np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_shared_scale_multiplies_the_shared_output():
+  """shared_scale=c: y = routed + c * shared, forward and gradients (the same parameters
+  as a layer with c = 1, whose shared part alone is its output minus the routed one)."""
+  scaled = nn.MoE(E, D, F, top_k=2, num_shared_experts=1, shared_scale=0.5,
+                  rngs=nnx.Rngs(5))
+  plain = nn.MoE(E, D, F, top_k=2, num_shared_experts=1, rngs=nnx.Rngs(5))
+  x = jax.random.normal(jax.random.key(6), (6, D))
+  shared = plain.shared(x)
+  y_scaled, _ = scaled(x)
+  y_plain, _ = plain(x)
+  np.testing.assert_allclose(y_scaled, y_plain - 0.5 * shared, rtol=1e-5, atol=1e-6)
+  grad_scaled = nnx.grad(lambda m: jnp.sum(m(x)[0] ** 2))(scaled)
+  grad_down = jax.grad(lambda w: jnp.sum(
+      (y_plain - shared + 0.5 * (jax.nn.silu(x @ plain.shared.up.kernel[...][:, :F]) *
+                                 (x @ plain.shared.up.kernel[...][:, F:])) @ w) ** 2))(
+      plain.shared.down.kernel[...])
+  np.testing.assert_allclose(grad_scaled.shared.down.kernel[...], grad_down, rtol=1e-4,
+                             atol=1e-6)
 
 
 def test_a_replacement_router():
@@ -477,3 +542,135 @@ def test_masked_layout_refuses_meshes_and_bad_rows():
     nn.MoE(E, D, F, max_rows=4, rngs=nnx.Rngs(0))  # without layout="masked"
   with pytest.raises(ValueError, match="max_rows"):
     nn.MoE(E, D, F, layout="masked", max_rows=0, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("capacity_per, shape", [("call", (24, D)), ("sequence", (3, 8, D))])
+def test_expert_capacity_is_the_capacity_factor_of_that_count(capacity_per, shape):
+  """An absolute capacity C is the factor whose ceil(c * n * k / E) is C (n: the call's
+  tokens, or each sequence's), for every C up to the dropless count."""
+  x = jax.random.normal(jax.random.key(11), shape)
+  counted = shape[-2] if capacity_per == "sequence" else shape[0]
+  for capacity in (1, 2, 5, counted * 2):
+    absolute, _ = build(dict(top_k=2, expert_capacity=capacity, capacity_per=capacity_per))
+    factor = capacity * E / (counted * 2) * (1 - 1e-9)
+    relative, _ = build(dict(top_k=2, capacity_factor=factor, capacity_per=capacity_per))
+    y, aux = nnx.jit(lambda m: m(x))(absolute)
+    want, want_aux = nnx.jit(lambda m: m(x))(relative)
+    np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
+    assert float(aux["dropped_fraction"]) == float(want_aux["dropped_fraction"])
+    if capacity == 1:  # 2 * n assignments, at most E kept
+      assert float(aux["dropped_fraction"]) >= 1 - E / (counted * 2)
+    if capacity >= counted * 2:
+      assert float(aux["dropped_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(expert_capacity=0), "positive int"),
+    (dict(expert_capacity=2.5), "positive int"),
+    (dict(expert_capacity=True), "positive int"),
+    (dict(expert_capacity=4, capacity_factor=1.0), "give one"),
+    (dict(gated_prologue="yes"), "gated_prologue must be None"),
+    (dict(gated_prologue=1), "gated_prologue must be None"),
+])
+def test_capacity_and_prologue_options_are_checked(options, match):
+  with pytest.raises(ValueError, match=match):
+    nn.MoE(E, D, F, rngs=nnx.Rngs(0), **options)
+
+
+def test_dropped_fraction_is_exactly_zero_when_nothing_is_dropped():
+  """Under jit 1 - mean(kept) rounded to -4.5e-8 for a capacity that dropped nothing."""
+  x = jax.random.normal(jax.random.key(12), (3, 56, D))
+  model, _ = build(dict(top_k=2, expert_capacity=112, capacity_per="sequence"))
+  aux = nnx.jit(lambda m: m(x)[1])(model)
+  assert float(aux["dropped_fraction"]) == 0.0
+def test_identity_experts_add_their_weight_times_the_input():
+  """num_identity_experts: the router scores E + Z experts; a chosen id >= E adds w * x
+  (LongCat-Flash's zero experts), the others run their FFN; forward and gradients equal a
+  per-token loop, fused and unfused alike."""
+  model = nn.MoE(E, D, F, top_k=3, num_identity_experts=3, rngs=nnx.Rngs(0))
+  assert model.router.kernel.shape == (D, E + 3)
+  model.router.kernel[...] = jax.random.normal(jax.random.key(1), (D, E + 3))
+  x = jax.random.normal(jax.random.key(2), (32, D))
+  _, _, weights, chosen = model.route_tokens(x)
+  identity = np.asarray(chosen) >= E
+  assert identity.any() and (~identity).any()
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def reference(p, x):
+    def one_token(x_t, experts, w):
+      y = jnp.zeros(D)
+      for j in range(model.top_k):
+        e = jnp.minimum(experts[j], E - 1)
+        z = x_t @ p["gate_up"]["kernel"][e]
+        ffn = (jax.nn.silu(z[:F]) * z[F:]) @ p["down"]["kernel"][e]
+        y = y + w[j] * jnp.where(experts[j] >= E, x_t, ffn)
+      return y
+    logits = x @ p["router"]["kernel"]
+    w = jnp.take_along_axis(jax.nn.softmax(logits), chosen, axis=-1)
+    return jax.vmap(one_token)(x, chosen, w / jnp.sum(w, -1, keepdims=True))
+
+  def loss(fn, p, x):
+    return jnp.sum(jnp.sin(fn(p, x)))
+
+  def layer(fused):
+    def fn(p, x):
+      moe = nnx.merge(graphdef, p, rest)
+      moe.fused = fused
+      return moe(x)[0]
+    return fn
+
+  pure = nnx.to_pure_dict(params)
+  want, want_grads = jax.jit(jax.value_and_grad(lambda p, x: loss(reference, p, x),
+                                                (0, 1)))(pure, x)
+  for fused in (True, False):
+    got, (got_params, got_dx) = jax.jit(jax.value_and_grad(
+        lambda p, x: loss(layer(fused), p, x), (0, 1)))(params, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(got_dx, want_grads[1], rtol=1e-4, atol=1e-5)
+    got_params = nnx.to_pure_dict(got_params)
+    for path, g in jax.tree_util.tree_leaves_with_path(want_grads[0]):
+      np.testing.assert_allclose(leaf(got_params, path), g, rtol=2e-3, atol=1e-5,
+                                 err_msg=jax.tree_util.keystr(path))
+  with pytest.raises(NotImplementedError, match="capacity_factor"):
+    nn.MoE(E, D, F, num_identity_experts=2, capacity_factor=1.0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_identity_experts"):
+    nn.MoE(E, D, F, num_identity_experts=-1, rngs=nnx.Rngs(0))
+
+
+def test_sparsemixer_weights_follow_the_window_rule():
+  """score="sparsemixer": the k best logits; the j-th weight is the softmax over the
+  logits not chosen before it within the relative window 2 * eps of its own (numpy loop)."""
+  eps = 0.2
+  router = nn.Router(D, E, top_k=3, score="sparsemixer", sparsemixer_eps=eps,
+                     rngs=nnx.Rngs(0))
+  router.kernel[...] = jax.random.normal(jax.random.key(3), (D, E))
+  x = jax.random.normal(jax.random.key(4), (24, D))
+  logits, _, weights, experts = router.select(x)
+  assert not router.normalize_top_k
+  logits, weights, experts = map(np.asarray, (logits, weights, experts))
+  assert (weights < 1).any() and np.isclose(weights, 1).any()
+  for t in range(x.shape[0]):
+    order = np.argsort(-logits[t], kind="stable")[:3]
+    np.testing.assert_array_equal(experts[t], order)
+    for j, e in enumerate(order):
+      rest = [i for i in range(E) if i not in order[:j]]
+      window = [i for i in rest if (logits[t, e] - logits[t, i])
+                / max(abs(logits[t, i]), logits[t, e]) <= 2 * eps]
+      want = 1 / np.sum(np.exp(logits[t, window] - logits[t, e]))
+      np.testing.assert_allclose(weights[t, j], want, rtol=1e-5)
+  with pytest.raises(NotImplementedError, match="sparsemixer"):
+    nn.Router(D, E, score="sparsemixer", normalize_top_k=True, rngs=nnx.Rngs(0))
+
+
+def test_output_bias_is_added_to_every_token():
+  """output_bias=True: a [D] parameter added to the layer's output, with its gradient the
+  sum of the output's cotangent over the tokens."""
+  plain = nn.MoE(E, D, F, rngs=nnx.Rngs(0))
+  biased = nn.MoE(E, D, F, output_bias=True, rngs=nnx.Rngs(0))
+  assert biased.output_bias.shape == (D,) and plain.output_bias is None
+  biased.output_bias[...] = jnp.arange(D, dtype=jnp.float32)
+  x = jax.random.normal(jax.random.key(5), (6, D))
+  np.testing.assert_allclose(biased(x)[0] - plain(x)[0], np.broadcast_to(np.arange(D), (6, D)),
+                             rtol=1e-5, atol=1e-5)
+  grads = nnx.grad(lambda m: jnp.sum(m(x)[0] * 2.0))(biased)
+  np.testing.assert_allclose(grads.output_bias[...], np.full(D, 12.0), rtol=1e-6)

@@ -660,7 +660,9 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray,
       K, N]``, no group_list; the result is a MaskedArray ``[G, max_rows, N]`` with the
       same counts, rows past each count exactly 0 and no gradient to or from them;
       row_weights are then ``[G, max_rows]``).
-    rhs: the right operand (per-group weights for "m"), or a `QArray`.
+    rhs: the right operand (per-group weights for "m"), or a `QArray`. Plain operands of
+      two kinds (an integer array with a float one) are multiplied in the float's dtype,
+      as `jax.lax.ragged_dot` promotes them.
     group_list: ``[G]`` int sizes ("counts"), ``[G]`` non-decreasing end offsets ("cumsum")
       or ``[E, 2]`` rows ``(group_index, size)`` with increasing indices ("sparse"; unlisted
       groups are empty). May be traced: one compilation serves any sizes. A concrete list

@@ -121,6 +121,14 @@ class ExpertFFN:
   swiglu_alpha: float = SWIGLU_ALPHA
   gated_prologue: bool | None = None
 
+  def __post_init__(self):
+    if self.gated_prologue is not None and not isinstance(self.gated_prologue,
+                                                          (bool, np.bool_)):
+      raise ValueError(f"gated_prologue must be None (the platform's choice), True or False, "
+                       f"got {self.gated_prologue!r}")
+    if self.gated_prologue is not None:
+      object.__setattr__(self, "gated_prologue", bool(self.gated_prologue))
+
   @property
   def gmm_options(self) -> dict[str, Any]:
     return dict(self.options)

@@ -4,17 +4,19 @@ experts (`shared`)."""
 
 from __future__ import annotations
 
+import fractions
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gmm_jax import QuantSpec
 from gmm_jax.nn import dispatch
 from gmm_jax.nn.expert_ffn import check_options, expert_layers, expert_params, ffn_spec
 from gmm_jax.nn.grouped_linear import GroupedLinear
-from gmm_jax.nn.params import reshard
+from gmm_jax.nn.params import param, reshard
 from gmm_jax.nn.presets import scaled
 from gmm_jax.nn.router import Router
 from gmm_jax.nn.shared import SharedExperts
@@ -26,8 +28,9 @@ Array = jax.Array
 # The router options of `MoE` with their defaults (a replacement router takes none).
 _ROUTER_DEFAULTS = dict(score="softmax", normalize_top_k=None, routing_bias=False,
                         num_expert_groups=None, top_k_groups=None,
-                        routed_scaling_factor=1.0, router_bias=False,
-                        load_balancing_convention="gmm_jax")
+                        group_score="sum_top2", routed_scaling_factor=1.0,
+                        sparsemixer_eps=0.01, router_bias=False,
+                        load_balancing_convention="gmm_jax", normalize_epsilon=0.0)
 CAPACITY_PER = ("call", "sequence")
 LAYOUTS = ("ragged", "masked")
 
@@ -35,12 +38,14 @@ LAYOUTS = ("ragged", "masked")
 class MoE(nnx.Module):
   """A top-k routed mixture of experts (dropless by default), with optional shared experts.
 
-  ``y = shared(x) + sum_{e in top_k(x)} w_e(x) * down_e(act(x @ gate_e) * (x @ up_e))``.
+  ``y = c * shared(x) + sum_{e in top_k(x)} w_e(x) * down_e(act(x @ gate_e) * (x @ up_e))``
+  (c: ``shared_scale``, 1 by default).
   The router: ``logits = x @ W_router (+ b)``, scores ``s = softmax(logits)`` or
   ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
   optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked by
   the sum of their top-2 biased scores, DeepSeek-V3); weights ``w = s[chosen]``, divided by
-  their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
+  their sum (plus ``normalize_epsilon``) when ``normalize_top_k``, times
+  ``routed_scaling_factor``.
 
   The fused path (default): `gmm_jax.route` gives the expert-grouped rows; gate and up are
   ONE gmm on the ``[E, D, 2F]`` kernel reading the tokens by ``lhs_indices`` with the gated
@@ -71,11 +76,19 @@ class MoE(nnx.Module):
       cotangent of the pre-activation) comes from one gmm. None (default): where the
       platform's kernels do both natively (TPU), else not; True/False force it
       (`gmm_jax.ExpertFFN`, with the measurements).
-    score: "softmax" or "sigmoid" router scores.
+    score: "softmax" or "sigmoid" router scores, or "sparsemixer" (PhiMoE's: the k best
+      logits, each weighted by a softmax over a window of the logits not chosen before it,
+      `Router`).
+    sparsemixer_eps: the window of "sparsemixer" (PhiMoE's ``router_jitter_noise``).
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+    normalize_epsilon: added to the chosen weights' sum before that division (LFM2-MoE:
+      1e-6); 0 by default.
     routing_bias: add a `RoutingBias` (zeros at first) to the scores for the selection.
     num_expert_groups, top_k_groups: group-limited routing (None: off).
+    group_score: the rank of a group for group-limited routing: "sum_top2" (default: the
+      sum of its two best biased scores, DeepSeek-V3) or "max" (its best score,
+      DeepSeek-V2's ``group_limited_greedy``).
     routed_scaling_factor: multiplies the routed experts' weights.
     router_bias: the router has a bias (gpt-oss).
     router: None (the built-in `Router` from the options above, at ``self.router``), or a
@@ -94,12 +107,22 @@ class MoE(nnx.Module):
       (Llama 4; the same only for linear experts). Fused, the gathered rows are scaled
       (one ``[T*k, D]`` copy the output weighting does not make); also under
       expert parallelism and `routed_experts`.
+    num_identity_experts: Z zero-computation experts that return their input (LongCat-
+      Flash's "zero experts"): the router scores E + Z experts (``router.kernel [D, E+Z]``,
+      its biases ``[E+Z]``), and a chosen id ``e >= E`` adds ``w * x`` to the token's
+      output instead of an FFN, so that a token can spend fewer than top_k FFNs. Not with
+      a capacity or a replacement router.
     num_shared_experts, shared_mlp: shared experts, one dense FFN of width ``shared_mlp``
       (default ``mlp * num_shared_experts``) applied to every token, gated like the experts.
     shared_gate: the shared experts' output times ``sigmoid(x @ shared.gate.kernel)``, a
       learned ``[D, 1]`` kernel (Qwen2-MoE's and Qwen3-Next's ``shared_expert_gate``);
       needs num_shared_experts >= 1.
+    shared_scale: multiplies the shared experts' output (Cohere2-MoE's "average"
+      combination ``(routed + shared) / 2`` is 0.5 with ``routed_scaling_factor=0.5``);
+      other than 1 it needs num_shared_experts >= 1.
     use_bias: expert biases ``[E, 2F]`` (or ``[E, F]``) and ``[E, D]`` (gpt-oss).
+    output_bias: a learned ``[D]`` bias (zeros at first, ``output_bias``) added to every
+      token's output, after the routed and shared experts (JetMoE's MoE ``bias``).
     capacity_factor: None (dropless) or c: each expert takes at most
       ``ceil(c * T * top_k / E)`` assignments (earlier tokens first; the rest give 0), and
       the grouped buffers hold ``min(T * top_k, E * capacity)`` rows.
@@ -107,7 +130,12 @@ class MoE(nnx.Module):
       mesh) or "sequence": x ``[..., S, D]`` (a 2-D x is one sequence), each sequence's
       assignments ranked on their own, ``ceil(c * S * top_k / E)`` per expert and
       sequence (Switch Transformer in transformers: its ``expert_capacity`` is this
-      number, ``c = expert_capacity * E / (S * top_k)``).
+      number: `expert_capacity`).
+    expert_capacity: None, or C (an int, instead of capacity_factor): each expert takes at
+      most C assignments of the call, or of each sequence with ``capacity_per="sequence"``
+      (Switch Transformer's ``expert_capacity``); the capacity_factor whose capacity is C
+      for the call's sizes. On a mesh with sharded tokens, each token shard's capacity is
+      its share, as for capacity_factor.
     layout: "ragged" (default: the routed rows as one grouped gmm of T * top_k rows) or
       "masked" (decode: the rows as ``[E, max_rows, D]`` slots, `gmm_jax.MaskedArray`,
       every shape independent of the routing, as vLLM's and DeepGEMM's masked grouped
@@ -166,7 +194,7 @@ class MoE(nnx.Module):
   the latter a `RoutingBias`), ``gate_up.kernel [E, D, 2F]`` (gate half first) or
   ``up.kernel [E, D, F]``, ``down.kernel [E, F, D]`` (biases ``[E, 2F]``/``[E, F]`` and
   ``[E, D]``), ``shared.up.kernel [D, 2F_s]``, ``shared.down.kernel [F_s, D]``,
-  ``shared.gate.kernel [D, 1]``.
+  ``shared.gate.kernel [D, 1]``, ``output_bias [D]``.
 
   Returns (from __call__): ``(y, aux)``: the router's aux (the built-in router's:
   ``aux["load_balancing_loss"]`` the Switch balance loss ``E * sum_e f_e * P_e`` (f_e:
@@ -179,15 +207,20 @@ class MoE(nnx.Module):
   def __init__(self, num_experts: int, embed: int, mlp: int, *, top_k: int = 2,
                activation="silu", gated: bool = True, fused: bool = True,
                score: str = "softmax", normalize_top_k: bool | None = None,
-               routing_bias: bool = False, num_expert_groups: int | None = None,
-               top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
+               normalize_epsilon: float = 0.0, routing_bias: bool = False,
+               num_expert_groups: int | None = None, top_k_groups: int | None = None,
+               group_score: str = "sum_top2", routed_scaling_factor: float = 1.0,
+               sparsemixer_eps: float = 0.01,
                router_bias: bool = False, router: nnx.Module | None = None,
                load_balancing_convention: str = "gmm_jax",
-               router_weight_on: str = "output", num_shared_experts: int = 0,
+               router_weight_on: str = "output", num_identity_experts: int = 0,
+               num_shared_experts: int = 0,
                shared_mlp: int | None = None, shared_gate: bool = False,
-               use_bias: bool = False, swiglu_limit: float = SWIGLU_LIMIT,
-               swiglu_alpha: float = SWIGLU_ALPHA, gated_prologue: bool | None = None,
+               shared_scale: float = 1.0, use_bias: bool = False, output_bias: bool = False,
+               swiglu_limit: float = SWIGLU_LIMIT, swiglu_alpha: float = SWIGLU_ALPHA,
+               gated_prologue: bool | None = None,
                capacity_factor: float | None = None, capacity_per: str = "call",
+               expert_capacity: int | None = None,
                buffer_factor: float | None = None, layout: str = "ragged",
                max_rows: int | None = None,
                partitionable: bool | None = None, transport: str = "auto",
@@ -201,6 +234,16 @@ class MoE(nnx.Module):
       raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if capacity_factor is not None and capacity_factor <= 0:
       raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+    if expert_capacity is not None:
+      if (isinstance(expert_capacity, (bool, np.bool_))
+          or not isinstance(expert_capacity, (int, np.integer)) or expert_capacity < 1):
+        raise ValueError(f"expert_capacity must be a positive int, got {expert_capacity!r}")
+      if capacity_factor is not None:
+        raise ValueError(f"expert_capacity={expert_capacity} and capacity_factor="
+                         f"{capacity_factor} both bound the experts' load: give one")
+    if gated_prologue is not None and not isinstance(gated_prologue, (bool, np.bool_)):
+      raise ValueError(f"gated_prologue must be None (the platform's choice), True or False, "
+                       f"got {gated_prologue!r}")
     check_options(activation, gated, router_weight_on=router_weight_on,
                   swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
     if capacity_per not in CAPACITY_PER:
@@ -208,6 +251,9 @@ class MoE(nnx.Module):
     if shared_gate and not num_shared_experts:
       raise ValueError("shared_gate=True gates the shared experts: it needs "
                        "num_shared_experts >= 1")
+    if shared_scale != 1.0 and not num_shared_experts:
+      raise ValueError(f"shared_scale={shared_scale} scales the shared experts: it needs "
+                       f"num_shared_experts >= 1")
     if layout not in LAYOUTS:
       raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if max_rows is not None and (layout != "masked" or not isinstance(max_rows, int)
@@ -221,17 +267,27 @@ class MoE(nnx.Module):
           "expert_parallel, data_parallel and partitionable=True need layout='ragged'")
     if buffer_factor is not None and buffer_factor <= 0:
       raise ValueError(f"buffer_factor must be positive, got {buffer_factor}")
+    if not isinstance(num_identity_experts, int) or num_identity_experts < 0:
+      raise ValueError(f"num_identity_experts must be an int >= 0, got "
+                       f"{num_identity_experts!r}")
+    if num_identity_experts and (capacity_factor is not None or expert_capacity is not None
+                                 or router is not None):
+      raise NotImplementedError("num_identity_experts with capacity_factor, expert_capacity "
+                                "or a replacement router")
     if transport not in experts.TRANSPORTS:
       raise ValueError(f"transport must be one of {experts.TRANSPORTS}, got {transport!r}")
     router_options = dict(score=score, normalize_top_k=normalize_top_k,
+                          normalize_epsilon=normalize_epsilon,
                           routing_bias=routing_bias, num_expert_groups=num_expert_groups,
-                          top_k_groups=top_k_groups,
+                          top_k_groups=top_k_groups, group_score=group_score,
+                          sparsemixer_eps=sparsemixer_eps,
                           routed_scaling_factor=routed_scaling_factor,
                           router_bias=router_bias,
                           load_balancing_convention=load_balancing_convention)
     if router is None:
       options = dict(router_options)
-      router = Router(embed, num_experts, top_k=top_k, use_bias=options.pop("router_bias"),
+      router = Router(embed, num_experts + num_identity_experts, top_k=top_k,
+                      use_bias=options.pop("router_bias"),
                       param_dtype=param_dtype, rngs=rngs, **options)
     else:
       changed = sorted(k for k, v in router_options.items() if v != _ROUTER_DEFAULTS[k])
@@ -243,11 +299,14 @@ class MoE(nnx.Module):
                          f"{type(router).__name__}")
     self.num_experts, self.embed, self.mlp, self.top_k = num_experts, embed, mlp, top_k
     self.activation, self.gated, self.fused = activation, gated, fused
+    self.num_identity_experts = num_identity_experts
     self.gated_prologue = None if gated_prologue is None else bool(gated_prologue)
     self.router_weight_on = router_weight_on
     self.swiglu_limit, self.swiglu_alpha = float(swiglu_limit), float(swiglu_alpha)
     self.capacity_factor, self.buffer_factor = capacity_factor, buffer_factor
     self.capacity_per = capacity_per
+    self.expert_capacity = None if expert_capacity is None else int(expert_capacity)
+    self.shared_scale = float(shared_scale)
     self.layout, self.max_rows = layout, max_rows
     self.partitionable, self.transport = partitionable, transport
     self.expert_parallel, self.data_parallel = expert_parallel, data_parallel
@@ -259,6 +318,8 @@ class MoE(nnx.Module):
         param_dtype=param_dtype, weight_quant=weight_quant, input_quant=input_quant,
         quantization=quantization,
         implementation=implementation, kernel_metadata=kernel_metadata, rngs=rngs)
+    self.output_bias = (param(jnp.zeros((embed,), param_dtype), ("embed",)) if output_bias
+                        else None)
     shared_mlp = shared_mlp or mlp * num_shared_experts
     self.shared = SharedExperts(embed, shared_mlp, gated=gated, activation=activation,
                                 gate=shared_gate, swiglu_limit=swiglu_limit,
@@ -289,12 +350,20 @@ class MoE(nnx.Module):
     return getattr(self.router, "normalize_top_k", None)
 
   @property
+  def normalize_epsilon(self):
+    return getattr(self.router, "normalize_epsilon", None)
+
+  @property
   def num_expert_groups(self):
     return getattr(self.router, "num_expert_groups", None)
 
   @property
   def top_k_groups(self):
     return getattr(self.router, "top_k_groups", None)
+
+  @property
+  def group_score(self):
+    return getattr(self.router, "group_score", None)
 
   @property
   def routed_scaling_factor(self):
@@ -335,6 +404,11 @@ class MoE(nnx.Module):
       raise ValueError(f"the router chose experts of shape {top_e.shape}; the layer takes "
                        f"[{tokens.shape[0]}, top_k={self.top_k}]")
     dtype = self.dtype or jnp.result_type(x, in_kernel)
+    identity_weight = None
+    if self.num_identity_experts:  # ids >= E: w * x, and no FFN row
+      is_identity = top_e >= self.num_experts
+      identity_weight = jnp.sum(jnp.where(is_identity, top_p, 0), axis=-1, keepdims=True)
+      top_e = jnp.where(is_identity, -1, top_e)
     sequence_length = None
     if self.capacity_per == "sequence":  # x [..., S, D]; a 2-D x is one sequence
       sequence_length = shape[-2] if len(shape) >= 3 else tokens.shape[0]
@@ -342,18 +416,30 @@ class MoE(nnx.Module):
                     self._in_layer(), dtype, weight_on=self.router_weight_on,
                     swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha,
                     gated_prologue=self.gated_prologue)
+    capacity_factor = self.capacity_factor
+    if self.expert_capacity is not None:
+      # The factor whose capacity ceil(c * n * k / E) is expert_capacity, exactly.
+      counted = sequence_length if sequence_length is not None else tokens.shape[0]
+      capacity_factor = fractions.Fraction(self.expert_capacity * self.num_experts,
+                                           max(counted * self.top_k, 1))
     y, kept = dispatch.run_experts(
         spec, tokens.astype(dtype), top_e, top_p,
         expert_params(self._in_layer(), self.down, dtype), mesh=mesh, axis=axis,
         token_axes=token_axes, partitionable=self.partitionable,
-        capacity_factor=self.capacity_factor, buffer_factor=self.buffer_factor,
+        capacity_factor=capacity_factor, buffer_factor=self.buffer_factor,
         transport=self.transport, sequence_length=sequence_length,
         masked_rows=(self.max_rows or tokens.shape[0]) if self.layout == "masked" else None)
+    if identity_weight is not None:
+      y = y + (identity_weight.astype(jnp.float32) * tokens.astype(jnp.float32))
     if self.shared is not None:
-      y = y + self.shared(tokens).astype(jnp.float32)
+      shared = self.shared(tokens).astype(jnp.float32)
+      y = y + (shared if self.shared_scale == 1.0 else shared * self.shared_scale)
+    if self.output_bias is not None:
+      y = y + self.output_bias[...].astype(jnp.float32)
     aux = dict(routing.aux)
+    # The mean of exact 0s and 1s: 0 when nothing is dropped (1 - mean(kept) rounds).
     aux["dropped_fraction"] = (jnp.zeros((), jnp.float32) if kept is None
-                               else 1.0 - jnp.mean(kept.astype(jnp.float32)))
+                               else jnp.mean(1.0 - kept.astype(jnp.float32)))
     y = y.astype(x.dtype).reshape(shape)
     out_sharding = self.out_sharding if out_sharding is None else out_sharding
     return reshard(y, out_sharding), aux

@@ -14,7 +14,8 @@ from gmm_jax.nn.params import param, replicated_last
 
 Array = jax.Array
 
-SCORES = ("softmax", "sigmoid")
+SCORES = ("softmax", "sigmoid", "sparsemixer")
+GROUP_SCORES = ("sum_top2", "max")
 LOAD_BALANCING_CONVENTIONS = ("gmm_jax", "transformers")
 
 
@@ -51,8 +52,9 @@ class Router(nnx.Module):
   """A top-k router: ``logits = x @ kernel (+ bias)``, scores ``s = softmax(logits)`` or
   ``sigmoid(logits)``; experts chosen by ``s + routing_bias`` (the bias only selects),
   optionally only within the best ``top_k_groups`` of ``num_expert_groups`` groups (ranked
-  by the sum of their top-2 biased scores, DeepSeek-V3); weights ``w = s[chosen]``, divided
-  by their sum when ``normalize_top_k``, times ``routed_scaling_factor``.
+  by the sum of their top-2 biased scores, DeepSeek-V3, or their best one: `group_score`);
+  weights ``w = s[chosen]``, divided by their sum (plus ``normalize_epsilon``) when
+  ``normalize_top_k``, times ``routed_scaling_factor``.
 
   The interface `MoE` uses (a replacement router, ``MoE(..., router=my_router)``, is any
   nnx.Module with it): ``route(tokens)`` with tokens ``[T, D]`` (the layer's input rows,
@@ -63,11 +65,23 @@ class Router(nnx.Module):
   Args:
     embed, num_experts: D, E.
     top_k: experts per token.
-    score: "softmax" or "sigmoid" scores.
+    score: "softmax" or "sigmoid" scores, or "sparsemixer" (SparseMixer's inference-time
+      routing, PhiMoE's): the experts of the k best logits; the j-th one's weight is the
+      softmax, over the experts not chosen before it whose logit l is within a relative
+      distance ``(l_j - l) / max(|l|, l_j) <= 2 * sparsemixer_eps`` of its own, taken at
+      it (the window is chosen without gradient). Not renormalized; no routing bias or
+      groups. SparseMixer's training-time Gumbel sampling and its gradient estimator are
+      not reproduced: the weights' gradient is the plain one of this formula.
+    sparsemixer_eps: the window of "sparsemixer" (PhiMoE's ``router_jitter_noise``).
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
       (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+    normalize_epsilon: added to the chosen weights' sum before the division (LFM2-MoE's
+      1e-6, which keeps sigmoid weights from a near-zero sum finite); 0 by default.
     routing_bias: a `RoutingBias` (zeros at first) added to the scores for the selection.
     num_expert_groups, top_k_groups: group-limited routing (None: off).
+    group_score: how a group is ranked for group-limited routing, from its experts' biased
+      scores: "sum_top2" (default: the sum of its two best, DeepSeek-V3) or "max" (its best
+      one, DeepSeek-V2's ``group_limited_greedy``).
     routed_scaling_factor: multiplies the chosen weights.
     use_bias: the router has a bias (gpt-oss).
     load_balancing_convention: the scale of ``aux["load_balancing_loss"]`` (see
@@ -83,18 +97,30 @@ class Router(nnx.Module):
   def __init__(self, embed: int, num_experts: int, *, top_k: int = 2,
                score: str = "softmax", normalize_top_k: bool | None = None,
                routing_bias: bool = False, num_expert_groups: int | None = None,
-               top_k_groups: int | None = None, routed_scaling_factor: float = 1.0,
+               top_k_groups: int | None = None, group_score: str = "sum_top2",
+               routed_scaling_factor: float = 1.0,
                use_bias: bool = False, load_balancing_convention: str = "gmm_jax",
+               normalize_epsilon: float = 0.0, sparsemixer_eps: float = 0.01,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
     if not 1 <= top_k <= num_experts:
       raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
     if score not in SCORES:
-      raise ValueError(f"score must be 'softmax' or 'sigmoid', got {score!r}")
+      raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if score == "sparsemixer" and (normalize_top_k or routing_bias
+                                   or num_expert_groups is not None):
+      raise NotImplementedError("score='sparsemixer' with normalize_top_k, routing_bias or "
+                                "group-limited routing")
+    if not sparsemixer_eps >= 0:
+      raise ValueError(f"sparsemixer_eps must be >= 0, got {sparsemixer_eps!r}")
     if load_balancing_convention not in LOAD_BALANCING_CONVENTIONS:
       raise ValueError(f"load_balancing_convention must be one of "
                        f"{LOAD_BALANCING_CONVENTIONS}, got {load_balancing_convention!r}")
+    if not normalize_epsilon >= 0:
+      raise ValueError(f"normalize_epsilon must be >= 0, got {normalize_epsilon}")
     if (num_expert_groups is None) != (top_k_groups is None):
       raise ValueError("num_expert_groups and top_k_groups go together")
+    if group_score not in GROUP_SCORES:
+      raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
     if num_expert_groups is not None:
       if num_experts % num_expert_groups or not 1 <= top_k_groups <= num_expert_groups:
         raise ValueError(f"{num_experts} experts in {num_expert_groups} groups, choosing "
@@ -102,8 +128,15 @@ class Router(nnx.Module):
       if top_k_groups * (num_experts // num_expert_groups) < top_k:
         raise ValueError(f"top_k={top_k} is more than the experts of {top_k_groups} groups")
     self.num_experts, self.top_k, self.score = num_experts, top_k, score
-    self.normalize_top_k = top_k > 1 if normalize_top_k is None else normalize_top_k
+    self.normalize_top_k = ((top_k > 1 and score != "sparsemixer") if normalize_top_k is None
+                            else normalize_top_k)
+    if normalize_epsilon and not self.normalize_top_k:
+      raise ValueError(f"normalize_epsilon={normalize_epsilon} is for the renormalization: "
+                       f"it needs normalize_top_k")
+    self.normalize_epsilon = float(normalize_epsilon)
+    self.sparsemixer_eps = float(sparsemixer_eps)
     self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
+    self.group_score = group_score
     self.routed_scaling_factor = routed_scaling_factor
     self.load_balancing_convention = load_balancing_convention
     # The keys in nnx.Linear's order (kernel, then bias): the same initial values.
@@ -132,18 +165,26 @@ class Router(nnx.Module):
     """tokens ``[T, D]`` -> (logits ``[T, E]`` f32, scores ``[T, E]``, weights ``[T, k]``,
     experts int32 ``[T, k]``)."""
     logits = replicated_last(self(tokens).astype(jnp.float32))
-    scores = (jax.nn.softmax(logits, axis=-1) if self.score == "softmax"
-              else jax.nn.sigmoid(logits))
+    scores = (jax.nn.sigmoid(logits) if self.score == "sigmoid"
+              else jax.nn.softmax(logits, axis=-1))
+    if self.score == "sparsemixer":  # the softmax: for the auxiliary losses
+      top_e = top_k(jax.lax.stop_gradient(logits), self.top_k)
+      weights = sparsemixer_weights(logits, top_e, self.sparsemixer_eps)
+      if self.routed_scaling_factor != 1.0:
+        weights = weights * self.routed_scaling_factor
+      return logits, scores, weights, top_e
     choice = scores
     if self.routing_bias is not None:
       choice = choice + jax.lax.stop_gradient(self.routing_bias[...]).astype(jnp.float32)
     choice = jax.lax.stop_gradient(choice)  # the selection is discrete
     if self.num_expert_groups is not None:
-      choice = limit_to_groups(choice, self.num_expert_groups, self.top_k_groups)
+      choice = limit_to_groups(choice, self.num_expert_groups, self.top_k_groups,
+                               self.group_score)
     top_e = top_k(choice, self.top_k)
     weights = jnp.take_along_axis(scores, top_e, axis=-1)
     if self.normalize_top_k:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+      total = jnp.sum(weights, axis=-1, keepdims=True)
+      weights = weights / (total + self.normalize_epsilon if self.normalize_epsilon else total)
     if self.routed_scaling_factor != 1.0:
       weights = weights * self.routed_scaling_factor
     return logits, scores, weights, top_e
@@ -210,17 +251,36 @@ def top_k(scores, k: int):
   return jnp.stack(indices, axis=-1)
 
 
-def limit_to_groups(choice, num_groups: int, top_groups: int):
-  """DeepSeek-V3's group-limited routing: the experts of all but the `top_groups` groups
-  with the largest sum of their two best scores get -inf."""
+def sparsemixer_weights(logits, experts, eps: float):
+  """SparseMixer's weights at inference: ``[T, k]`` for the experts ``[T, k]`` (ranked
+  best first) of logits ``[T, E]``; the j-th is the softmax, over the experts not chosen
+  before it within a relative distance ``2 * eps`` of its logit, taken at it."""
+  num_experts = logits.shape[-1]
+  fixed = jax.lax.stop_gradient(logits)
+  excluded = jnp.zeros(logits.shape, bool)
+  weights = []
+  for j in range(experts.shape[-1]):
+    chosen = jax.nn.one_hot(experts[:, j], num_experts, dtype=bool)
+    threshold = jnp.sum(jnp.where(chosen, fixed, 0), axis=-1, keepdims=True)
+    far = (threshold - fixed) / jnp.maximum(jnp.abs(fixed), threshold) > 2 * eps
+    masked = jnp.where(excluded | far, -jnp.inf, logits)
+    weights.append(jnp.sum(jnp.where(chosen, jax.nn.softmax(masked, axis=-1), 0), axis=-1))
+    excluded = excluded | chosen
+  return jnp.stack(weights, axis=-1)
+
+
+def limit_to_groups(choice, num_groups: int, top_groups: int, group_score: str = "sum_top2"):
+  """Group-limited routing: the experts of all but the `top_groups` best groups get -inf; a
+  group's rank is the sum of its two best scores ("sum_top2", DeepSeek-V3) or its best
+  score ("max", DeepSeek-V2)."""
   num_tokens, num_experts = choice.shape
   grouped = choice.reshape(num_tokens, num_groups, num_experts // num_groups)
   best = jnp.max(grouped, axis=-1)
-  group_score = best
-  if grouped.shape[-1] > 1:
+  ranking = best
+  if group_score == "sum_top2" and grouped.shape[-1] > 1:
     first = jax.nn.one_hot(jnp.argmax(grouped, axis=-1), grouped.shape[-1], dtype=bool)
-    group_score = best + jnp.max(jnp.where(first, -jnp.inf, grouped), axis=-1)
-  chosen = jnp.sum(jax.nn.one_hot(top_k(group_score, top_groups), num_groups, dtype=bool),
+    ranking = best + jnp.max(jnp.where(first, -jnp.inf, grouped), axis=-1)
+  chosen = jnp.sum(jax.nn.one_hot(top_k(ranking, top_groups), num_groups, dtype=bool),
                    axis=1, dtype=jnp.int32) > 0  # [T, groups]
   mask = jnp.repeat(chosen, num_experts // num_groups, axis=-1)
   return jnp.where(mask, choice, -jnp.inf)
