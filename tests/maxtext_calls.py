@@ -19,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import math
 import os
 import types
 from typing import Any, Callable
@@ -417,6 +416,3 @@ def load_fixture(path: str = FIXTURE):
            if key.startswith("spec/")}
   return specs, arrays
 
-
-def numel(shape) -> int:
-  return math.prod(shape)

@@ -41,8 +41,6 @@ from gmm_jax.compat import tokamax as compat_tokamax
 SPECS, ARRAYS = mc.load_fixture() if os.path.exists(mc.FIXTURE) else ({}, None)
 RECORDS = [(case, index) for case, spec in sorted(SPECS.items())
            for index in range(len(spec.get("calls", ())))]
-# Variants of what the default run has: run with -m slow.
-SLOW_RECORDS = {"backend.gmm", "backend.tgmm"}
 
 COMPAT = {
     "mblx.gmm": compat_megablox.gmm,
@@ -70,12 +68,7 @@ def _record_id(record):
 
 
 def _params():
-  params = []
-  for record in RECORDS:
-    api = SPECS[record[0]]["calls"][record[1]]["api"]
-    marks = [pytest.mark.slow] if api in SLOW_RECORDS else []
-    params.append(pytest.param(*record, id=_record_id(record), marks=marks))
-  return params
+  return [pytest.param(*record, id=_record_id(record)) for record in RECORDS]
 
 
 def replay(case: str, index: int, fn=None):
