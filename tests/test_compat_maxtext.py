@@ -14,13 +14,15 @@
   separately, megablox's kernels ``backend.gmm`` / ``backend.tgmm`` swapped for
   compat.megablox's gmm / tgmm), against the unpatched layer. The tokamax case runs
   tokamax's XLA implementation where MaxText asks for Mosaic (TPU only), on both sides
-  (``SUBSTITUTE`` in tests/maxtext_calls.py). All slow (tens of seconds
-  each on a CPU).
+  (``SUBSTITUTE`` in tests/maxtext_calls.py). All slow (seconds to a minute each on a
+  CPU). Run them where maxtext is installed:
+  ``pytest tests/test_compat_maxtext.py -n 0 -m slow -k "live or reproduces"``.
 
 Tolerances are MaxText's own, from its tests/unit/moe_test.py: ``assert_moe_close`` for
 results (float32 on the CPU: rtol 1e-5, atol 1e-6; bfloat16: rtol 2e-2, atol 1e-2) and
-``compare_tree`` for gradients (relative norm difference below 1e-2). Rows megablox leaves
-undefined (those outside the local groups) are not compared.
+``compare_tree`` for gradients (relative norm difference below 1e-2); the layer output of
+the quantized cases by ``compare_tree``'s criterion too (see `_compare_layer`). Rows
+megablox leaves undefined (those outside the local groups) are not compared.
 """
 
 from __future__ import annotations
