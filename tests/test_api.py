@@ -617,21 +617,25 @@ def test_explain_for_another_platform_from_the_cpu():
 
 @pytest.mark.parametrize("float_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("int_side", ["lhs", "rhs"])
+@pytest.mark.parametrize("narrow", [jnp.int8, jnp.float8_e4m3fn])
 def test_float_with_plain_integer_operand_is_multiplied_in_the_float_dtype(float_dtype,
-                                                                           int_side):
+                                                                           int_side, narrow):
   """As jax.lax.ragged_dot promotes them: the integer operand's values in the float's dtype
   (exact for int8), the result in that dtype; the float side's gradient flows."""
   rng = np.random.default_rng(5)
   sizes = np.array([3, 0, 4], np.int32)
   x = rng.standard_normal((7, 6)).astype(np.float32)
   w = rng.standard_normal((3, 6, 5)).astype(np.float32)
-  xi = rng.integers(-128, 128, (7, 6)).astype(np.int8)
-  wi = rng.integers(-128, 128, (3, 6, 5)).astype(np.int8)
+  # MaxText's fp8 backward passes plain float8 values beside float32 ones, as its int8
+  # backward passes plain int8 ones; jax has no implicit float32 x float8 promotion.
+  xi = jnp.asarray(rng.integers(-128, 128, (7, 6)), narrow)
+  wi = jnp.asarray(rng.integers(-128, 128, (3, 6, 5)), narrow)
   lhs, rhs = (xi, jnp.asarray(w, float_dtype)) if int_side == "lhs" else (
       jnp.asarray(x, float_dtype), wi)
   got = jax.jit(lambda a, b: gmm_jax.gmm(a, b, sizes))(lhs, rhs)
   assert got.dtype == float_dtype
-  want = jax.lax.ragged_dot(lhs, rhs, sizes)
+  wide = lambda a: a.astype(float_dtype)  # noqa: E731  (jax's promotion, made explicit)
+  want = jax.lax.ragged_dot(wide(lhs), wide(rhs), sizes)
   assert want.dtype == got.dtype
   np.testing.assert_allclose(np.asarray(got, np.float64),
                              gmm_oracle(np.asarray(lhs, np.float64), np.asarray(rhs, np.float64),
@@ -639,7 +643,7 @@ def test_float_with_plain_integer_operand_is_multiplied_in_the_float_dtype(float
   float_arg = 1 if int_side == "lhs" else 0
   grad = jax.grad(lambda *a: gmm_jax.gmm(*a, sizes).astype(jnp.float32).sum(),
                   argnums=float_arg)(lhs, rhs)
-  want_grad = jax.grad(lambda *a: jax.lax.ragged_dot(*a, sizes).astype(jnp.float32).sum(),
-                       argnums=float_arg)(lhs, rhs)
+  want_grad = jax.grad(lambda *a: jax.lax.ragged_dot(*map(wide, a), sizes).astype(
+      jnp.float32).sum(), argnums=float_arg)(lhs, rhs)
   np.testing.assert_allclose(np.asarray(grad, np.float64), np.asarray(want_grad, np.float64),
                              **tolerances(float_dtype, k=7, scale=128.0))

@@ -80,15 +80,27 @@ def _check_quant_specs(lhs, rhs, quantize_lhs, quantize_rhs) -> None:
       raise ValueError(f"quantize_{name} needs a float {name}, got {_describe(operand)}")
 
 
+def _narrow(dtype) -> bool:
+  """An integer or an 8-bit (or narrower) float: values that mean something only with a
+  scale, which plain arrays of two kinds are multiplied in the wider one's dtype."""
+  return jnp.issubdtype(dtype, jnp.integer) or (
+      jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize == 1)
+
+
 def _promote_plain(lhs, rhs):
-  """Plain operands of one kind: an integer operand with a floating one is converted to the
-  floating one's dtype, as `jax.lax.dot_general` and `jax.lax.ragged_dot` promote them (a
-  float32 x int8 pair is a float32 product). A QArray is the way to say what integers mean
-  beyond their values (a scale)."""
-  lhs_int = jnp.issubdtype(lhs.dtype, jnp.integer)
-  if lhs_int == jnp.issubdtype(rhs.dtype, jnp.integer):
-    return lhs, rhs
-  return (lhs.astype(rhs.dtype), rhs) if lhs_int else (lhs, rhs.astype(lhs.dtype))
+  """Plain operands of one kind: an integer (or fp8) operand with a wider float one is
+  converted to the float's dtype, as `jax.lax.dot_general` and `jax.lax.ragged_dot` promote
+  an integer one (a float32 x int8 pair is a float32 product; a float32 x float8_e4m3fn
+  pair, which jax has no implicit promotion for, likewise). A QArray is the way to say what
+  the narrow values mean beyond themselves (a scale)."""
+  lhs_narrow, rhs_narrow = _narrow(lhs.dtype), _narrow(rhs.dtype)
+  if lhs_narrow == rhs_narrow:
+    if (jnp.issubdtype(lhs.dtype, jnp.integer) == jnp.issubdtype(rhs.dtype, jnp.integer)):
+      return lhs, rhs
+    # An integer with an fp8 operand: both in bfloat16, which holds int8 and fp8 exactly.
+    wide = np.dtype(jnp.bfloat16)
+    return lhs.astype(wide), rhs.astype(wide)
+  return (lhs.astype(rhs.dtype), rhs) if lhs_narrow else (lhs, rhs.astype(lhs.dtype))
 
 
 def _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs, gated_lhs=False):
