@@ -81,7 +81,8 @@ class MoE(nnx.Module):
       `Router`).
     sparsemixer_eps: the window of "sparsemixer" (PhiMoE's ``router_jitter_noise``).
     normalize_top_k: renormalize the chosen weights to sum to 1; default: when top_k > 1
-      (a top-1 weight renormalized is always 1, leaving the router without a gradient).
+      (a top-1 weight renormalized is always 1, leaving the router without a gradient),
+      except with score="sparsemixer", whose weights are never renormalized.
     normalize_epsilon: added to the chosen weights' sum before that division (LFM2-MoE:
       1e-6); 0 by default.
     routing_bias: add a `RoutingBias` (zeros at first) to the scores for the selection.
@@ -200,7 +201,7 @@ class MoE(nnx.Module):
   ``aux["load_balancing_loss"]`` the Switch balance loss ``E * sum_e f_e * P_e`` (f_e:
   fraction of top-k assignments to e, P_e: mean score of e, sigmoid scores normalized per
   token), ``aux["router_z_loss"]`` the ST-MoE z-loss ``mean(logsumexp(logits)^2)``,
-  ``aux["expert_load"]`` f ``[E]``), and ``aux["dropped_fraction"]`` (assignments over
+  ``aux["expert_load"]`` f ``[E]``, ``[E + Z]`` with Z identity experts), and ``aux["dropped_fraction"]`` (assignments over
   capacity). The caller weights the losses.
   """
 
