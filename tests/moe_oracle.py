@@ -245,3 +245,15 @@ def balance_loss(model, p, tokens, chosen):
   scores = 1 / (1 + np.exp(-logits)) if model.score == "sigmoid" else softmax
   scores = scores / scores.sum(-1, keepdims=True)
   return num_routed * np.sum(expert_load_of(chosen, num_routed) * scores.mean(0))
+
+
+def loss_of(y):
+  """The scalar loss whose gradients the layer tests compare."""
+  return jnp.sum(jnp.sin(y) * y)
+
+
+def leaf(tree, path):
+  """The entry of a nested dict at a `jax.tree_util` key path."""
+  for key in path:
+    tree = tree[key.key]
+  return tree

@@ -204,14 +204,6 @@ def _grad_tol(want):
   return dict(rtol=2e-3, atol=1e-5 * max(1.0, float(np.abs(want).max())))
 
 
-def loss_of(y):
-  return jnp.sum(jnp.sin(y) * y)
-
-
-def _leaf(tree, path):
-  for key in path:
-    tree = tree[key.key]
-  return tree
 
 
 def expected_kept(model, case: RouterCase, chosen):
@@ -274,7 +266,7 @@ def check_case(case: RouterCase):
   def run(model, x):
     def loss(model, x):
       y, aux = model(x)
-      return loss_of(y), (y, aux)
+      return moe_oracle.loss_of(y), (y, aux)
     (_, (y, aux)), (grads, dx) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(
         model, x)
     return y, aux, grads, dx
@@ -283,7 +275,7 @@ def check_case(case: RouterCase):
   def run_reference(pure, tokens):
     def loss(p, tokens):
       y = moe_oracle.reference(model, p, tokens, routing.chosen, kept, routing.windows)
-      return loss_of(y), y
+      return moe_oracle.loss_of(y), y
     return jax.grad(loss, argnums=(0, 1), has_aux=True)(pure, tokens)
 
   with experts.record_layouts() as layouts:
@@ -303,7 +295,7 @@ def check_case(case: RouterCase):
   got_paths = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(got)}
   assert got_paths == want_paths, (message, got_paths ^ want_paths)
   for path, g in jax.tree_util.tree_leaves_with_path(want_grads):
-    np.testing.assert_allclose(_leaf(got, path), g, **_grad_tol(g),
+    np.testing.assert_allclose(moe_oracle.leaf(got, path), g, **_grad_tol(g),
                                err_msg=f"d{jax.tree_util.keystr(path)} {message}")
 
   routed = model.router.kernel.shape[-1]

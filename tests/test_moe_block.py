@@ -23,7 +23,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import linen, nnx  # noqa: E402
 from gmm_jax import nn  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from moe_oracle import balance_loss, choose, kept_of, reference  # noqa: E402
+from moe_oracle import (balance_loss, choose, kept_of, leaf, loss_of,  # noqa: E402
+                        reference)
 
 E, D, F = 8, 16, 12
 
@@ -80,14 +81,6 @@ def build(options, seed=0):
   return model, x
 
 
-def loss_of(y):
-  return jnp.sum(jnp.sin(y) * y)
-
-
-def leaf(tree, path):
-  for key in path:
-    tree = tree[key.key]
-  return tree
 
 
 @pytest.mark.parametrize("name", SLOW)
