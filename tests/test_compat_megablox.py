@@ -21,6 +21,7 @@ import pytest
 from oracle import f64, gmm_oracle, local_rows, tolerances
 
 import gmm_jax
+from gmm_jax._src import dispatch
 from gmm_jax.compat import megablox
 from gmm_jax.compat.megablox import ops
 
@@ -571,3 +572,35 @@ def test_maxtext_int8_backward_operands_float_times_plain_int8():
   want = gmm_oracle(f64(qt), lhs[:, :N], SIZES, "k")
   _close(got, want, rtol=1e-6, atol=1e-4)
   assert gmm_jax.gmm(lhs, q, sizes).dtype == jnp.float32
+
+
+def test_inside_shard_map_with_check_vma_the_tpu_kernel_runs():
+  """MaxText computes its MoE inside jax.shard_map(check_vma=True): gmm_jax's TPU kernel
+  (interpreted here) serves the call per shard, forward and gradients."""
+  mesh = jax.make_mesh((2,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:2])
+  rng = np.random.default_rng(34)  # K = N = 128: tiles the TPU kernel takes
+  lhs = jnp.asarray(rng.standard_normal((M, 128)), jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal((4, 128, 128)) / 8, jnp.float32)
+  local_sizes = jnp.asarray([12, 0, 16, 4], jnp.int32)  # each shard's 32 rows
+
+  def body(x, w, s):
+    return megablox.gmm(x, w, s, jnp.float32, (32, 128, 128), interpret=True)
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(jax.P("fsdp"), jax.P(), jax.P()),
+                     out_specs=jax.P("fsdp"), check_vma=True)
+  cot = jnp.asarray(np.random.default_rng(35).standard_normal((M, 128)), jnp.float32)
+  with dispatch.record() as decisions:
+    out, (dlhs, drhs) = jax.jit(jax.value_and_grad(
+        lambda l, r: jnp.sum(cot * fn(l, r, local_sizes)), (0, 1)))(lhs, rhs)
+  assert {d.implementation for d in decisions} == {"pallas_tpu"}, decisions
+  sizes64 = np.asarray(local_sizes)
+  want = np.concatenate([gmm_oracle(lhs[:32], rhs, sizes64, "m"),
+                         gmm_oracle(lhs[32:], rhs, sizes64, "m")])
+  _close(out, np.sum(f64(cot) * want), rtol=1e-5, atol=1e-2)
+  want_dlhs = np.concatenate([gmm_oracle(cot[:32], np.swapaxes(f64(rhs), 1, 2), sizes64, "m"),
+                              gmm_oracle(cot[32:], np.swapaxes(f64(rhs), 1, 2), sizes64, "m")])
+  _close(dlhs, want_dlhs)
+  want_drhs = (gmm_oracle(f64(lhs[:32]).T, cot[:32], sizes64, "k")
+               + gmm_oracle(f64(lhs[32:]).T, cot[32:], sizes64, "k"))
+  _close(drhs, want_drhs)

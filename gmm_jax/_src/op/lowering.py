@@ -8,6 +8,7 @@ Floor 2 (the op package).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -217,7 +218,29 @@ def _needs_partitioning(ctx) -> bool:
           and getattr(context, "abstract_mesh", None) is not None)
 
 
+try:
+  from jax._src.config import _check_vma as _CHECK_VMA  # pylint: disable=protected-access
+except ImportError:  # a jax without it
+  _CHECK_VMA = None
+
+
+def _plain_types():
+  """A context in which the implementation is traced on plain types: inside
+  ``jax.shard_map(check_vma=True)`` jax would otherwise ask each Pallas call of it to type
+  its output's varying axes, which the plain operands do not have (the primitive's own
+  abstract evaluation types the result). jax's switch for it is private: without it, a
+  null context (check_vma=True then needs the kernels' own types)."""
+  if _CHECK_VMA is None:
+    return contextlib.nullcontext()
+  return _CHECK_VMA(False)
+
+
 def _lowering(ctx, *operands, platform, **params):
+  with _plain_types():
+    return _lower(ctx, *operands, platform=platform, **params)
+
+
+def _lower(ctx, *operands, platform, **params):
   # The implementation is traced on plain types: mesh-typed or varying avals would make
   # its slicing and while loops sharding-typed.
   ctx = ctx.replace(avals_in=[jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in],
