@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax._src import config as _jax_config  # the vma check's switch (`_plain_types`)
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -218,10 +219,8 @@ def _needs_partitioning(ctx) -> bool:
           and getattr(context, "abstract_mesh", None) is not None)
 
 
-try:
-  from jax._src.config import _check_vma as _CHECK_VMA  # pylint: disable=protected-access
-except ImportError:  # a jax without it
-  _CHECK_VMA = None
+# jax's switch of the vma check (private; None in a jax without it).
+_CHECK_VMA = getattr(_jax_config, "_check_vma", None)
 
 
 def _plain_types():
