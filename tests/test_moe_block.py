@@ -6,8 +6,9 @@ expert option (shared experts with or without their sigmoid gate, expert biases,
 SwiGLU with its constants, GeGLU, a plain FFN, router weights on the output or the input,
 capacity per call or per sequence) is checked forward and by jax.grad against `reference`
 (tests/moe_oracle.py), which loops over the tokens and their chosen experts with
-numpy-chosen experts and jnp arithmetic, fused and unfused. The top-1 router learns from the task loss; aux, presets,
-a replacement router, Linen names, metadata, bad options and eager sharding."""
+numpy-chosen experts and jnp arithmetic, fused and unfused. The top-1 router learns from the
+task loss; aux, presets, a replacement router, Linen names, metadata, bad options and eager
+sharding."""
 
 from __future__ import annotations
 

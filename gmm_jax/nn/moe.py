@@ -201,8 +201,8 @@ class MoE(nnx.Module):
   ``aux["load_balancing_loss"]`` the Switch balance loss ``E * sum_e f_e * P_e`` (f_e:
   fraction of top-k assignments to e, P_e: mean score of e, sigmoid scores normalized per
   token), ``aux["router_z_loss"]`` the ST-MoE z-loss ``mean(logsumexp(logits)^2)``,
-  ``aux["expert_load"]`` f ``[E]``, ``[E + Z]`` with Z identity experts), and ``aux["dropped_fraction"]`` (assignments over
-  capacity). The caller weights the losses.
+  ``aux["expert_load"]`` f ``[E]``, ``[E + Z]`` with Z identity experts), and
+  ``aux["dropped_fraction"]`` (assignments over capacity). The caller weights the losses.
   """
 
   def __init__(self, num_experts: int, embed: int, mlp: int, *, top_k: int = 2,
