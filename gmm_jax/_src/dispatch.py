@@ -115,8 +115,9 @@ _PLAN_RECORDERS: list[list] = []
 
 @contextlib.contextmanager
 def record_plans():
-  """Collects the sharding plans the partitioner chose for the gmms compiled inside the
-  block (plain jit with sharded operands; each has a ``describe()``)."""
+  """Collects the sharding plans of the gmms traced or compiled inside the block (split at
+  trace time, or by the partitioner under plain jit; each has a ``describe()``), and the
+  fallbacks taken where neither could split one."""
   plans: list = []
   _PLAN_RECORDERS.append(plans)
   try:
@@ -126,7 +127,7 @@ def record_plans():
 
 
 def note_plan(plan) -> None:
-  """Called by the gmm op's partitioning rule with the plan it chose."""
+  """Called with the plan a gmm was split by (at trace time, or by the partitioning rule)."""
   for recorder in _PLAN_RECORDERS:
     recorder.append(plan)
 

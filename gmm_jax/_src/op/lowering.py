@@ -9,7 +9,9 @@ Floor 2 (the op package).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +127,8 @@ _NO_MESH = jax.sharding.AbstractMesh((), ())
 def _partition(static, mesh, arg_shapes, result_shape):
   cfg, trees, has_bias, platform = static
   plan, specs = _choose(static, mesh, arg_shapes, _arg_spec(result_shape))
-  dispatch.note_plan(plan)
+  dispatch.note_plan(dataclasses.replace(plan, notes=plan.notes + (
+      "split by the partitioning rule (custom_partitioning under plain jit)",)))
 
   def lower_fn(operands):
     lhs, rhs, counts, group_offset, bias = unpack(operands, trees, has_bias)
@@ -219,6 +222,40 @@ def _needs_partitioning(ctx) -> bool:
           and getattr(context, "abstract_mesh", None) is not None)
 
 
+def _partitioned_by_xla(ctx) -> bool:
+  """A program for several devices that XLA's partitioner splits (not a manual context:
+  inside a shard_map every device's blocks are already local)."""
+  context = ctx.module_context.axis_context
+  return (type(context).__name__ == "ShardingContext"
+          and getattr(context, "num_devices", 1) > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+  """What a gmm that nothing could split before XLA runs as (`explain` reports it)."""
+
+  implementation: str
+  why: str
+
+  def describe(self) -> str:
+    return f"sharding: not split by gmm_jax ({self.why}); runs as {self.implementation!r}"
+
+
+FALLBACK = Fallback(
+    "reference",
+    "plain jit on several TPU chips with no mesh in the trace: the dense reference, a "
+    "batched dot over the groups that XLA's partitioner splits, G/top_k times the work "
+    "of the kernels; give the trace the mesh with jax.set_mesh and Explicit axes, the "
+    "layout with gmm(..., sharding=GmmSharding(...)), or a layer its expert_parallel=")
+_WARNED = []
+
+
+def _warn_fallback():
+  if not _WARNED:
+    _WARNED.append(True)
+    warnings.warn(f"gmm_jax: {FALLBACK.why}", stacklevel=2)
+
+
 # jax's switch of the vma check (private; None in a jax without it).
 _CHECK_VMA = getattr(_jax_config, "_check_vma", None)
 
@@ -249,7 +286,13 @@ def _lower(ctx, *operands, platform, **params):
     platform = params["cfg"].platform
   elif platform is None:
     platform = dispatch.normalize_platform(ctx.module_context.platforms[0])
-  if _needs_partitioning(ctx):
+  if platform == "tpu" and _partitioned_by_xla(ctx):
+    # No partitioner may split a kernel on TPU (`custom_partitioning` does not run there):
+    # the dense reference, a batched dot over the groups that XLA splits like any other.
+    _warn_fallback()
+    dispatch.note_plan(FALLBACK)
+    params = dict(params, cfg=params["cfg"].replace(implementation=(FALLBACK.implementation,)))
+  elif _needs_partitioning(ctx):
     static = (params["cfg"], params["trees"], params["has_bias"], platform)
     return mlir.lower_fun(lambda *xs: _partitioned(static, xs),
                           multiple_results=False)(ctx, *operands)

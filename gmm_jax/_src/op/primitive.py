@@ -9,6 +9,7 @@ data modules.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,7 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gmm_jax._src import metadata, strategy
+from gmm_jax._src import dispatch, metadata, strategy
 from gmm_jax._src.config import GmmConfig, output_shape
 from gmm_jax._src.epilogue import NO_ROWS, Rows, gated_cotangent, gated_input
 from gmm_jax._src.qarray import QArray, dequantize
@@ -103,10 +104,92 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
                          (cfg.has_source, rows.source)):
     if present:
       operands.append(value)
-  operands = _same_vma([jnp.asarray(x) for x in operands])
+  operands = [jnp.asarray(x) for x in operands]
+  mesh = explicit_mesh(operands)
+  if mesh is not None and primitive is None:
+    return _split(mesh, lhs, rhs, counts, group_offset, bias, cfg, out_hint, rows)
+  operands = _same_vma(operands)
   return (primitive or current_primitive()).bind(
       *operands, cfg=cfg, trees=(lhs_tree, rhs_tree), has_bias=bias is not None,
       out_hint=out_hint)
+
+
+# ------------------------------------------------------------------ the trace-time split
+#
+# Where the trace knows the mesh and the operands' layout (their types carry it on a mesh
+# with Explicit axes), the gmm splits itself before XLA sees it: a `jax.shard_map` around
+# `strategy.local_gmm` with the plan the partitioning rule computes (`strategy.choose`), so
+# that no platform's partitioner has to split a kernel (on TPU it cannot:
+# `custom_partitioning` does not run there). Its derivatives are shard_map's: the same
+# plan's per-device gmms, differentiated where they are bound.
+
+
+def explicit_mesh(operands):
+  """The mesh with Explicit axes the operands' types name (None: none does, or every such
+  axis is already manual)."""
+  for x in operands:
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty and explicit_axes(mesh):
+      return mesh
+  return None
+
+
+def explicit_axes(mesh) -> tuple[str, ...]:
+  """The axes of `mesh` with Explicit types and more than one device."""
+  types = getattr(mesh, "axis_types", None) or ()
+  return tuple(name for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes, types)
+               if kind == jax.sharding.AxisType.Explicit and size > 1)
+
+
+def typed_spec(x) -> P:
+  """The PartitionSpec an operand's type carries (replicated where it carries none)."""
+  spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return P() if spec is None else spec
+
+
+def split_plan(mesh, lhs, rhs, bias, cfg: GmmConfig, out_hint=None) -> strategy.Plan:
+  """The plan for operands typed on `mesh`: `strategy.choose` over its Explicit axes (the
+  rule under plain jit), narrowed for row operands (`strategy.for_rows`)."""
+  axes = explicit_axes(mesh)
+  mesh_shape = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes) if a in axes}
+  lhs_value, rhs_value = jax.tree.leaves(lhs)[0], jax.tree.leaves(rhs)[0]
+  return strategy.for_rows(strategy.choose(
+      mesh_shape, cfg, _leaf_shapes(lhs), _leaf_shapes(rhs), typed_spec(lhs_value),
+      typed_spec(rhs_value), out_hint, None if bias is None else typed_spec(bias)), cfg)
+
+
+def _split(mesh, lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint, rows: Rows):
+  plan = split_plan(mesh, lhs, rhs, bias, cfg, out_hint)
+  dispatch.note_plan(dataclasses.replace(plan, notes=plan.notes + (
+      "split at trace time: a shard_map over the Explicit mesh axes",)))
+  mesh_shape = dict(plan.mesh_shape)
+  whole = P()
+
+  def specs(x, spec):
+    leaves, tree = jax.tree.flatten(x)
+    return jax.tree.unflatten(tree, strategy.leaf_specs([l.shape for l in leaves], spec,
+                                                         mesh_shape))
+
+  row_values = tuple(rows)
+  in_specs = (specs(lhs, plan.spec("lhs")), specs(rhs, plan.spec("rhs")), whole, whole,
+              None if bias is None else plan.spec("bias"),
+              tuple(None if r is None else whole for r in row_values))
+  operands = (lhs, rhs, counts, group_offset, bias, row_values)
+  operands = jax.tree.map(
+      lambda x, spec: None if x is None else jax.sharding.reshard(
+          x, NamedSharding(mesh, spec)), operands,
+      in_specs, is_leaf=lambda x: x is None)
+
+  def body(lhs, rhs, counts, group_offset, bias, row_values):
+    def run(lhs, rhs, counts, group_offset, bias, cfg, rows=NO_ROWS):
+      return gmm(lhs, rhs, counts, group_offset, bias, cfg, rows=rows)
+
+    return strategy.local_gmm(run, plan, lhs, rhs, counts, group_offset, bias, cfg,
+                              Rows(*row_values))
+
+  fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=plan.spec("out"),
+                     axis_names=frozenset(mesh_shape), check_vma=False)
+  return fn(*operands)
 
 
 def composed(*operands, cfg, trees, has_bias, out_hint):
