@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from gmm_jax import routed_apply
 from gmm_jax._src import experts
+from gmm_jax._src.dispatch import trace_platform
 from gmm_jax._src.experts import ExpertFFN
 from gmm_jax._src.sharding import explicit_axes, token_layout
 
@@ -27,10 +28,15 @@ def may_be_partitioned() -> bool:
   return device is not None and getattr(device, "platform", "cpu") != "cpu"
 
 
-def layout(x, expert_parallel, data_parallel, in_kernel):
+def layout(x, expert_parallel, data_parallel, in_kernel, kernel_axes=None):
   """(mesh, expert axis, token axes) of a call on x, from the layer's `expert_parallel`
   ``(mesh, axis)`` and `data_parallel` ``(mesh, axes)`` and the types of x and of the
-  experts' input kernel `in_kernel`; mesh None: one device's view."""
+  experts' input kernel `in_kernel`; mesh None: one device's view.
+
+  Under a context mesh with Auto axes (`jax.set_mesh`), where the types carry no layout,
+  `kernel_axes(mesh)` (the kernel's logical axes on that mesh, `params.mesh_axes`) names
+  the expert axis, and the tokens are split over every mesh axis that divides them (else
+  over the expert axis, else not at all): the layer then pins both to that layout."""
   mesh = axis = token_axes = None
   if expert_parallel is not None:
     mesh, axis = expert_parallel
@@ -43,9 +49,19 @@ def layout(x, expert_parallel, data_parallel, in_kernel):
   if axis is None and typed is not None and not typed.mesh.empty and len(typed.spec):
     entry = typed.spec[0]  # the expert kernels' leading dim on an Explicit mesh
     axis = entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
+  auto_context = (expert_parallel is None and data_parallel is None and mesh is not None
+                  and not mesh.empty and not explicit_axes(mesh))
+  if auto_context and kernel_axes is not None:
+    axis = kernel_axes(mesh)[0] if axis is None else axis
+    num_tokens = math.prod(x.shape[:-1])
+    every = tuple(a for a, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1)
+    for axes in (every, (axis,) if axis is not None else ()):
+      if axes and num_tokens % math.prod(mesh.shape[a] for a in axes) == 0:
+        token_axes = axes
+        break
   if mesh is None or mesh.empty or (axis is None and not token_axes):
     return None, None, ()
-  if not token_axes and data_parallel is None and not explicit_axes(mesh):
+  if not token_axes and data_parallel is None and not explicit_axes(mesh) and not auto_context:
     token_axes = (axis,)
   return mesh, axis, token_axes
 
@@ -92,6 +108,10 @@ def run_experts(spec: ExpertFFN, rows, top_e, top_p, params, *, mesh, axis, toke
     return y, kept
   if partitionable is None:
     partitionable = may_be_partitioned()
+  if mesh is None and partitionable and trace_platform() == "tpu":
+    # No partitioner splits an op on TPU (`custom_partitioning` does not run there): the
+    # fused path, whose gmms XLA partitions as the dense reference (the op warns once).
+    partitionable = False
   if mesh is None and not partitionable:
     capacity = (bound if capacity_factor is None else
                 math.ceil(capacity_factor * num_tokens * k / num_experts))

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from gmm_jax import QuantSpec, gmm
+from gmm_jax import GmmSharding, QuantSpec, gmm
 from gmm_jax._src.qarray import Fp8Training, as_quantization
-from gmm_jax.nn.params import param
+from gmm_jax.nn.params import auto_mesh, mesh_axes, param
 
 Array = jax.Array
 
@@ -91,5 +93,25 @@ class GroupedLinear(nnx.Module):
     """x ``[M, K]`` rows sorted by group; group_sizes ``[G]`` -> ``[M, N]``."""
     dtype = self.dtype or jnp.result_type(x, self.kernel[...])
     kernel, bias = self.weights(dtype)
+    options = self.gmm_options(dtype)
+    if self.input_quant is None and self.weight_quant is None and self.quantization is None:
+      options["sharding"] = self.sharding(x)
     return gmm(x.astype(dtype), kernel, group_sizes, bias=bias, activation=activation,
-               group_offset=group_offset, **self.gmm_options(dtype))
+               group_offset=group_offset, **options)
+
+  def sharding(self, x: Array) -> GmmSharding | None:
+    """The layout this layer pins its gmm to on a mesh whose axes are Auto (the context
+    mesh of `jax.set_mesh`, or the one x is placed on), where the types carry none: the
+    kernel as its logical axes name (`params.mesh_axes`), the rows over the other axes
+    that divide them. None elsewhere (one device's view; on Explicit axes the gmm splits
+    itself by the types)."""
+    mesh = auto_mesh(x)
+    if mesh is None:
+      return None
+    kernel_axes = mesh_axes(self.kernel, mesh)
+    used = {a for a in kernel_axes if a is not None}
+    rows = tuple(a for a, size in zip(mesh.axis_names, mesh.axis_sizes)
+                 if size > 1 and a not in used)
+    if not rows or x.shape[0] % math.prod(mesh.shape[a] for a in rows):
+      rows = ()
+    return GmmSharding(mesh, P(rows or None, kernel_axes[1]), P(*kernel_axes))

@@ -5,6 +5,7 @@ experts (`shared`)."""
 from __future__ import annotations
 
 import fractions
+import functools
 from typing import Any, Mapping
 
 import jax
@@ -16,7 +17,7 @@ from gmm_jax import QuantSpec
 from gmm_jax.nn import dispatch
 from gmm_jax.nn.expert_ffn import check_options, expert_layers, expert_params, ffn_spec
 from gmm_jax.nn.grouped_linear import GroupedLinear
-from gmm_jax.nn.params import param, reshard
+from gmm_jax.nn.params import mesh_axes, param, reshard
 from gmm_jax.nn.presets import scaled
 from gmm_jax.nn.router import Router
 from gmm_jax.nn.shared import SharedExperts
@@ -397,8 +398,11 @@ class MoE(nnx.Module):
     shape = x.shape
     tokens = x.reshape(-1, shape[-1])
     in_kernel = self._in_layer().kernel[...]
-    mesh, axis, token_axes = dispatch.layout(x, self.expert_parallel, self.data_parallel,
-                                             in_kernel)
+    mesh, axis, token_axes = dispatch.layout(
+        x, self.expert_parallel, self.data_parallel, in_kernel,
+        # The masked layout runs on one device's view: no layout of its own is pinned.
+        None if self.layout == "masked" else functools.partial(mesh_axes,
+                                                               self._in_layer().kernel))
     routing = self.router.route(tokens)
     top_e, top_p = routing.experts, routing.weights
     if top_e.shape != (tokens.shape[0], self.top_k):

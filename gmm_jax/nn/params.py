@@ -46,6 +46,55 @@ def _eager_shard(value, names):
   return value
 
 
+def _context_rules() -> tuple:
+  try:
+    from flax.core import spmd
+    return tuple(spmd.get_logical_axis_rules() or ())
+  except Exception:  # flax without the rules helpers
+    return ()
+
+
+def _unmapped(names) -> tuple:
+  """Rules ``(name, None)`` for the logical names that neither the context mesh has as an
+  axis nor the context's ``logical_axis_rules`` map: under a mesh they replicate, as
+  `_eager_shard` lays them out (flax resolves a parameter's names against the context mesh
+  when it builds abstract parameters, `nnx.eval_shape`, and refuses a name it lacks)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  ruled = {alias for alias, _ in _context_rules()}
+  return tuple((name, None) for name in dict.fromkeys(names)
+               if isinstance(name, str) and name not in mesh.axis_names and name not in ruled)
+
+
+def mesh_axes(variable, mesh) -> tuple:
+  """The mesh axis (or None) of each dim of a parameter made by `param`, on `mesh`: its
+  logical names through the context's ``logical_axis_rules``, names that are not axes of
+  `mesh` (or are axes of one device) None."""
+  names = ()
+  for key in ("out_sharding", "sharding_names", "sharding"):
+    names = getattr(variable, key, None) or ()
+    if names:
+      break
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  return tuple(name if isinstance(name, str) and sizes.get(name, 1) > 1 else None
+               for name in _resolve_names(tuple(names)))
+
+
+def auto_mesh(x):
+  """The mesh with Auto axes a layer's call on x runs on (x's placement as its type names
+  it, else the context mesh of `jax.set_mesh`), None where there is none or its axes are
+  Explicit (there the types carry the layout)."""
+  mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+  if mesh is None or mesh.empty:
+    mesh = jax.sharding.get_abstract_mesh()
+  types = tuple(getattr(mesh, "axis_types", None) or ())
+  if (mesh.empty or any(t != jax.sharding.AxisType.Auto for t in types)
+      or not any(s > 1 for s in mesh.axis_sizes)):
+    return None  # Explicit axes (the gmm splits by the types) or manual ones (shard_map)
+  return mesh
+
+
 def param(value, axes: tuple[str, ...], metadata: Mapping[str, Any] | None = None,
           kind=None) -> nnx.Variable:
   """An nnx.Param (or `kind`) with logical axis names, across flax versions' metadata names
@@ -58,7 +107,11 @@ def param(value, axes: tuple[str, ...], metadata: Mapping[str, Any] | None = Non
   eager = metadata.pop("eager_sharding", True)
   if eager:
     value = _eager_shard(value, axes)
-  for names in (dict(out_sharding=axes, eager_sharding=False), dict(sharding_names=axes),
+  rules = _unmapped(axes)
+  first = dict(out_sharding=axes, eager_sharding=False)
+  if rules:
+    first["sharding_rules"] = rules
+  for names in (first, dict(out_sharding=axes, eager_sharding=False), dict(sharding_names=axes),
                 dict(sharding=axes)):
     try:
       return kind(value, **names, **metadata)
