@@ -16,10 +16,19 @@ implementations the dispatcher chose and the kernel custom calls in the compiled
 
 Strategies:
   default:  ``nn.MoE(...)`` with no mesh arguments under plain jit (the fused path).
-  default+set_mesh: the same step traced and compiled under ``jax.set_mesh(mesh)``.
+  default+set_mesh: the same step, the layer built (``nnx.eval_shape``) and the step traced
+            under ``jax.set_mesh(mesh)`` (Auto axes).
   ep:       ``nn.MoE(expert_parallel=(mesh, "expert"), data_parallel=(mesh, ("data",
             "expert")))``: expert parallelism through `gmm_jax.routed_apply`.
+  default+blind: the default step given abstract arguments without their sharding (only
+            jit's ``in_shardings`` place them), so that the trace sees no mesh: on TPU each
+            gmm runs as the dense reference that XLA partitions, elsewhere the routed
+            experts are split by their partitioning rule.
+  explicit: the mesh's axes Explicit, the layer built (``nnx.eval_shape``) and the step
+            traced under ``jax.set_mesh(mesh)``: the layout is in the types.
   unfused:  ``nn.MoE(fused=False)`` under plain jit (sorted copies, gate and up as two gmms).
+  grouped_linear: the gradients of one ``nn.GroupedLinear`` of the expert input kernel's
+            shape on the tokens as E equal groups, under plain jit.
   default+a2a, ep+a2a: default / ep with ``transport="all_to_all"`` (fixed buffers; libtpu's
             ragged all-to-all refuses TPU slices with limited ICI routing, e.g. v5e 8x8).
   ragged_dot: a baseline without gmm_jax: the same MoE math (router, top-k, tokens sorted by
@@ -131,11 +140,14 @@ MODELS = {
 DEFAULT_MODELS = ("mixtral", "deepseek-v3")
 # --small (CI): one small model, 2-3 minutes for every strategy on the small topologies.
 SMALL_MODELS = ("mixtral-small",)
-STRATEGIES = ("default", "default+set_mesh", "ep", "unfused", "ragged_dot", "default+a2a",
-              "ep+a2a")
+STRATEGIES = ("default", "default+set_mesh", "explicit", "ep", "unfused", "grouped_linear",
+              "ragged_dot", "default+blind", "default+a2a", "ep+a2a")
 # The strategies without nn.MoE: a buffer factor does not apply to them.
 BASELINES = ("ragged_dot",)
-DEFAULT_STRATEGIES = STRATEGIES[:5]  # the "+a2a" variants on request
+DEFAULT_STRATEGIES = STRATEGIES[:8]  # the "+a2a" variants on request
+# The strategies whose layer is built (`nnx.eval_shape`) and whose step is traced under
+# ``jax.set_mesh(mesh)``, and the axis types of their mesh.
+IN_MESH = {"default+set_mesh": "Auto", "explicit": "Explicit"}
 LEARNING_RATE = 1e-3
 # The collectives counted, as XLA's HLO names them (their async forms end at "-done").
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
@@ -144,6 +156,8 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragg
 KERNEL_CALLS = {"tpu_custom_call": "tpu_custom_call", "triton": "triton",
                 "mosaic_gpu": "mosaic_gpu"}
 _CHILD_ENV = "GMM_JAX_AOT_POD_CHILD"
+# The custom-call target of a `custom_partitioning` call in a lowered program.
+CUSTOM_PARTITIONING = "CustomSPMDPartitioning"
 
 
 # --------------------------------------------------------------------- reading the program
@@ -429,6 +443,26 @@ def ragged_dot_loss(layer):
   return loss, leaves, specs, []
 
 
+def grouped_linear_loss(layer):
+  """The same as `nnx_loss` for one `nn.GroupedLinear` with the shape of `layer`'s expert
+  input kernel (``[E, D, 2F]``) on the tokens as group-contiguous rows, E equal groups:
+  the layer's gradients (its weight gradient is a k-grouped gmm) under plain jit."""
+  num_experts, embed, width = layer._in_layer().kernel.shape
+  grouped = nnx.eval_shape(lambda: nn.GroupedLinear(
+      num_experts, embed, width, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+      rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(grouped, nnx.Param)
+  leaves, treedef = jax.tree.flatten(params)
+
+  def loss(params, rest, x):
+    del rest
+    linear = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    sizes = jnp.full((num_experts,), x.shape[0] // num_experts, jnp.int32)
+    return jnp.mean(jnp.square(linear(x, sizes).astype(jnp.float32)))
+
+  return loss, leaves, [P("expert") for _ in leaves], []
+
+
 def sgd_step(loss):
   """One training step: the loss's value and gradient w.r.t. the params, an SGD update."""
 
@@ -449,9 +483,10 @@ def expert_weight_shapes(layer) -> list[tuple[int, ...]]:
     if grouped is None:
       continue
     shape = tuple(grouped.kernel.shape)
-    found.append(shape)
+    found += [shape, shape[1:]]  # all of them, or one expert's
     if grouped is layer.gate_up:
-      found.append(shape[:-1] + (shape[-1] // 2,))
+      half = shape[:-1] + (shape[-1] // 2,)
+      found += [half, half[1:]]
   return found
 
 
@@ -480,6 +515,8 @@ class Row:
   weight_gather_bytes: int = 0
   implementations: dict = dataclasses.field(default_factory=dict)
   kernels: dict = dataclasses.field(default_factory=dict)
+  # custom_partitioning calls in the lowered program (a TPU program must have none)
+  custom_partitionings: int = 0
   detail: str = ""  # the end of the traceback of a failure
 
 
@@ -496,28 +533,37 @@ def compile_step(model_name: str, topology_name: str, strategy: str,
     probe = abstract_layer(model)
     data, ep = mesh_shape(len(devices), probe.num_experts, expert)
     row.mesh = f"{data}x{ep}"
-    mesh = Mesh(np.array(devices).reshape(data, ep), ("data", "expert"))
+    kind = getattr(jax.sharding.AxisType, IN_MESH.get(strategy, "Auto"))
+    mesh = Mesh(np.array(devices).reshape(data, ep), ("data", "expert"),
+                axis_types=(kind, kind))
+    context = jax.set_mesh(mesh) if strategy in IN_MESH else contextlib.nullcontext()
     if strategy == "ragged_dot":
       loss, params, specs, rest = ragged_dot_loss(probe)
+    elif strategy == "grouped_linear":
+      loss, params, specs, rest = grouped_linear_loss(probe)
     else:
-      loss, params, specs, rest = nnx_loss(abstract_layer(model, strategy, mesh,
-                                                          buffer_factor))
+      with context:  # a sharded model is built (abstractly) under its mesh
+        layer = abstract_layer(model, strategy, mesh, buffer_factor)
+      loss, params, specs, rest = nnx_loss(layer)
     shard = lambda spec: NamedSharding(mesh, spec)
     tokens = P(("data", "expert"))
     in_shardings = ([shard(s) for s in specs], [shard(P()) for _ in rest], shard(tokens))
     out_shardings = ([shard(s) for s in specs], shard(P()))
-    args = ([jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=shard(s))
+    placed = (lambda spec: None) if strategy == "default+blind" else shard
+    args = ([jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=placed(s))
              for p, s in zip(params, specs)],
-            [jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=shard(P())) for r in rest],
+            [jax.ShapeDtypeStruct(r.shape, r.dtype, sharding=placed(P())) for r in rest],
             jax.ShapeDtypeStruct((model.tokens_per_chip * len(devices), probe.embed),
-                                 jnp.bfloat16, sharding=shard(tokens)))
+                                 jnp.bfloat16, sharding=placed(tokens)))
     step = jax.jit(sgd_step(loss), in_shardings=in_shardings, out_shardings=out_shardings,
                    donate_argnums=0)
-    context = jax.set_mesh(mesh) if strategy == "default+set_mesh" else contextlib.nullcontext()
+    context = jax.set_mesh(mesh) if strategy in IN_MESH else contextlib.nullcontext()
     # Pallas reads the platform and device kind from the default device, at trace time and
     # when the partitioner lowers a gmm per device at compile time.
     with context, jax.default_device(devices[0]), dispatch.record() as decisions:
-      compiled = step.lower(*args).compile()
+      lowered = step.lower(*args)
+      row.custom_partitionings = lowered.as_text().count(CUSTOM_PARTITIONING)
+      compiled = lowered.compile()
     row.seconds = time.perf_counter() - start
   except Exception as err:  # noqa: BLE001  (a failure is a reported result)
     row.seconds = time.perf_counter() - start
@@ -592,8 +638,8 @@ def _label(r: dict) -> str:
 
 def failures(rows: list[dict], required: tuple[str, ...]) -> list[str]:
   """Why the rows of the `required` strategies (with any buffer factor) fail `--require`: a
-  step that did not compile, or (a gmm_jax strategy) one that all-gathers a whole expert
-  weight."""
+  step that did not compile, (a gmm_jax strategy) one that all-gathers a whole expert
+  weight, or a TPU program with a `custom_partitioning` call."""
   found = []
   for r in rows:
     if r["strategy"] not in required:
@@ -603,6 +649,9 @@ def failures(rows: list[dict], required: tuple[str, ...]) -> list[str]:
       found.append(f"{name}: {r['status']}: {r['error']}")
     elif r["strategy"] not in BASELINES and r["weight_gather_bytes"]:
       found.append(f"{name}: all-gathers {size(r['weight_gather_bytes'])} of expert weights")
+    if TOPOLOGIES[r["topology"]].platform == "tpu" and r.get("custom_partitionings"):
+      found.append(f"{name}: {r['custom_partitionings']} custom_partitioning calls in a TPU "
+                   "program (libtpu has no partitioner for them)")
   return found
 
 
