@@ -107,6 +107,7 @@ class Topology:
 TOPOLOGIES = {
     "v5e:2x2": Topology("tpu", "v5e:2x2", 16 * GIB),
     "v5e:4x4": Topology("tpu", "v5e:4x4", 16 * GIB),
+    "v5e:4x8": Topology("tpu", "v5e:4x8", 16 * GIB),
     "v5e:8x8": Topology("tpu", "v5e:8x8", 16 * GIB),
     "v5e:16x16": Topology("tpu", "v5e:16x16", 16 * GIB),
     "v5p:2x2x4": Topology("tpu", "v5p:2x2x4", 95 * GIB),

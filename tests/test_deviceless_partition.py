@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import dispatch
+from gmm_jax._src import dispatch, routing
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -168,3 +168,25 @@ def test_routed_apply_on_accelerators_traces_their_branch_alone():
     text = str(jax.make_jaxpr(jax.grad(loss))(w, x, ids))
   assert "ragged_all_to_all" in text
   assert "platform_index" not in text and "cond[" not in text
+
+
+def _tpu_devices(topology: str):
+  if importlib.util.find_spec("libtpu") is None:
+    pytest.skip("libtpu is not importable: no TPU topology to describe")
+  return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices
+
+
+@pytest.mark.parametrize("topology, want", [("v5e:2x2", "ragged"), ("v5e:4x4", "ragged"),
+                                            ("v5e:4x8", "all_to_all"),
+                                            ("v5e:8x8", "all_to_all"),
+                                            ("v6e:8x8", "ragged")])
+def test_auto_transport_follows_the_topology(topology, want):
+  # libtpu refuses the ragged all-to-all on v5e slices beyond 16 chips (limited ICI
+  # routing); "auto" picks the fixed-buffer all_to_all there, and an explicit choice stays.
+  devices = np.array(_tpu_devices(topology))
+  mesh = Mesh(devices.reshape(-1), ("x",))
+  assert routing.transport_for("auto", "tpu", mesh) == want
+  assert routing.transport_for("auto", "tpu", mesh.abstract_mesh) == want
+  assert routing.transport_for("ragged", "tpu", mesh) == "ragged"
+  assert routing.transport_for("auto", "cpu", mesh) == "all_to_all"
+

@@ -349,6 +349,7 @@ class Layout:
   token_shards: int = 1
   expert_shards: int = 1
   platform: str | None = None  # the mesh's devices' (None: every branch traced)
+  mesh: Any = None  # the partitioner's mesh (its devices' kind picks the transport)
 
   @property
   def strategy(self) -> str:
@@ -496,9 +497,7 @@ def _travel(static: Static, layout: Layout, x, top_e, top_p, params, capacity):
     return jnp.zeros_like(y).at[order].set(y)
 
   def run(platform, rows, ids):
-    kind = static.transport
-    if kind == "auto":
-      kind = "ragged" if platform in ("gpu", "tpu") else "all_to_all"
+    kind = routing.transport_for(static.transport, platform, layout.mesh)
     if kind == "all_to_all":
       return routing._route_dense(rows, ids, compute=compute, **options)
     collective = (jax.lax.ragged_all_to_all if platform in ("gpu", "tpu")
@@ -568,7 +567,7 @@ def _layout_of(static: Static, mesh, arg_shapes):
   layout, notes = choose_layout(dict(mesh.shape), x_shape.shape, token_axes, expert_axes,
                                 static.ffn.num_experts)
   # The partitioner's mesh has the target's devices: the transports trace their branch only.
-  return dataclasses.replace(layout, platform=mesh_platform(mesh)), notes
+  return dataclasses.replace(layout, platform=mesh_platform(mesh), mesh=mesh), notes
 
 
 def _operand_shardings(static: Static, layout: Layout, mesh, arg_shapes):

@@ -15,6 +15,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from gmm_jax._src.api import gmm
@@ -240,6 +241,34 @@ def route(expert_ids: jax.typing.ArrayLike, num_experts: int, *,
 
 
 TRANSPORTS = ("auto", "all_to_all", "ragged")
+# libtpu emits a ragged all-to-all on these TPU generations only on slices of at most this
+# many chips: larger slices have limited ICI routing, which its emitter refuses ("Ragged
+# all-to-all is currently not supported in limited ICI routing settings"; compiled
+# deviceless: v5e 2x2 and 4x4 emit it, 4x8, 8x8 and 16x16 refuse; v6e up to 16x16 and v5p
+# 4x4x4 emit it).
+_LIMITED_ICI_ROUTING = {"TPU v5 lite": 16, "TPU v5e": 16}
+
+
+def device_kind(mesh) -> str | None:
+  """The device kind of a mesh's devices (concrete or abstract), None if unknown."""
+  try:
+    return np.asarray(mesh.devices).flat[0].device_kind
+  except (AttributeError, IndexError, TypeError, ValueError, RuntimeError):
+    return getattr(getattr(mesh, "abstract_device", None), "device_kind", None)
+
+
+def transport_for(transport: str, platform: str | None, mesh) -> str:
+  """The transport that "auto" means for a mesh lowered for `platform`: the ragged
+  all-to-all on GPU and TPU where libtpu emits it, the fixed-buffer all_to_all on TPU
+  slices with limited ICI routing (v5e beyond 16 chips) and on CPU (no such collective);
+  any other value as it is."""
+  if transport != "auto":
+    return transport
+  if platform not in ("gpu", "tpu"):
+    return "all_to_all"
+  limit = _LIMITED_ICI_ROUTING.get(device_kind(mesh)) if platform == "tpu" else None
+  size = math.prod(getattr(mesh, "axis_sizes", ()) or (1,))
+  return "all_to_all" if limit is not None and size > limit else "ragged"
 
 
 def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh | None = None,
@@ -274,7 +303,9 @@ def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh | None = None,
     transport: "all_to_all" (fixed [devices, capacity] buffers move whole), "ragged"
       (`jax.lax.ragged_all_to_all`: only the routed rows move; on CPU, which lacks the
       collective, an all_gather-based emulation of its semantics), or "auto": ragged on GPU
-      and TPU, all_to_all on CPU. The platform is the one the program is lowered for.
+      and TPU, except TPU slices whose ICI routing libtpu's ragged all-to-all does not
+      support (v5e beyond 16 chips), and all_to_all there and on CPU (`transport_for`).
+      The platform is the one the program is lowered for.
 
   Returns:
     ``[T, N]``, sharded like x.
@@ -334,9 +365,7 @@ def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh | None = None,
       return jnp.zeros_like(y).at[order].set(y)
 
     def route(platform, x, ids):
-      kind = transport
-      if kind == "auto":
-        kind = "ragged" if platform in ("gpu", "tpu") else "all_to_all"
+      kind = transport_for(transport, platform, mesh)
       if kind == "all_to_all":
         return _route_dense(x, ids, compute=compute, **options)
       collective = (jax.lax.ragged_all_to_all if platform in ("gpu", "tpu")
