@@ -336,9 +336,11 @@ def _stored_shapes(case: Case) -> dict[str, tuple[int, ...]]:
 
 
 @st.composite
-def sharded_cases(draw, **case_options) -> tuple[Case, str, tuple]:
-  """(case, mesh name, placements): one or two operand dimensions, each split over mesh
-  axes whose size divides it; placements are ``(operand, dim, axes)``."""
+def sharded_cases(draw, **case_options) -> tuple[Case, str, tuple, str]:
+  """(case, mesh name, placements, axis types): one or two operand dimensions, each split
+  over mesh axes whose size divides it; placements are ``(operand, dim, axes)``; the mesh's
+  axes "auto" (plain jit: the partitioner splits the gmm) or "explicit" (the layout in the
+  types, under `jax.set_mesh`: the gmm splits itself at trace time)."""
   case = draw(cases(**case_options))
   mesh_name = draw(st.sampled_from(tuple(MESHES)))
   mesh_shape, axis_names = MESHES[mesh_name]
@@ -360,7 +362,7 @@ def sharded_cases(draw, **case_options) -> tuple[Case, str, tuple]:
         c[2] if isinstance(c[2], tuple) else (c[2],))]
     if rest:
       placements.append(draw(st.sampled_from(rest)))
-  return case, mesh_name, tuple(placements)
+  return case, mesh_name, tuple(placements), draw(st.sampled_from(("auto", "explicit")))
 
 
 # ---------------------------------------------------------------------------- operands
@@ -658,11 +660,13 @@ def check_grad_of_vmap(case: Case, operand: str, batch: tuple = ()):
                    f"d/d{name} of vmap over {operand} vs the loop of gradients")
 
 
-def _mesh(name: str) -> Mesh:
+def _mesh(name: str, axis_types: str = "auto") -> Mesh:
   shape, names = MESHES[name]
   devices = jax.devices()[:math.prod(shape)]
   assert len(devices) == math.prod(shape), "tests/conftest.py sets 8 host CPU devices"
-  return Mesh(np.array(devices).reshape(shape), names)
+  kind = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+  return Mesh(np.array(devices).reshape(shape), names,
+              axis_types=(kind[axis_types],) * len(names))
 
 
 def _place(value, ndim_spec: list, mesh: Mesh):
@@ -675,9 +679,10 @@ def _place(value, ndim_spec: list, mesh: Mesh):
   return jax.device_put(value, NamedSharding(mesh, P(*ndim_spec)))
 
 
-def placed(case: Case, ops: dict, mesh_name: str, placements: tuple) -> dict:
+def placed(case: Case, ops: dict, mesh_name: str, placements: tuple,
+           axis_types: str = "auto") -> dict:
   """`ops` on the mesh: each placement's dimension split, every other one replicated."""
-  mesh = _mesh(mesh_name)
+  mesh = _mesh(mesh_name, axis_types)
   specs = {}
   for operand, dim, axes in placements:
     value = ops[operand]
@@ -690,21 +695,26 @@ def placed(case: Case, ops: dict, mesh_name: str, placements: tuple) -> dict:
   return out
 
 
-def check_sharded(case: Case, mesh_name: str, placements: tuple):
+def check_sharded(case: Case, mesh_name: str, placements: tuple, axis_types: str = "auto"):
   """Under plain jit, operands split over the mesh give the unsharded result, forward and
-  gradients."""
-  with _reproducible("check_sharded", case, mesh_name, placements):
+  gradients: on Auto axes (the partitioner splits the gmm) or on Explicit ones under
+  `jax.set_mesh` (the gmm splits itself at trace time by the operands' types)."""
+  with _reproducible("check_sharded", case, mesh_name, placements, axis_types):
     ops = make_operands(case)
-    on_mesh = placed(case, ops, mesh_name, placements)
+    on_mesh = placed(case, ops, mesh_name, placements, axis_types)
+    context = (jax.set_mesh(_mesh(mesh_name, axis_types)) if axis_types == "explicit"
+               else contextlib.nullcontext())
     want = call(case, jitted(case), ops)
-    got = call(case, jitted(case), on_mesh)
+    with context:
+      got = call(case, jitted(case), on_mesh)
     assert_close(got, want, tolerance(case), f"forward sharded {placements}")
     params, others = split(case, ops)
     if not params:
       return
     cot = cotangent(case)
     want_grads = call(case, jitted_grad(case), params, others, cot)
-    got_grads = call(case, jitted_grad(case), *split(case, on_mesh), cot)
+    with context:
+      got_grads = call(case, jitted_grad(case), *split(case, on_mesh), cot)
     for name in params:
       assert_close(got_grads[name], want_grads[name], _grad_tolerance(case),
                    f"d/d{name} sharded {placements}")

@@ -127,8 +127,10 @@ def test_only_expert_weights_are_sharded():
   assert sum(s == P("expert") for s in specs) == 2  # the shared expert is replicated
   assert [r.shape for r in rest] == [(num_experts,)]  # the routing bias
   assert all(p.dtype == jnp.bfloat16 for p in params)
+  # Each kernel whole, or one expert's (the gate_up kernel's halves too).
   assert aot_pod.expert_weight_shapes(layer) == [
-      (num_experts, embed, 2 * mlp), (num_experts, embed, mlp), (num_experts, mlp, embed)]
+      (num_experts, embed, 2 * mlp), (embed, 2 * mlp), (num_experts, embed, mlp),
+      (embed, mlp), (num_experts, mlp, embed), (mlp, embed)]
 
 
 @pytest.mark.slow  # ~50 s: two whole MoE steps traced and run on the CPU

@@ -68,6 +68,13 @@ REGRESSIONS = [
     pytest.param(comb.check_sharded, (_K_CASE.replace(activation="swiglu", bias=True), "8",
                                       (("rhs", 1, "x"), ("bias", 1, "x"))),
                  id="k-swiglu-columns-sharded"),
+    # The same on Explicit axes: each gmm (and its derivatives) split at trace time.
+    pytest.param(comb.check_sharded, (_M_CASE.replace(activation="swiglu", bias=True), "8",
+                                      (("rhs", 2, "x"), ("bias", 1, "x")), "explicit"),
+                 id="m-swiglu-columns-sharded-explicit"),
+    pytest.param(comb.check_sharded, (_K_CASE.replace(activation="swiglu", bias=True), "8",
+                                      (("rhs", 1, "x"), ("bias", 1, "x")), "explicit"),
+                 id="k-swiglu-columns-sharded-explicit"),
     # The TPU kernel's gated epilogue (N = 128: its column tiles split the gate and up
     # halves in the kernel; see test_tpu_epilogue_cases_are_fused).
     pytest.param(comb.check_oracle, (_M_WIDE.replace(activation="swiglu", bias=True,

@@ -37,16 +37,27 @@ def operands(seed=0):
   return x, w, b
 
 
-FORMS = ["GmmSharding", "jit"]
+FORMS = ["GmmSharding", "jit", "explicit"]
 
 
 def run_case(the_mesh, lhs_spec, rhs_spec, *, group_type="m", sizes=SIZES, x=None, w=None,
              b=None, transpose_lhs=False, activation="silu", form="GmmSharding"):
   """Forward and gradient on placed operands against one device, and their collectives.
 
-  form: "GmmSharding" (the explicit form) or "jit" (plain jit: the operands' shardings
+  form: "GmmSharding" (the explicit form), "jit" (plain jit: the operands' shardings
   alone; the gradient jit is told to keep the operands' shardings, as a training step
-  does by updating the parameters in place)."""
+  does by updating the parameters in place) or "explicit" (the same mesh with Explicit
+  axes under `jax.set_mesh`: the layout is in the operands' types and the gmm splits
+  itself at trace time)."""
+  if form == "explicit":
+    the_mesh = mesh(the_mesh.axis_sizes, the_mesh.axis_names, "explicit")
+    if isinstance(w, gmm_jax.QArray):  # placed by the caller on the Auto mesh
+      w = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(the_mesh, a.sharding.spec)),
+                       w)
+    with jax.set_mesh(the_mesh):
+      return run_case(the_mesh, lhs_spec, rhs_spec, group_type=group_type, sizes=sizes, x=x,
+                      w=w, b=b, transpose_lhs=transpose_lhs, activation=activation,
+                      form="typed")
   sharding = GmmSharding(the_mesh, lhs_spec, rhs_spec) if form == "GmmSharding" else None
   kwargs = dict(group_type=group_type, bias=b, activation=activation,
                 transpose_lhs=transpose_lhs)

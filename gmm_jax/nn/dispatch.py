@@ -15,6 +15,7 @@ from gmm_jax._src import experts
 from gmm_jax._src.dispatch import trace_platform
 from gmm_jax._src.experts import ExpertFFN
 from gmm_jax._src.sharding import explicit_axes, token_layout
+from gmm_jax.nn.params import auto_mesh
 
 Array = jax.Array
 
@@ -49,9 +50,10 @@ def layout(x, expert_parallel, data_parallel, in_kernel, kernel_axes=None):
   if axis is None and typed is not None and not typed.mesh.empty and len(typed.spec):
     entry = typed.spec[0]  # the expert kernels' leading dim on an Explicit mesh
     axis = entry[0] if isinstance(entry, tuple) and len(entry) == 1 else entry
-  auto_context = (expert_parallel is None and data_parallel is None and mesh is not None
-                  and not mesh.empty and not explicit_axes(mesh))
-  if auto_context and kernel_axes is not None:
+  auto_context = (expert_parallel is None and data_parallel is None
+                  and kernel_axes is not None and auto_mesh(x) is not None)
+  if auto_context:
+    mesh = auto_mesh(x)
     axis = kernel_axes(mesh)[0] if axis is None else axis
     num_tokens = math.prod(x.shape[:-1])
     every = tuple(a for a, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1)

@@ -400,9 +400,10 @@ class MoE(nnx.Module):
     in_kernel = self._in_layer().kernel[...]
     mesh, axis, token_axes = dispatch.layout(
         x, self.expert_parallel, self.data_parallel, in_kernel,
-        # The masked layout runs on one device's view: no layout of its own is pinned.
-        None if self.layout == "masked" else functools.partial(mesh_axes,
-                                                               self._in_layer().kernel))
+        # The masked layout runs on one device's view, and partitionable=True / False ask
+        # for the partitioner's op / the inlined gmms: no layout of its own is pinned.
+        None if self.layout == "masked" or self.partitionable is not None
+        else functools.partial(mesh_axes, self._in_layer().kernel))
     routing = self.router.route(tokens)
     top_e, top_p = routing.experts, routing.weights
     if top_e.shape != (tokens.shape[0], self.top_k):
