@@ -18,9 +18,38 @@ import jax
 import jax.numpy as jnp
 
 
+# Up to this many elements (queries x table entries), a prefix sum or a search over a small
+# table is a broadcast compare-and-sum: elementwise work that XLA fuses into the ops around
+# it. Above it, jnp.cumsum (a reduce-window per step on TPU) and jnp.searchsorted (a while
+# loop) take over, whose cost grows with the log of the table instead of its size.
+FUSED_ELEMENTS = 1 << 18
+
+
+def prefix_sums(values: jax.Array, exclusive: bool = False) -> jax.Array:
+  """int32 inclusive (or exclusive) prefix sums of an int ``[n]`` vector."""
+  values = values.astype(jnp.int32)
+  n = values.shape[0]
+  if n * n <= FUSED_ELEMENTS:
+    index = jnp.arange(n, dtype=jnp.int32)
+    below = index[None, :] < index[:, None] if exclusive else index[None, :] <= index[:, None]
+    return jnp.sum(jnp.where(below, values[None, :], 0), axis=1, dtype=jnp.int32)
+  sums = jnp.cumsum(values, dtype=jnp.int32)
+  return sums - values if exclusive else sums
+
+
+def count_at_most(sorted_values: jax.Array, queries: jax.Array) -> jax.Array:
+  """int32, per query, how many of the ascending `sorted_values` are <= it
+  (``searchsorted(sorted_values, queries, side="right")``)."""
+  if sorted_values.shape[0] * queries.size <= FUSED_ELEMENTS:
+    return jnp.sum(sorted_values[None, :] <= queries.reshape(-1)[:, None], axis=1,
+                   dtype=jnp.int32).reshape(queries.shape)
+  return jnp.searchsorted(sorted_values, queries, side="right").astype(jnp.int32)
+
+
 def bounds_from_counts(counts: jax.Array, dim_size: int) -> jax.Array:
   """``[G + 1]`` group start offsets (the last entry is the total), clipped to `dim_size`."""
-  ends = jnp.cumsum(counts.astype(jnp.int32))
+  counts = counts.astype(jnp.int32)
+  ends = prefix_sums(counts)
   bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
   return jnp.clip(bounds, 0, dim_size)
 
@@ -28,7 +57,7 @@ def bounds_from_counts(counts: jax.Array, dim_size: int) -> jax.Array:
 def counts_in_range(counts: jax.Array, start, size: int) -> jax.Array:
   """Group sizes of the list restricted to the rows ``[start, start + size)`` of the grouped
   dimension (a shard's local group sizes): int32 ``[G]``."""
-  ends = jnp.cumsum(counts.astype(jnp.int32))
+  ends = prefix_sums(counts)
   bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
   clipped = jnp.clip(bounds, start, start + size)
   return (clipped[1:] - clipped[:-1]).astype(jnp.int32)
@@ -199,12 +228,11 @@ def make_tile_metadata(
     first_window = starts - starts % granule
     spans = (ends - first_window + tile - 1) // tile
   tiles_per_group = jnp.where(active, spans, 1 if cover else 0)
-  items_end = jnp.cumsum(tiles_per_group)
+  items_end = prefix_sums(tiles_per_group)
   num_items = items_end[-1]
 
   item = jnp.arange(max_items, dtype=jnp.int32)
-  group = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
-  group = jnp.minimum(group, num_local - 1)
+  group = jnp.minimum(count_at_most(items_end, item), num_local - 1)
   index_in_group = item - (items_end[group] - tiles_per_group[group])
   valid = item < num_items
   if align == "tile":
