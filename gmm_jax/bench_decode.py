@@ -56,6 +56,45 @@ def hlo_op_counts(compiled_text: str) -> tuple[int, int]:
   return total, entry
 
 
+_OPCODE = re.compile(r"[\]\)}]\s+([a-z][a-z0-9\-]*)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+# ENTRY instructions that launch nothing and move no data: they name values.
+FREE_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "bitcast", "tuple"})
+# Custom-call targets that are kernel launches (Mosaic TPU, Mosaic GPU, Triton); others
+# (AllocateBuffer, ...) are XLA's own bookkeeping.
+_KERNEL_TARGETS = ("tpu_custom_call", "mosaic_gpu", "triton")
+
+
+def entry_opcodes(compiled_text: str) -> list[tuple[str, str]]:
+  """(opcode, custom-call target or "") of every instruction of the ENTRY computation of a
+  compiled HLO module's text."""
+  out, in_entry = [], False
+  for line in compiled_text.splitlines():
+    if line.startswith("ENTRY"):
+      in_entry = True
+      continue
+    if in_entry and line.startswith("}"):
+      break
+    if in_entry and _INSTRUCTION.match(line):
+      rhs = line.split("=", 1)[1]
+      opcode = _OPCODE.search(rhs)
+      target = _TARGET.search(line)
+      out.append((opcode.group(1) if opcode else "?", target.group(1) if target else ""))
+  return out
+
+
+def entry_ops(compiled_text: str) -> tuple[int, int]:
+  """(ops, kernels) of a compiled module's ENTRY computation: ``ops`` counts the top-level
+  instructions that do work (every one but `FREE_OPCODES`: fusions, slices, pads, sorts,
+  loops, custom calls, ...), ``kernels`` the custom calls that launch a Pallas or XLA kernel
+  (Mosaic TPU, Mosaic GPU, Triton)."""
+  ops = kernels = 0
+  for opcode, target in entry_opcodes(compiled_text):
+    ops += opcode not in FREE_OPCODES
+    kernels += opcode == "custom-call" and any(k in target for k in _KERNEL_TARGETS)
+  return ops, kernels
+
+
 def decode_problem(tokens: int, experts: int, top_k: int, dim: int, mlp: int, seed: int = 0,
                    dtype=jnp.float32):
   """(ragged rows [T*k, D], counts [E], masked [E, T, D] values, weights [E, D, F])."""
