@@ -395,7 +395,8 @@ def walk_step(ranges, row_starts, steps_end, step, *, dim_size: int, tile: int,
 
   def tile_of(at, r):
     first_step = jnp.where(r > 0, steps_end[jnp.maximum(r - 1, 0)], 0)
-    return jnp.clip(row_starts[r] // tile + at - first_step, 0, num_tiles - 1)
+    # lax.div: the rows are >= 0, so truncation is the floor.
+    return jnp.clip(lax.div(row_starts[r], tile) + at - first_step, 0, num_tiles - 1)
 
   r = ranges[step]
   tile_ = tile_of(step, r)
