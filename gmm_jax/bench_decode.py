@@ -6,6 +6,7 @@ batched matmul over the padded slots costs).
     python -m gmm_jax.bench_decode                    # T 1, 8, 64; E 64, 256; k=8; D=F=512
     python -m gmm_jax.bench_decode --tokens 1 16 --experts 128 --dim 1024
     python -m gmm_jax.bench_decode --moe              # a decode MoE FFN, masked vs ragged
+    python -m gmm_jax.bench_decode --deviceless       # ENTRY ops per target, nothing run
 
 Each of T tokens picks k distinct experts at random (a fixed seed); the ragged form is the
 ``[T*k, D]`` rows sorted by expert with counts ``[E]``, the masked form ``[E, T, D]`` (T is
@@ -18,6 +19,14 @@ call: the minimum over rounds (each round runs every method `number` times, inte
 that a noisy machine slows them alike; a method slower than 10 ms per call runs fewer times,
 at least once) of the mean per call.
 
+``--deviceless`` compiles instead, on this host, for a TPU v5e and an H200 (no device
+needed: libtpu and jax's CUDA plugin, ``../shared/notes/deviceless-compile.md``) and
+prints, per target, the compiled ENTRY computation's ops (`entry_ops`: every top-level
+instruction but parameters, constants, tuples and their elements, bitcasts) and kernel
+launches of: a decode-shaped gmm (`DECODE_GMM`: 64 rows, 64 groups, K=2048, N=1024, bf16)
+with gmm_jax, megablox (TPU), tokamax's ragged_dot (when importable) and
+`jax.lax.ragged_dot`; and of the decode MoE FFN (`DECODE_MOE`) masked and ragged.
+
 Floor 6: public API only.
 """
 
@@ -26,12 +35,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import pathlib
 import re
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import topologies
+from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
 
 import gmm_jax
 
@@ -54,6 +66,45 @@ def hlo_op_counts(compiled_text: str) -> tuple[int, int]:
       total += 1
       entry += in_entry
   return total, entry
+
+
+_OPCODE = re.compile(r"[\]\)}]\s+([a-z][a-z0-9\-]*)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+# ENTRY instructions that launch nothing and move no data: they name values.
+FREE_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "bitcast", "tuple"})
+# Custom-call targets that are kernel launches (Mosaic TPU, Mosaic GPU, Triton); others
+# (AllocateBuffer, ...) are XLA's own bookkeeping.
+_KERNEL_TARGETS = ("tpu_custom_call", "mosaic_gpu", "triton")
+
+
+def entry_opcodes(compiled_text: str) -> list[tuple[str, str]]:
+  """(opcode, custom-call target or "") of every instruction of the ENTRY computation of a
+  compiled HLO module's text."""
+  out, in_entry = [], False
+  for line in compiled_text.splitlines():
+    if line.startswith("ENTRY"):
+      in_entry = True
+      continue
+    if in_entry and line.startswith("}"):
+      break
+    if in_entry and _INSTRUCTION.match(line):
+      rhs = line.split("=", 1)[1]
+      opcode = _OPCODE.search(rhs)
+      target = _TARGET.search(line)
+      out.append((opcode.group(1) if opcode else "?", target.group(1) if target else ""))
+  return out
+
+
+def entry_ops(compiled_text: str) -> tuple[int, int]:
+  """(ops, kernels) of a compiled module's ENTRY computation: ``ops`` counts the top-level
+  instructions that do work (every one but `FREE_OPCODES`: fusions, slices, pads, sorts,
+  loops, custom calls, ...), ``kernels`` the custom calls that launch a Pallas or XLA kernel
+  (Mosaic TPU, Mosaic GPU, Triton)."""
+  ops = kernels = 0
+  for opcode, target in entry_opcodes(compiled_text):
+    ops += opcode not in FREE_OPCODES
+    kernels += opcode == "custom-call" and any(k in target for k in _KERNEL_TARGETS)
+  return ops, kernels
 
 
 def decode_problem(tokens: int, experts: int, top_k: int, dim: int, mlp: int, seed: int = 0,
@@ -236,6 +287,112 @@ def table(rows: list[Row]) -> str:
   return "\n".join(lines)
 
 
+# ------------------------------------------------------------ deviceless op counts
+
+
+# (M rows, G groups, K, N): one decode step's gmm, 64 rows over 64 experts (~1 row each).
+DECODE_GMM = (64, 64, 2048, 1024)
+# (T tokens, E experts, k, D, F): the decode MoE FFN of `run_moe`, SwiGLU, bf16.
+DECODE_MOE = (8, 64, 8, 2048, 1024)
+DEVICELESS_TARGETS = ("v5e", "h200")
+_H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCount:
+  target: str
+  problem: str
+  method: str
+  entry_ops: int | None
+  kernels: int | None
+  note: str = ""
+
+
+def _topology(target: str):
+  if target == "v5e":
+    return topologies.get_topology_desc("v5e:1x1", platform="tpu")
+  return topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                      target_config=_H200.read_text())
+
+
+def _tokamax_ragged_dot(target: str):
+  """tokamax's ragged_dot on its Pallas kernel for `target`, or the reason it is absent."""
+  try:
+    import tokamax  # optional: a comparison library
+  except ImportError as err:
+    return f"tokamax not importable ({err})"
+  implementation = "mosaic"  # tokamax's Pallas Mosaic kernel of the platform
+  return lambda x, w, c: tokamax.ragged_dot(x, w, c, implementation=implementation)
+
+
+def _gmm_methods(target: str) -> dict:
+  methods = {"gmm_jax.gmm": lambda x, w, c: gmm_jax.gmm(x, w, c)}
+  if target == "v5e":
+    # Its row tile divides M (the 128-row default would not divide 64 rows).
+    methods["megablox"] = lambda x, w, c: megablox_gmm(
+        x, w, c, preferred_element_type=x.dtype, tiling=(min(128, x.shape[0]), 128, 128))
+  methods["tokamax.ragged_dot"] = _tokamax_ragged_dot(target)
+  methods["jax.lax.ragged_dot"] = lambda x, w, c: jax.lax.ragged_dot(x, w, c)
+  return methods
+
+
+def _compile_counts(topology, fn, args) -> tuple[int, int]:
+  mesh = jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",))
+  placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placed) for a in args]
+  with jax.default_device(topology.devices[0]):
+    compiled = jax.jit(fn).lower(*specs).compile()
+  return entry_ops(compiled.as_text())
+
+
+def deviceless_counts(targets=DEVICELESS_TARGETS, moe: bool = True) -> list[OpCount]:
+  """Compiles the decode gmm (and the decode MoE FFN) for each target without a device and
+  counts ENTRY ops and kernel launches per method; a method that fails to compile gets a
+  row with the error."""
+  m, g, k, n = DECODE_GMM
+  gmm_args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+              jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+              jax.ShapeDtypeStruct((g,), jnp.int32))
+  tokens, experts, top_k, dim, mlp = DECODE_MOE
+  moe_args = (jax.ShapeDtypeStruct((tokens, dim), jnp.bfloat16),
+              jax.ShapeDtypeStruct((experts, dim, 2 * mlp), jnp.bfloat16),
+              jax.ShapeDtypeStruct((experts, mlp, dim), jnp.bfloat16),
+              jax.ShapeDtypeStruct((tokens, top_k), jnp.int32),
+              jax.ShapeDtypeStruct((tokens, top_k), jnp.float32))
+  gmm_name = f"gmm {m}x{k} @ {g}x{k}x{n}"
+  moe_name = f"MoE T={tokens} E={experts} k={top_k} D={dim} F={mlp}"
+  rows = []
+  for target in targets:
+    topology = _topology(target)
+    problems = [(gmm_name, _gmm_methods(target), gmm_args)]
+    if moe:
+      problems.append((moe_name, {name: functools.partial(fn, max_rows=tokens)
+                                  for name, fn in MOE_METHODS.items()}, moe_args))
+    for problem, methods, args in problems:
+      for name, fn in methods.items():
+        if isinstance(fn, str):
+          rows.append(OpCount(target, problem, name, None, None, fn))
+          continue
+        try:
+          ops, kernels = _compile_counts(topology, fn, args)
+        except Exception as err:  # a comparison library that cannot compile this case
+          rows.append(OpCount(target, problem, name, None, None,
+                              f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"))
+        else:
+          rows.append(OpCount(target, problem, name, ops, kernels))
+  return rows
+
+
+def op_count_table(rows: list[OpCount]) -> str:
+  lines = ["| target | problem | method | ENTRY ops | kernel launches | note |",
+           "|---|---|---|---|---|---|"]
+  for r in rows:
+    show = lambda v: "-" if v is None else str(v)  # noqa: E731
+    lines.append(f"| {r.target} | {r.problem} | {r.method} | {show(r.entry_ops)} | "
+                 f"{show(r.kernels)} | {r.note} |")
+  return "\n".join(lines)
+
+
 def main(argv=None) -> list[Row]:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
@@ -249,7 +406,17 @@ def main(argv=None) -> list[Row]:
   parser.add_argument("--moe", action="store_true",
                       help="time an MoE layer's decode FFN (SwiGLU, F=D) instead: masked, "
                            "fused ragged gmm, ragged_dot")
+  parser.add_argument("--deviceless", action="store_true",
+                      help="compile for TPU v5e and H200 without a device and count the "
+                           "ENTRY ops and kernel launches of the decode gmm and MoE FFN")
+  parser.add_argument("--targets", nargs="+", default=list(DEVICELESS_TARGETS),
+                      choices=DEVICELESS_TARGETS, help="with --deviceless")
   args = parser.parse_args(argv)
+  if args.deviceless:
+    counts = deviceless_counts(tuple(args.targets))
+    print(f"jax {jax.__version__}, deviceless")
+    print(op_count_table(counts))
+    return counts
   rows = []
   for dim in args.dim:
     for experts in args.experts:

@@ -186,17 +186,19 @@ def test_m_items_cover_every_tile_once_in_order():
   arrays, count = tpu_gmm.m_items(sizes, 230, 32, jnp.int32(1), 2, k_steps=3)
   groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed = (
       np.asarray(a)[:int(count)] for a in arrays)
-  # Local groups: global 1 (empty) and 2, rows [70, 111), in tiles 2 and 3 of 8.
-  assert int(count) == 8
-  np.testing.assert_array_equal(out_tiles, np.arange(8))
-  np.testing.assert_array_equal(real, [0, 0, 1, 1, 0, 0, 0, 0])
-  np.testing.assert_array_equal(starts, [0, 0, 70, 96, 0, 0, 0, 0])
-  np.testing.assert_array_equal(ends, [0, 0, 96, 111, 0, 0, 0, 0])
+  # Local groups: global 1 (empty) and 2, rows [70, 111), in tiles 2 and 3 of 8. The rows
+  # before them (tiles 0-2) and after them (tiles 3-7) are zero items, one per tile they
+  # touch: tiles 2 and 3 get a zero item and a real one.
+  assert int(count) == 10
+  np.testing.assert_array_equal(out_tiles, [0, 1, 2, 2, 3, 3, 4, 5, 6, 7])
+  np.testing.assert_array_equal(real, [0, 0, 0, 1, 1, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(starts, [0, 0, 0, 70, 96, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(ends, [0, 0, 0, 96, 111, 0, 0, 0, 0, 0])
   # Zero items reuse a neighbour's blocks: the first real item's before it (K block 0),
   # the previous real item's after it (its last K block): no new DMA.
-  np.testing.assert_array_equal(lhs_tiles, [2, 2, 2, 3, 3, 3, 3, 3])
-  np.testing.assert_array_equal(groups, [1] * 8)
-  np.testing.assert_array_equal(k_fixed, [0, 0, 0, 0, 2, 2, 2, 2])
+  np.testing.assert_array_equal(lhs_tiles, [2, 2, 2, 2, 3, 3, 3, 3, 3, 3])
+  np.testing.assert_array_equal(groups, [1] * 10)
+  np.testing.assert_array_equal(k_fixed, [0, 0, 0, 0, 0, 2, 2, 2, 2, 2])
 
 
 def test_vmem_bytes_and_limit():
@@ -293,12 +295,12 @@ def test_static_cost_model():
   split = Tiling(tile_m=512, tile_k=k // 2, tile_n=n)
   one = tpu_gmm.static_cost([m], m, k, n, cfg.replace(num_local=1), split, 2)
   assert one["hbm_bytes"] == (m * k + 4 * k * n + m * n) * 2
-  # Local rows [70, 111) (one non-empty local group): zero items for the other tiles, which
-  # fetch nothing new.
+  # Local rows [70, 111) (one non-empty local group): zero items for the other rows' tiles
+  # (8, tiles 2 and 3 also hold local rows), which fetch nothing new.
   remote = tpu_gmm.static_cost([70, 0, 41, 100], 230, k, n, cfg.replace(num_local=2),
                                Tiling(tile_m=32, tile_k=k, tile_n=n), 2, group_offset=1,
                                row_chunk=32)
-  assert remote["grid_steps"] == 8 and remote["work_steps"] == 2
+  assert remote["grid_steps"] == 10 and remote["work_steps"] == 2
   assert remote["useful_rows"] == 41
   assert remote["hbm_bytes"] == (2 * 32 * k + k * n + 230 * n) * 2
   # k-grouping: (M tiles, N tiles, items); lhs is re-read per column block.

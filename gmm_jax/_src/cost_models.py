@@ -581,8 +581,9 @@ def modelled_seconds(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig, ite
 
 
 def m_items(counts, m: int, tile_m: int, group_offset, num_local: int, k_steps: int):
-  """The m-grouping kernel's items: `metadata.make_tile_metadata` items plus a zero item
-  for each row tile that no item touches, in row tile order.
+  """The m-grouping kernel's items: the steps of `metadata.tile_walk` (every row tile once
+  per local group it holds rows of, and tiles or parts of tiles without local rows as zero
+  items), in row tile order.
 
   Returns:
     A tuple of int32 arrays ``(groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed)``
@@ -590,27 +591,11 @@ def m_items(counts, m: int, tile_m: int, group_offset, num_local: int, k_steps: 
     rows; its group, lhs tile and K block (``k_fixed``) repeat the previous real item's last
     blocks (the first real item's first blocks before it), so it triggers no DMA.
   """
-  meta = metadata.make_tile_metadata(counts, m, tile_m, group_offset, num_local, TPU_ALIGN)
-  num_tiles = _cdiv(m, tile_m)
-  slots = meta.tile_ids.shape[0]
-  real_slot = jnp.arange(slots, dtype=jnp.int32) < meta.num_items
-  covered = jnp.zeros((num_tiles,), jnp.int32).at[meta.tile_ids].max(real_slot.astype(jnp.int32))
-  tile_key = jnp.concatenate([jnp.where(real_slot, meta.tile_ids, num_tiles),
-                              jnp.where(covered > 0, num_tiles, jnp.arange(num_tiles, dtype=jnp.int32))])
-  order = jnp.argsort(tile_key, stable=True)
-  zeros = jnp.zeros((num_tiles,), jnp.int32)
-  pick = lambda a: jnp.concatenate([a.astype(jnp.int32), zeros])[order]  # noqa: E731
-  real = pick(real_slot)
-  out_tiles = jnp.minimum(tile_key[order], num_tiles - 1).astype(jnp.int32)
-  starts, ends = pick(meta.item_start) * real, pick(meta.item_end) * real
-  position = jnp.arange(slots + num_tiles, dtype=jnp.int32)
-  previous = lax.cummax(jnp.where(real > 0, position, -1))
-  source = jnp.where(previous >= 0, previous, jnp.argmax(real).astype(jnp.int32))
-  groups = pick(meta.group_ids)[source]
-  lhs_tiles = out_tiles[source]
-  k_fixed = jnp.where((real == 0) & (previous >= 0), k_steps - 1, 0).astype(jnp.int32)
-  count = (meta.num_items + num_tiles - jnp.sum(covered, dtype=jnp.int32)).astype(jnp.int32)
-  return (groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed), count
+  walk = metadata.tile_walk(counts, m, tile_m, group_offset, num_local)
+  items = metadata.walk_items(walk, m, tile_m, num_local)
+  k_fixed = (items.after_real * (k_steps - 1)).astype(jnp.int32)
+  return (items.groups, items.tiles, items.source_tiles, items.starts, items.ends,
+          items.real, k_fixed), walk.num_steps
 
 
 def k_items(counts, k: int, tile_k: int, group_offset, num_local: int):

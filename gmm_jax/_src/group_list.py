@@ -120,6 +120,11 @@ def validate_concrete(group_list, group_list_type: str, dim_size: int, num_group
     )
 
 
+# Up to this many elements, a running sum over a list is a broadcast compare-and-sum (as in
+# `metadata.FUSED_ELEMENTS`).
+_FUSED_ELEMENTS = 1 << 18
+
+
 def _clip_to_int32(values, low: int, high: int) -> jax.Array:
   """Integer values of any width clipped to ``[low, high]`` (within int32), as int32: no
   value wraps around when it is narrowed."""
@@ -151,6 +156,15 @@ def clamp_counts(counts: jax.Array, dim_size: int) -> jax.Array:
     return counts.astype(jnp.int32)
   limit = jnp.int32(dim_size)
   sizes = jnp.clip(counts.astype(jnp.int32), 0, limit)
+  num = counts.shape[0]
+  if num * max(int(dim_size), 1) < _INT32_MAX and num * num <= _FUSED_ELEMENTS:
+    # The running sum cannot overflow, so the saturating one is min(running sum, limit);
+    # over a small list, a compare-and-sum (elementwise work that XLA fuses) rather than
+    # a scan, which TPU lowers to a chain of slices, pads and adds.
+    index = jnp.arange(num, dtype=jnp.int32)
+    ends = jnp.sum(jnp.where(index[None, :] <= index[:, None], sizes[None, :], 0), axis=1,
+                   dtype=jnp.int32)
+    return jnp.minimum(ends, limit) - jnp.minimum(ends - sizes, limit)
   # A saturating running sum: min(a + b, limit), computed without overflow for a, b in
   # [0, limit]; it is associative, so the scan is parallel.
   ends = lax.associative_scan(lambda a, b: jnp.minimum(a, limit - b) + b, sizes)

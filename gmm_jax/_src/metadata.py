@@ -16,11 +16,41 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+
+# Up to this many elements (queries x table entries), a prefix sum or a search over a small
+# table is a broadcast compare-and-sum: elementwise work that XLA fuses into the ops around
+# it. Above it, jnp.cumsum (a reduce-window per step on TPU) and jnp.searchsorted (a while
+# loop) take over, whose cost grows with the log of the table instead of its size.
+FUSED_ELEMENTS = 1 << 18
+
+
+def prefix_sums(values: jax.Array, exclusive: bool = False) -> jax.Array:
+  """int32 inclusive (or exclusive) prefix sums of an int ``[n]`` vector."""
+  values = values.astype(jnp.int32)
+  n = values.shape[0]
+  if n * n <= FUSED_ELEMENTS:
+    index = jnp.arange(n, dtype=jnp.int32)
+    below = index[None, :] < index[:, None] if exclusive else index[None, :] <= index[:, None]
+    return jnp.sum(jnp.where(below, values[None, :], 0), axis=1, dtype=jnp.int32)
+  sums = jnp.cumsum(values, dtype=jnp.int32)
+  return sums - values if exclusive else sums
+
+
+def count_at_most(sorted_values: jax.Array, queries: jax.Array) -> jax.Array:
+  """int32, per query, how many of the ascending `sorted_values` are <= it
+  (``searchsorted(sorted_values, queries, side="right")``)."""
+  if sorted_values.shape[0] * queries.size <= FUSED_ELEMENTS:
+    return jnp.sum(sorted_values[None, :] <= queries.reshape(-1)[:, None], axis=1,
+                   dtype=jnp.int32).reshape(queries.shape)
+  return jnp.searchsorted(sorted_values, queries, side="right").astype(jnp.int32)
 
 
 def bounds_from_counts(counts: jax.Array, dim_size: int) -> jax.Array:
   """``[G + 1]`` group start offsets (the last entry is the total), clipped to `dim_size`."""
-  ends = jnp.cumsum(counts.astype(jnp.int32))
+  counts = counts.astype(jnp.int32)
+  ends = prefix_sums(counts)
   bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
   return jnp.clip(bounds, 0, dim_size)
 
@@ -28,7 +58,7 @@ def bounds_from_counts(counts: jax.Array, dim_size: int) -> jax.Array:
 def counts_in_range(counts: jax.Array, start, size: int) -> jax.Array:
   """Group sizes of the list restricted to the rows ``[start, start + size)`` of the grouped
   dimension (a shard's local group sizes): int32 ``[G]``."""
-  ends = jnp.cumsum(counts.astype(jnp.int32))
+  ends = prefix_sums(counts)
   bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
   clipped = jnp.clip(bounds, start, start + size)
   return (clipped[1:] - clipped[:-1]).astype(jnp.int32)
@@ -199,12 +229,11 @@ def make_tile_metadata(
     first_window = starts - starts % granule
     spans = (ends - first_window + tile - 1) // tile
   tiles_per_group = jnp.where(active, spans, 1 if cover else 0)
-  items_end = jnp.cumsum(tiles_per_group)
+  items_end = prefix_sums(tiles_per_group)
   num_items = items_end[-1]
 
   item = jnp.arange(max_items, dtype=jnp.int32)
-  group = jnp.searchsorted(items_end, item, side="right").astype(jnp.int32)
-  group = jnp.minimum(group, num_local - 1)
+  group = jnp.minimum(count_at_most(items_end, item), num_local - 1)
   index_in_group = item - (items_end[group] - tiles_per_group[group])
   valid = item < num_items
   if align == "tile":
@@ -272,3 +301,136 @@ def items_by_size_class(meta: TileMetadata, classes: Sequence[int]):
   class_count = jnp.sum(key[None, :] == class_ids[:, None], axis=1, dtype=jnp.int32)
   class_start = jnp.cumsum(class_count) - class_count
   return order, class_start, class_count
+
+
+# --------------------------------------------------------------------- covering tile walk
+
+
+class TileWalk(NamedTuple):
+  """A walk over every ``tile``-row tile of the grouped dimension, in row order, that visits
+  each (tile, local group) pair with rows in both once, and every tile at least once.
+
+  The rows split into ``num_local + 2`` consecutive *ranges*: range 0 the rows before the
+  first local group (remote groups), range ``1 + g`` local group ``g``, range
+  ``num_local + 1`` the rest (remote groups after, rows past the total). Each non-empty
+  range yields one step per tile it touches, so the steps cover every tile and a tile
+  shared by ranges gets one step of each. A step of a local group is *real*: it owns the
+  rows of its group in its tile; the others own none (a kernel zeroes their rows). The
+  real steps are ``[steps_end[0], steps_end[num_local])``. At most ``num_tiles +
+  num_local + 1`` steps exist; ``ranges`` is padded to that static length.
+
+  The walk is compact: a kernel derives a step's tile, rows and blocks from it with a few
+  scalar reads (`walk_step`; `walk_items` is the vector form for all steps). It costs
+  elementwise work and compare-and-sums over small tables (no gather, sort or loop): XLA
+  computes it in a few fused ops.
+
+  Fields:
+    ranges: int32 ``[steps]`` the range of each step.
+    row_starts: int32 ``[num_local + 2]`` the first row of each range.
+    steps_end: int32 ``[num_local + 2]`` one past each range's last step (a prefix sum of
+      the steps per range); the last entry is the number of steps.
+    num_steps: int32 scalar, the number of steps (a kernel's dynamic grid bound).
+  """
+
+  ranges: jax.Array
+  row_starts: jax.Array
+  steps_end: jax.Array
+  num_steps: jax.Array
+
+
+def max_walk_steps(dim_size: int, tile: int, num_local: int) -> int:
+  """The static length of a `TileWalk`'s per-step arrays."""
+  return max(1, math.ceil(dim_size / tile)) + num_local + 1
+
+
+def tile_walk(counts: jax.Array, dim_size: int, tile: int, group_offset=0,
+              num_local: int | None = None) -> TileWalk:
+  """The `TileWalk` of ``tile``-row tiles over a grouped dimension of `dim_size` rows.
+
+  Args:
+    counts: int32 ``[G]`` group sizes (global groups), possibly traced.
+    dim_size: rows of the grouped dimension.
+    tile: rows per tile (> 0).
+    group_offset: first global group held locally (int or traced int32 scalar).
+    num_local: groups held locally; default G.
+  """
+  if tile <= 0:
+    raise ValueError(f"tile must be positive, got {tile}")
+  num_total = counts.shape[0]
+  num_local = num_total if num_local is None else num_local
+  num_ranges = num_local + 2
+  counts = counts.astype(jnp.int32)  # they fit the dimension: no running sum passes it
+  first, end = local_group_range(group_offset, num_local, num_total)
+  # Range r >= 1 starts where global group min(first + r - 1, end) starts, range 0 at row
+  # 0: a compare-and-sum over the counts (no prefix sum, no gather).
+  r = jnp.arange(num_ranges + 1, dtype=jnp.int32)
+  groups_before = jnp.where(r > 0, jnp.minimum(first + r - 1, end), 0)
+  group = jnp.arange(num_total, dtype=jnp.int32)
+  bounds = jnp.sum(jnp.where(group[None, :] < groups_before[:, None], counts[None, :], 0),
+                   axis=1, dtype=jnp.int32)
+  lo = bounds[:-1]
+  hi = jnp.where(jnp.arange(num_ranges) == num_ranges - 1, dim_size, bounds[1:])
+  row_starts = lo
+  spans = jnp.where(hi > lo, lax.div(hi - 1, tile) - lax.div(lo, tile) + 1, 0)
+  steps_end = prefix_sums(spans)
+  step = jnp.arange(max_walk_steps(dim_size, tile, num_local), dtype=jnp.int32)
+  ranges = count_at_most(steps_end[:-1], step)
+  return TileWalk(ranges, row_starts, steps_end, jnp.sum(spans, dtype=jnp.int32))
+
+
+def walk_step(ranges, row_starts, steps_end, step, *, dim_size: int, tile: int,
+              num_local: int):
+  """What step `step` of a `TileWalk` works on, from its arrays (scalar reads when `step`
+  is a scalar, as in a kernel's index maps; vectors work too).
+
+  Returns:
+    ``(tile, start, end, real, group, source_tile, after_real)``: the step's tile, the
+    rows ``[start, end)`` it owns (real steps; meaningless otherwise), whether it is real,
+    and for the blocks it reads: the local group and tile of the real step it borrows
+    from (itself if real; else the last real step before it, else the first one, any when
+    none is real), and whether it comes after the last real step.
+  """
+  num_tiles = max(1, math.ceil(dim_size / tile))
+  num_ranges = num_local + 2
+
+  def tile_of(at, r):
+    first_step = jnp.where(r > 0, steps_end[jnp.maximum(r - 1, 0)], 0)
+    # lax.div: the rows are >= 0, so truncation is the floor.
+    return jnp.clip(lax.div(row_starts[r], tile) + at - first_step, 0, num_tiles - 1)
+
+  r = ranges[step]
+  tile_ = tile_of(step, r)
+  hi = jnp.where(r + 1 < num_ranges, row_starts[jnp.minimum(r + 1, num_ranges - 1)],
+                 dim_size)
+  start = jnp.maximum(tile_ * tile, row_starts[r])
+  end = jnp.minimum((tile_ + 1) * tile, hi)
+  real = (r >= 1) & (r <= num_local)
+  first_real, last_real = steps_end[0], steps_end[num_local] - 1
+  source = jnp.clip(step, first_real, jnp.maximum(last_real, first_real))
+  source_range = ranges[source]
+  group = jnp.clip(source_range - 1, 0, max(num_local - 1, 0))
+  after = (step > last_real) & (last_real >= first_real)
+  return tile_, start, end, real, group, tile_of(source, source_range), after
+
+
+class WalkItems(NamedTuple):
+  """Per step of a `TileWalk` (`walk_step` for every step), for hosts and tests."""
+
+  tiles: jax.Array
+  starts: jax.Array  # the rows [start, end) a real step owns; 0, 0 for the others
+  ends: jax.Array
+  real: jax.Array  # 1 for a real step
+  groups: jax.Array  # the local group; a step that is not real borrows a real step's
+  source_tiles: jax.Array  # the tile of that real step (a real step's own)
+  after_real: jax.Array  # 1 for a step after the last real step
+
+
+def walk_items(walk: TileWalk, dim_size: int, tile: int, num_local: int) -> WalkItems:
+  """The vector form of `walk_step` for every step (padding steps: not real)."""
+  step = jnp.arange(walk.ranges.shape[0], dtype=jnp.int32)
+  tiles, starts, ends, real, groups, source_tiles, after = walk_step(
+      walk.ranges, walk.row_starts, walk.steps_end, step, dim_size=dim_size, tile=tile,
+      num_local=num_local)
+  real = real & (step < walk.num_steps)
+  return WalkItems(tiles, jnp.where(real, starts, 0), jnp.where(real, ends, 0),
+                   real.astype(jnp.int32), groups, source_tiles, after.astype(jnp.int32))

@@ -437,13 +437,34 @@ def _check_gated_operand(cfg: GmmConfig, refused: bool, serves: str, missing, wh
     common.require_lowerable(missing(), what, "Mosaic TPU")
 
 
-def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, real_ref,
-              k_fixed_ref, *refs, dims, tiling: Tiling, cfg: GmmConfig,
+class _Step:
+  """What grid step `i` of the m-grouped kernel works on, read from the `metadata.TileWalk`
+  (the scalar-prefetched ``ranges, row_starts, steps_end``) with a few scalar reads
+  (`metadata.walk_step`); for the index maps and the kernel body alike.
+
+  A step that owns no rows (before the first or after the last real step) borrows the
+  group, lhs tile and K block of the nearest real step: its block indices repeat a
+  neighbour's, so it fetches nothing.
+  """
+
+  def __init__(self, walk, i, *, m: int, tile_m: int, num_local: int, k_steps: int):
+    (self.out_tile, self.start, self.end, self.real, self.group, self.lhs_tile,
+     self._after) = metadata.walk_step(*walk[:3], i, dim_size=m, tile=tile_m,
+                                       num_local=num_local)
+    self._k_steps = k_steps
+
+  def k_block(self, k_i):
+    """The K block: the grid's for a real step, the last one after the real steps, else
+    the first."""
+    return jnp.where(self.real, k_i, jnp.where(self._after, self._k_steps - 1, 0))
+
+
+def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
+              tiling: Tiling, cfg: GmmConfig,
               dot_dtype, acc_dtype, has_bias: bool, k_steps: int, row_chunk: int,
               weight_cache: bool, quant: common.QuantStatic | None = None,
               gated: bool = False, weighted: bool = False, cotangent: bool = False,
               prologue: bool = False):
-  del lhs_tiles_ref, k_fixed_ref  # index maps only
   refs = list(refs)
   lhs_ref = refs.pop(0)
   # A gated prologue: lhs holds z [M, 2K]; the up half's K block is K/tile_k blocks later.
@@ -472,17 +493,20 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
   mask_edge = k_steps > 1 and k % tile_k != 0
   column, item, k_step = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   last_k = k_step == k_steps - 1
-  real = real_ref[item] > 0
-  start, end = starts_ref[item], ends_ref[item]
-  tile_lo = out_tiles_ref[item] * tile_m
-  first_in_tile = (item == 0) | (out_tiles_ref[jnp.maximum(item - 1, 0)] != out_tiles_ref[item])
+  walk = (ranges_ref, row_starts_ref, steps_end_ref)
+  at = functools.partial(_Step, walk, m=dims[0], tile_m=tile_m, num_local=cfg.num_local,
+                         k_steps=k_steps)
+  step = at(item)
+  real, start, end = step.real, step.start, step.end
+  tile_lo = step.out_tile * tile_m
+  first_in_tile = (item == 0) | (at(jnp.maximum(item - 1, 0)).out_tile != step.out_tile)
 
   @pl.when(last_k & first_in_tile)
   def _():  # rows of this tile that no item owns stay zero
     tile_ref[...] = jnp.zeros(tile_ref.shape, tile_ref.dtype)
 
   if weight_cache:  # one K step: cast the weight tile once per group and column block
-    group = groups_ref[item]
+    group = step.group
 
     @pl.when(item == 0)  # a new column block (or core): nothing cached yet
     def _():
@@ -604,7 +628,7 @@ def _m_kernel(groups_ref, out_tiles_ref, lhs_tiles_ref, starts_ref, ends_ref, re
   if cotangent:
     last = pl.num_programs(1) - 1
     last_in_tile = (item == last) | (
-        out_tiles_ref[jnp.minimum(item + 1, last)] != out_tiles_ref[item])
+        at(jnp.minimum(item + 1, last)).out_tile != step.out_tile)
 
     @pl.when(last_k & last_in_tile)
     def _():  # the row tile is complete: its gate and up cotangent tiles, N columns apart
@@ -861,22 +885,24 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   flops = 2 * m * k * n
 
   if cfg.group_type == "m":
-    scalars, count = m_items(counts, m, tile_m, group_offset, cfg.num_local, k_steps)
+    walk = metadata.tile_walk(counts, m, tile_m, group_offset, cfg.num_local)
+    scalars, count = tuple(walk[:3]), walk.num_steps
+    at = functools.partial(_Step, m=m, tile_m=tile_m, num_local=cfg.num_local,
+                           k_steps=k_steps)
 
-    def k_of(k_i, i, real, k_fixed):
-      return k_i * real[i] + k_fixed[i]  # a zero item keeps its neighbour's K block
+    def lhs_map(n_i, i, k_i, *walk):
+      step = at(walk, i)
+      kb = step.k_block(k_i)
+      return (kb, step.lhs_tile) if cfg.transpose_lhs else (step.lhs_tile, kb)
 
-    def lhs_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed, *_):
-      kb = k_of(k_i, i, real, k_fixed)
-      return (kb, lhs_tiles[i]) if cfg.transpose_lhs else (lhs_tiles[i], kb)
+    def rhs_map(n_i, i, k_i, *walk, shift=0):
+      step = at(walk, i)
+      kb = step.k_block(k_i)
+      return (step.group, n_i + shift, kb) if cfg.transpose_rhs else (
+          step.group, kb, n_i + shift)
 
-    def rhs_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed, *_,
-                shift=0):
-      kb = k_of(k_i, i, real, k_fixed)
-      return (groups[i], n_i + shift, kb) if cfg.transpose_rhs else (groups[i], kb, n_i + shift)
-
-    def group_row_map(n_i, i, k_i, groups, *_, shift=0):
-      return (groups[i], 0, n_i + shift)
+    def group_row_map(n_i, i, k_i, *walk, shift=0):
+      return (at(walk, i).group, 0, n_i + shift)
 
     prologue = cfg.lhs_activation is not None
     in_specs = [pl.BlockSpec(lhs_block, lhs_map)]
@@ -893,10 +919,10 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     if quant is not None and quant.mode == "weight_only":
       per_group = quant.k_block < max(k, 1)
 
-      def scale_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed,
-                    *_):
-        kb = k_of(k_i, i, real, k_fixed) if per_group else 0
-        return (groups[i], kb, n_i, 0) if cfg.transpose_rhs else (groups[i], kb, 0, n_i)
+      def scale_map(n_i, i, k_i, *walk):
+        step = at(walk, i)
+        kb = step.k_block(k_i) if per_group else 0
+        return (step.group, kb, n_i, 0) if cfg.transpose_rhs else (step.group, kb, 0, n_i)
 
       # [L, Kb, N] -> [L, Kb, 1, N] ([L, Kb, N, 1] to scale a tile stored [N, K]).
       axis, block = (3, (None, None, tile_n, 1)) if cfg.transpose_rhs else (
@@ -912,13 +938,13 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
       blocks = info["blocks_per_step"]
       lhs_scale, rhs_scale, lanes, sublanes = _blocked_scales(quant, m, n, k, k_steps, blocks)
 
-      def block_row_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real,
-                        k_fixed, *_):
-        return (groups[i], k_of(k_i, i, real, k_fixed) * blocks // sublanes, n_i)
+      def block_row_map(n_i, i, k_i, *walk):
+        step = at(walk, i)
+        return (step.group, step.k_block(k_i) * blocks // sublanes, n_i)
 
-      def block_column_map(n_i, i, k_i, groups, out_tiles, lhs_tiles, starts, ends, real,
-                           k_fixed, *_):
-        return (lhs_tiles[i], k_of(k_i, i, real, k_fixed) * blocks // lanes)
+      def block_column_map(n_i, i, k_i, *walk):
+        step = at(walk, i)
+        return (step.lhs_tile, step.k_block(k_i) * blocks // lanes)
 
       quant_operands = [rhs_scale, lhs_scale]
       in_specs.append(pl.BlockSpec((None, sublanes, tile_n), block_row_map))
@@ -926,20 +952,20 @@ def gmm_tpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     elif quant is not None:  # scaled: [L, 1, N] column scales, [M, 1] row scales
       quant_operands = [quant.rhs_scale[:, :1, :], quant.lhs_scale]
       in_specs.append(pl.BlockSpec((None, 1, tile_n), group_row_map))
-      in_specs.append(pl.BlockSpec((tile_m, 1), lambda n_i, i, k_i, g, o, lhs_tiles, *_: (
-          lhs_tiles[i], 0)))
+      in_specs.append(pl.BlockSpec((tile_m, 1), lambda n_i, i, k_i, *walk: (
+          at(walk, i).lhs_tile, 0)))
     row_operands = []
     if cfg.row_weights:  # [M, 1] f32, a block per row tile (a zero item's is not read)
       row_operands = [rows.row_weights.astype(jnp.float32).reshape(m, 1)]
-      in_specs.append(pl.BlockSpec((tile_m, 1), lambda n_i, i, k_i, g, o, lhs_tiles, *_: (
-          lhs_tiles[i], 0)))
+      in_specs.append(pl.BlockSpec((tile_m, 1), lambda n_i, i, k_i, *walk: (
+          at(walk, i).lhs_tile, 0)))
     cotangent = cfg.cotangent_of is not None
     out_spec = pl.BlockSpec((tile_m, tile_n),
-                            lambda n_i, i, k_i, groups, out_tiles, *_: (out_tiles[i], n_i))
+                            lambda n_i, i, k_i, *walk: (at(walk, i).out_tile, n_i))
     if cotangent:  # z [M, 2N]: the gate and up tiles of the output tile's rows and columns
       row_operands += [rows.source] * 2
       in_specs += [pl.BlockSpec((tile_m, tile_n), functools.partial(
-          lambda n_i, i, k_i, groups, out_tiles, *_, shift: (out_tiles[i], n_i + shift),
+          lambda n_i, i, k_i, *walk, shift: (at(walk, i).out_tile, n_i + shift),
           shift=shift)) for shift in (0, n // tile_n)]
       out_spec = pl.BlockSpec(memory_space=pl.ANY)
     scratch = [pltpu.VMEM((tile_m, tile_n), acc_dtype)] * len(halves) if k_steps > 1 else []
