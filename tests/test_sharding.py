@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from gmm_jax import GmmSharding, quantize
 from gmm_jax._src import strategy
+from gmm_jax._src.op import lowering
 from gmm_jax._src.config import GmmConfig
 from jax.sharding import NamedSharding, PartitionSpec as P
 from grids import covering
@@ -261,9 +262,35 @@ def test_explain_reports_what_plain_jit_chose():
   xs = jax.device_put(x, NamedSharding(the_mesh, P("e")))  # tokens on the experts' axis
   ws = jax.device_put(w, NamedSharding(the_mesh, P("e")))
   text = gmm_jax.explain(xs, ws, jnp.asarray(SIZES))
-  assert "plain jit: sharding strategy: expert" in text
+  assert "sharding: sharding strategy: expert" in text
+  assert "custom_partitioning" in text  # the mechanism: the partitioning rule
   assert "gathered along it" in text and "routed_gmm" in text  # the conflict is named
   assert "2 local groups" in text and ": xla" in text
+
+
+def test_explain_reports_the_trace_time_split_on_explicit_axes():
+  the_mesh = mesh((2, 4), ("d", "e"), "explicit")
+  x, w, _ = operands()
+  with jax.set_mesh(the_mesh):
+    xs = jax.device_put(x, P("d"))
+    ws = jax.device_put(w, P("e"))
+    text = gmm_jax.explain(xs, ws, jnp.asarray(SIZES))
+  assert "sharding: sharding strategy: expert + rows" in text
+  assert "split at trace time" in text and "custom_partitioning" not in text
+
+
+def test_explain_names_the_tpu_fallback_and_its_fix(monkeypatch):
+  # Plain jit on Auto axes explained for TPU: no partitioner splits a kernel there, so the
+  # gmm runs as the dense reference that XLA partitions; explain says so and names the fix.
+  the_mesh = mesh((2, 4), ("d", "e"))
+  x, w, _ = operands()
+  xs = jax.device_put(x, NamedSharding(the_mesh, P("d")))
+  ws = jax.device_put(w, NamedSharding(the_mesh, P("e")))
+  monkeypatch.setattr(lowering, "FALLBACK_WARNED", [])  # warned once per process
+  with pytest.warns(UserWarning, match="jax.set_mesh"):
+    text = gmm_jax.explain(xs, ws, jnp.asarray(SIZES), platform="tpu")
+  assert "not split by gmm_jax" in text and "'reference'" in text
+  assert "jax.set_mesh" in text and "expert_parallel" in text
 
 
 @pytest.mark.parametrize("lhs_spec, rhs_spec, out_spec, want, note", [

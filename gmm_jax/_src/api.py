@@ -816,10 +816,12 @@ def explain(lhs: jax.typing.ArrayLike | QArray | GroupedArray | jax.ShapeDtypeSt
             group_list: jax.typing.ArrayLike | jax.ShapeDtypeStruct | None = None,
             **kwargs: Any) -> str:
   """What `gmm(lhs, rhs, group_list, **kwargs)` would do, and why: the quantization mode,
-  the sharding strategy and collectives (with ``sharding=``, or what plain jit chose for
-  operands placed on several devices: arrays, or ShapeDtypeStructs with a sharding), and
-  which implementation serves each gmm of the forward on the platform it is lowered for
-  (each skipped implementation with its reason).
+  the sharding strategy and collectives (with ``sharding=``, or the plan a call on operands
+  placed on several devices was split by, arrays or ShapeDtypeStructs with a sharding:
+  at trace time on Explicit axes, else by the partitioning rule under plain jit; on TPU,
+  where no partitioner splits a kernel, that the call runs as the dense reference XLA
+  partitions, and the fix), and which implementation serves each gmm of the forward on the
+  platform it is lowered for (each skipped implementation with its reason).
 
   Lowers the call, and compiles it when the operands are sharded (nothing is computed);
   arguments as for `gmm`. Arrays placed on (or typed for) other devices, or
@@ -874,7 +876,7 @@ def explain(lhs: jax.typing.ArrayLike | QArray | GroupedArray | jax.ShapeDtypeSt
       # per-device gmms are traced) while the program compiles.
       lowered.compile()
   for plan in plans:
-    lines.append("plain jit: " + plan.describe())
+    lines.append("sharding: " + plan.describe())
   lines.append("implementations (forward):")
   seen = []
   for decision in decisions:

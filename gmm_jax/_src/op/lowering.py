@@ -238,7 +238,7 @@ class Fallback:
   why: str
 
   def describe(self) -> str:
-    return f"sharding: not split by gmm_jax ({self.why}); runs as {self.implementation!r}"
+    return f"not split by gmm_jax ({self.why}); runs as {self.implementation!r}"
 
 
 FALLBACK = Fallback(
@@ -247,12 +247,12 @@ FALLBACK = Fallback(
     "batched dot over the groups that XLA's partitioner splits, G/top_k times the work "
     "of the kernels; give the trace the mesh with jax.set_mesh and Explicit axes, the "
     "layout with gmm(..., sharding=GmmSharding(...)), or a layer its expert_parallel=")
-_WARNED = []
+FALLBACK_WARNED = []  # non-empty once the fallback's warning was given (once per process)
 
 
 def _warn_fallback():
-  if not _WARNED:
-    _WARNED.append(True)
+  if not FALLBACK_WARNED:
+    FALLBACK_WARNED.append(True)
     warnings.warn(f"gmm_jax: {FALLBACK.why}", stacklevel=2)
 
 
