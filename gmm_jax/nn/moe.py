@@ -158,15 +158,20 @@ class MoE(nnx.Module):
     partitionable: without mesh arguments, True: the routed experts are one op the
       partitioner splits from the shardings (`gmm_jax.routed_experts`; its backward
       recomputes the expert forward per device: a one-device CPU training step measured
-      1.34x slower). False: the fused gmms inline, keeping their pre-activations for the
-      backward: for one device, or inside the user's own shard_map. None (default): True
-      when jax sees more than one device (`jax.device_count()`, every process's) or the
-      program is compiled for another platform's devices (`jax.default_device`, as a
-      deviceless compile for a TPU or GPU topology does).
+      1.34x slower; on TPU, where no partitioner runs it, the fused gmms inline). False:
+      the fused gmms inline, keeping their pre-activations for the backward: for one
+      device, or inside the user's own shard_map. Either keeps the layer from pinning a
+      layout of its own on a mesh with Auto axes. None (default): on a mesh with Auto axes
+      in sight (`jax.set_mesh`, or x placed on one), the layer's own layout (experts over
+      the axis the expert kernels' logical names map to, tokens over every mesh axis that
+      divides them) through `routed_apply`; else True when jax sees more than one device
+      (`jax.device_count()`, every process's) or the program is compiled for another
+      platform's devices (`jax.default_device`, as a deviceless compile for a TPU or GPU
+      topology does).
     transport: how rows travel under expert parallelism (`gmm_jax.routed_apply`): "auto"
-      (ragged all-to-all on GPU and TPU, all_to_all on CPU), "ragged" or "all_to_all"
-      (fixed [devices, rows] buffers; for TPU slices whose ICI routing libtpu's ragged
-      all-to-all does not support, e.g. v5e 8x8 and 16x16).
+      (ragged all-to-all on GPU and TPU, except TPU slices whose ICI routing libtpu's
+      ragged all-to-all does not support, v5e beyond 16 chips, and CPU: all_to_all
+      there), "ragged" or "all_to_all" (fixed [devices, rows] buffers).
     expert_parallel: None, or ``(mesh, axis)``: the expert kernels sharded over the mesh
       axis. Tokens sharded over the same axis travel to their experts' devices
       (`gmm_jax.routed_apply`) once per call; tokens replicated over it are each run by
@@ -177,8 +182,9 @@ class MoE(nnx.Module):
       from its own tokens. On a mesh with Explicit axes both follow from the types. On a
       mesh the experts run inside `routed_apply` on sorted rows (the gate and up still one
       gmm with the gated activation when fused).
-      Without either (plain `jax.jit` with sharded arguments, or one device), the routed
-      experts are one partitionable op (`gmm_jax.routed_experts`): the partitioner picks
+      Without either and with no mesh in sight (plain `jax.jit` whose arguments carry no
+      placement in their types, or one device), the routed experts are one partitionable
+      op (`gmm_jax.routed_experts`; see `partitionable`): the partitioner picks
       local routing (replicated experts), per-device experts with a psum (tokens not
       sharded over the experts' axis) or expert parallelism with all-to-all (tokens
       sharded over it too) from the shardings of the tokens and the expert kernels.
