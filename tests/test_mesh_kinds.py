@@ -203,3 +203,65 @@ def test_moe_expert_parallel_argument_on_make_mesh(kind):
         model.data_parallel = (the_mesh, ("e",))  # Auto axes: the tokens' layout is said
       got = nnx.jit(lambda m, x: m(x)[0])(model, place(the_mesh, x, spec))
       np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_moe_built_and_run_under_set_mesh_splits_itself(kind):
+  # A sharded model as users build it: nnx.eval_shape under jax.set_mesh (logical names the
+  # mesh lacks replicate; the expert kernels follow their "expert" name), then the step
+  # traced under the same mesh with no mesh argument: on either axis type the layer splits
+  # itself at trace time (experts over "expert", tokens over every axis): no custom
+  # partitioning call, no expert weight gathered, the one-device result.
+  the_mesh = mesh((2, 4), ("data", "expert"), kind)
+  make = lambda: nn.MoE(8, 16, 24, top_k=2, rngs=nnx.Rngs(7))  # noqa: E731
+  with jax.set_mesh(the_mesh):
+    abstract = nnx.eval_shape(make)
+  assert abstract.gate_up.kernel.get_value().sharding.spec == P("expert", None, None)
+  model = make()
+  graphdef, state = nnx.split(model)
+  x = jax.random.normal(jax.random.key(8), (32, 16))
+
+  def loss(state, x):
+    y, aux = nnx.merge(graphdef, state)(x)
+    return jnp.sum(y ** 2) + aux["load_balancing_loss"], y
+
+  step = jax.value_and_grad(loss, has_aux=True)
+  (want_loss, want), want_grads = jax.jit(step)(state, x)
+  with jax.set_mesh(the_mesh):
+    xs = place(the_mesh, x, P(("data", "expert")))
+    placed = jax.tree.map(
+        lambda a: place(the_mesh, a, P("expert") if a.ndim == 3 else P()), state)
+    fn = jax.jit(step)
+    (got_loss, got), grads = fn(placed, xs)
+    lowered = fn.lower(placed, xs)
+    text = lowered.compile().as_text()
+  assert "CustomSPMDPartitioning" not in lowered.as_text()
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-5)
+  for gathered in collective_shapes(text, "all-gather"):  # no [8, 16, 48] nor [16, 48]
+    assert "16,48" not in gathered and "48,16" not in gathered and "24,16" not in gathered, (
+        gathered)
+
+
+@pytest.mark.parametrize("kind", ["mesh", "auto", "explicit"])
+def test_grouped_linear_gradients_on_a_mesh(kind):
+  # nn.GroupedLinear on every mesh kind with no mesh argument: its gmm (and the weight
+  # gradient's k-grouped gmm) split at trace time; the one-device values.
+  the_mesh = mesh((2, 4), ("data", "expert"), kind)
+  layer = nn.GroupedLinear(8, 16, 24, rngs=nnx.Rngs(9))
+  graphdef, state = nnx.split(layer)
+  x, _ = operands(3)
+  x = x[:, :16]
+  loss = lambda s, x: jnp.sum(nnx.merge(graphdef, s)(x, SIZES) ** 2)  # noqa: E731
+  grad = jax.value_and_grad(loss, argnums=(0, 1))
+  want = jax.jit(grad)(state, x)
+  with context(the_mesh, kind):
+    xs = place(the_mesh, x, P("data"))
+    placed = jax.tree.map(lambda a: place(the_mesh, a, P("expert")), state)
+    lowered = jax.jit(grad).lower(placed, xs)
+    got = jax.jit(grad)(placed, xs)
+  assert "CustomSPMDPartitioning" not in lowered.as_text()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
