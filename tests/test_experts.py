@@ -5,6 +5,8 @@ and gathers no expert weights."""
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import gmm_jax
@@ -127,10 +129,12 @@ def test_one_device_equals_the_oracle(reference, fused):
   _check(jax.jit(_step(spec))(*_as_jax(*problem)), y_ref, grads_ref)
 
 
-@covering(("layout", sorted(LAYOUTS)), ("fused", [True, False]))
-def test_each_layout_equals_the_oracle_and_gathers_no_weights(reference, layout, fused):
+@covering(("layout", sorted(LAYOUTS)), ("fused", [True, False]), ("kind", ["mesh", "explicit"]))
+def test_each_layout_equals_the_oracle_and_gathers_no_weights(reference, layout, fused, kind):
+  # kind "mesh": Auto axes, the partitioner splits the op (forward and backward); Explicit
+  # axes: the op reads the layout from the types and splits itself at trace time.
   problem, y_ref, grads_ref = reference
-  mesh = meshes.mesh((2, 4), ("data", "expert"))
+  mesh = meshes.mesh((2, 4), ("data", "expert"), kind)
   tokens, weights = LAYOUTS[layout]
   x, top_e, top_p, params = _as_jax(*problem)
   put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
@@ -138,9 +142,15 @@ def test_each_layout_equals_the_oracle_and_gathers_no_weights(reference, layout,
           jax.tree.map(lambda w: put(w, weights), params))
   spec = gmm_jax.ExpertFFN(E, "silu", gated=True, fused=fused)
   step = jax.jit(_step(spec))
-  with experts.record_layouts() as chosen:
-    compiled = step.lower(*args).compile()
-  assert [c[0].strategy for c in chosen] == [layout, layout]  # forward and backward
+  with experts.record_layouts() as chosen, (
+      jax.set_mesh(mesh) if kind == "explicit" else contextlib.nullcontext()):
+    lowered = step.lower(*args)
+    compiled = lowered.compile()
+  if kind == "explicit":
+    assert [c[0].strategy for c in chosen] == [layout]  # one plan, at trace time
+    assert "CustomSPMDPartitioning" not in lowered.as_text()
+  else:
+    assert [c[0].strategy for c in chosen] == [layout, layout]  # forward and backward
   _check(compiled(*args), y_ref, grads_ref)
   weight_shapes = {f"f32[{','.join(map(str, w.shape))}]" for w in params.values()}
   assert not set(meshes.collective_shapes(compiled.as_text(), "all-gather")) & weight_shapes
@@ -181,11 +191,15 @@ def test_receive_buffers_drop_rows_past_the_buffer_factor(reference):
                              **oracle.tolerances(jnp.float32))
 
 
-def test_nn_moe_under_plain_jit_is_partitioned_like_its_operands():
+@pytest.mark.parametrize("partitionable", [None, True])
+def test_nn_moe_under_plain_jit_is_partitioned_like_its_operands(partitionable):
+  # Arguments placed on a mesh: by default the layer sees the mesh and pins its own layout
+  # (split at trace time, no partitioner op); partitionable=True asks for the op, which
+  # the partitioner splits by the operands' shardings.
   nnx = pytest.importorskip("flax.nnx")
   from gmm_jax import nn  # noqa: PLC0415 (the optional flax extra)
   mesh = meshes.mesh((2, 4), ("data", "expert"))
-  layer = nn.MoE(E, D, F, top_k=K, rngs=nnx.Rngs(0))
+  layer = nn.MoE(E, D, F, top_k=K, rngs=nnx.Rngs(0), partitionable=partitionable)
   graph, state = nnx.split(layer)
   x = jnp.asarray(np.random.default_rng(1).normal(size=(T, D)), jnp.float32)
 
@@ -206,7 +220,7 @@ def test_nn_moe_under_plain_jit_is_partitioned_like_its_operands():
   xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
   with experts.record_layouts() as chosen:
     compiled = step.lower(sharded_state, xs).compile()
-  assert {c[0].strategy for c in chosen} == {"travel"}
+  assert {c[0].strategy for c in chosen} == ({"travel"} if partitionable else set())
   value, grads = compiled(sharded_state, xs)
   np.testing.assert_allclose(float(value), float(reference[0]), rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),

@@ -46,6 +46,7 @@ from gmm_jax._src.grouped_array import from_ragged, to_ragged
 from gmm_jax._src.epilogue import (GATED_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gather_rows,
                                     swiglu_clamped)
 from gmm_jax._src.op.primitive import PREACTIVATION
+from gmm_jax._src.sharding import explicit_axes, reshard
 from gmm_jax._src import routing
 from gmm_jax._src.routing import route
 
@@ -372,6 +373,9 @@ class Static:
   capacity_factor: float | None = None
   buffer_factor: float | None = None
   transport: str = "auto"
+  # (mesh, Layout) of a call split at trace time (operands typed on Explicit axes: a
+  # shard_map per direction), None for the partitionable ops.
+  split: Any = None
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -702,9 +706,54 @@ _backward_op.def_partition(partition=_backward_partition,
                            sharding_rule=_sharding_rule(2))
 
 
+def _split_specs(static: Static, flat_shapes):
+  """in_specs of the flat operands (x, top_e, top_p, the params' leaves[, dy]) of a call
+  split at trace time: `_operand_shardings`' specs."""
+  mesh, layout = static.split
+  shardings = _operand_shardings(static, layout, mesh, list(flat_shapes))
+  return tuple(s.spec for s in shardings[:len(flat_shapes)]), layout, mesh
+
+
+def _explicit_names(mesh) -> frozenset:
+  return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+                   if t == jax.sharding.AxisType.Explicit)
+
+
+def _split_forward(static: Static, *flat):
+  specs, layout, mesh = _split_specs(static, flat)
+  tokens = P(_entry(layout.token_axes))
+
+  def body(*flat):
+    x, top_e, top_p, params, _ = _unflatten(static, flat)
+    return _forward_on_device(static, layout, x, top_e, top_p, params)
+
+  flat = reshard(flat, specs, mesh)
+  return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tokens, tokens),
+                       axis_names=_explicit_names(mesh),
+                       check_vma=False)(*flat)
+
+
+def _split_backward(static: Static, *flat):
+  specs, layout, mesh = _split_specs(static, flat)
+  tokens = P(_entry(layout.token_axes))
+  param_specs = tuple(spec for spec, leaf in zip(specs[3:-1], flat[3:-1]) if _float_leaf(leaf))
+
+  def body(*flat):
+    x, top_e, top_p, params, (dy,) = _unflatten(static, flat)
+    dx, dp, dw = _backward_on_device(static, layout, x, top_e, top_p, params, dy)
+    return (dx, dp, *dw)
+
+  flat = reshard(flat, specs, mesh)
+  return jax.shard_map(body, mesh=mesh, in_specs=specs,
+                       out_specs=(tokens, tokens, *param_specs),
+                       axis_names=_explicit_names(mesh),
+                       check_vma=False)(*flat)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _experts(static: Static, x, top_e, top_p, params):
-  return _forward_op(static, x, top_e, top_p, *jax.tree.leaves(params))
+  forward = _forward_op if static.split is None else _split_forward
+  return forward(static, x, top_e, top_p, *jax.tree.leaves(params))
 
 
 def _experts_fwd(static, x, top_e, top_p, params):
@@ -715,8 +764,8 @@ def _experts_bwd(static, residuals, cotangents):
   x, top_e, top_p, params = residuals
   dy, _ = cotangents
   leaves = jax.tree.leaves(params)
-  dx, dp, *dw = _backward_op(static, x, top_e, top_p, *leaves,
-                             jnp.asarray(dy, jnp.float32))
+  backward = _backward_op if static.split is None else _split_backward
+  dx, dp, *dw = backward(static, x, top_e, top_p, *leaves, jnp.asarray(dy, jnp.float32))
   it = iter(dw)
   grads = [next(it).astype(leaf.dtype) if _float_leaf(leaf) else
            np.zeros(leaf.shape, jax.dtypes.float0) for leaf in leaves]
@@ -758,5 +807,34 @@ def routed_experts(ffn: ExpertFFN, x, top_e, top_p, params, *,
   if not leaves or leaves[0].shape[0] != ffn.num_experts:
     raise ValueError(f"params must have the {ffn.num_experts} experts as their leading "
                      f"dim, got {[tuple(l.shape) for l in leaves]}")
-  static = Static(ffn, tree, capacity_factor, buffer_factor, transport)
+  static = Static(ffn, tree, capacity_factor, buffer_factor, transport,
+                  _trace_time_split(ffn, x, leaves))
   return _experts(static, x, top_e, top_p, params)
+
+
+def _trace_time_split(ffn: ExpertFFN, x, leaves):
+  """(mesh, Layout) where the tokens' or the expert weights' types carry a mesh with
+  Explicit axes (the trace knows the layout: the op splits itself with `shard_map`, which
+  every platform compiles), else None (the partitionable ops)."""
+  mesh = None
+  for value in (x, *leaves):
+    typed = getattr(jax.typeof(value), "sharding", None)
+    candidate = getattr(typed, "mesh", None)
+    if candidate is not None and not candidate.empty and explicit_axes(candidate):
+      mesh = candidate
+      break
+  if mesh is None:
+    return None
+  sizes = {a: s for a, s, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+           if t == jax.sharding.AxisType.Explicit}
+
+  def lead(value):
+    spec = getattr(getattr(jax.typeof(value), "sharding", None), "spec", None) or ()
+    return _axes(spec[0]) if len(spec) else ()
+
+  weights = [leaf for leaf in leaves if leaf.shape and leaf.shape[0] == ffn.num_experts]
+  layout, notes = choose_layout(sizes, x.shape, lead(x), lead(weights[0]) if weights else (),
+                                ffn.num_experts)
+  layout = dataclasses.replace(layout, platform=mesh_platform(mesh), mesh=mesh)
+  _note(layout, notes + ("split at trace time: a shard_map over the Explicit mesh axes",))
+  return mesh, layout
