@@ -650,7 +650,8 @@ def failures(rows: list[dict], required: tuple[str, ...]) -> list[str]:
       found.append(f"{name}: {r['status']}: {r['error']}")
     elif r["strategy"] not in BASELINES and r["weight_gather_bytes"]:
       found.append(f"{name}: all-gathers {size(r['weight_gather_bytes'])} of expert weights")
-    if TOPOLOGIES[r["topology"]].platform == "tpu" and r.get("custom_partitionings"):
+    topology = TOPOLOGIES.get(r["topology"])
+    if topology is not None and topology.platform == "tpu" and r.get("custom_partitionings"):
       found.append(f"{name}: {r['custom_partitionings']} custom_partitioning calls in a TPU "
                    "program (libtpu has no partitioner for them)")
   return found

@@ -371,7 +371,8 @@ def tile_walk(counts: jax.Array, dim_size: int, tile: int, group_offset=0,
   lo = bounds[:-1]
   hi = jnp.where(jnp.arange(num_ranges) == num_ranges - 1, dim_size, bounds[1:])
   row_starts = lo
-  spans = jnp.where(hi > lo, lax.div(hi - 1, tile) - lax.div(lo, tile) + 1, 0)
+  hi, tile_ = hi.astype(jnp.int32), jnp.int32(tile)  # int32 under jax_enable_x64 too
+  spans = jnp.where(hi > lo, lax.div(hi - 1, tile_) - lax.div(lo, tile_) + 1, 0)
   steps_end = prefix_sums(spans)
   step = jnp.arange(max_walk_steps(dim_size, tile, num_local), dtype=jnp.int32)
   ranges = count_at_most(steps_end[:-1], step)
@@ -396,7 +397,9 @@ def walk_step(ranges, row_starts, steps_end, step, *, dim_size: int, tile: int,
   def tile_of(at, r):
     first_step = jnp.where(r > 0, steps_end[jnp.maximum(r - 1, 0)], 0)
     # lax.div: the rows are >= 0, so truncation is the floor.
-    return jnp.clip(lax.div(row_starts[r], tile) + at - first_step, 0, num_tiles - 1)
+    start = row_starts[r]
+    return jnp.clip(lax.div(start, jnp.asarray(tile, start.dtype)) + at - first_step, 0,
+                    num_tiles - 1)
 
   r = ranges[step]
   tile_ = tile_of(step, r)
