@@ -601,19 +601,32 @@ def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
       pl.when(last_k)(lambda: finish([acc_ref[own] for acc_ref in acc_refs]))
       return
 
-    @pl.when(k_step == 0)
-    def _():
-      for acc_ref, part in zip(acc_refs, products(False)):
-        acc_ref[own] = part
+    # The step's product is traced once, outside the branches that use it: a copy per
+    # branch (first, middle, last K step) tripled the kernel's unrolled MXU code and
+    # Mosaic's compile time, for the same work at run time. A ragged K edge masks the last
+    # step's product: that step gets its own (masked) copy, the others share one.
+    def accumulate(parts, middle):
+      """The first K step stores the product, the `middle` ones add it."""
+      @pl.when(k_step == 0)
+      def _():
+        for acc_ref, part in zip(acc_refs, parts):
+          acc_ref[own] = part
 
-    @pl.when((k_step > 0) & ~last_k)
-    def _():
-      for acc_ref, part in zip(acc_refs, products(False)):
-        acc_ref[own] += part
+      @pl.when(middle)
+      def _():
+        for acc_ref, part in zip(acc_refs, parts):
+          acc_ref[own] += part
 
-    @pl.when(last_k)
-    def _():
-      finish([acc_ref[own] + part for acc_ref, part in zip(acc_refs, products(mask_edge))])
+    def last_step(parts):
+      finish([acc_ref[own] + part for acc_ref, part in zip(acc_refs, parts)])
+
+    if mask_edge:
+      pl.when(~last_k)(lambda: accumulate(products(False), k_step > 0))
+      pl.when(last_k)(lambda: last_step(products(True)))
+    else:
+      parts = products(False)
+      accumulate(parts, (k_step > 0) & ~last_k)
+      pl.when(last_k)(lambda: last_step(parts))
 
   chunks = tile_m // row_chunk if row_chunk < tile_m and tile_m % row_chunk == 0 else 1
   if chunks == 1:
