@@ -531,26 +531,28 @@ def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
       return _dequantized(w_ref, scale_ref, zero_ref, cfg, dot_dtype)
     return w_ref[...]
 
-  def rows(lo: int, size: int):
-    """The item's work on the rows ``[lo, lo + size)`` of the tile (static slice)."""
-    own = (slice(lo, lo + size), slice(None))
+  def rows(lo, size: int):
+    """The item's work on the rows ``[lo, lo + size)`` of the tile (`lo` static, or traced
+    and a multiple of `row_chunk`)."""
+    span = pl.ds(lo, size)
+    own = (span, slice(None))
 
     def products(masked: bool):
       """The step's product for each rhs column block (gate and up when gated)."""
       if blocked:  # one dot per scale block of this K step, times its row and column scales
         return [_blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, scale_ref,
-                                 slice(lo, lo + size),
+                                 span,
                                  k_step * len(_block_widths(tile_k, quant.k_block)), cfg,
                                  quant.k_block, dot_dtype,
                                  acc_dtype, (k_step * tile_k, 0, k) if masked else None)]
       if prologue:  # act(gate, up) in f32, rounded to lhs's dtype (`epilogue.gated_input`)
         x = GATED_PAIRS[cfg.lhs_activation](
-            lhs_ref[lo:lo + size, :].astype(jnp.float32),
-            lhs_up_ref[lo:lo + size, :].astype(jnp.float32)).astype(lhs_ref.dtype)
+            lhs_ref[span, :].astype(jnp.float32),
+            lhs_up_ref[span, :].astype(jnp.float32)).astype(lhs_ref.dtype)
         x = _values(x, dot_dtype)
       else:
-        x = _values(lhs_ref[:, lo:lo + size] if cfg.transpose_lhs
-                    else lhs_ref[lo:lo + size, :], dot_dtype)
+        x = _values(lhs_ref[:, span] if cfg.transpose_lhs
+                    else lhs_ref[span, :], dot_dtype)
       if masked:  # the padded K edge of the last step reads garbage: zero it in both
         x = _mask_k(x, k_step * tile_k, 0, k, 0 if cfg.transpose_lhs else 1)
       out = []
@@ -563,21 +565,21 @@ def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
 
     def finish(accs):
       if lhs_scale_ref is not None and not blocked:  # int8 x int8: int32 sums, then scales
-        accs = [acc.astype(jnp.float32) * lhs_scale_ref[lo:lo + size, :] * scale_ref[...]
+        accs = [acc.astype(jnp.float32) * lhs_scale_ref[span, :] * scale_ref[...]
                 for acc in accs]
       biases = [None] * len(accs) if bias_refs is None else [b[...] for b in bias_refs]
-      row_weights = None if weights_ref is None else weights_ref[lo:lo + size, :]
+      row_weights = None if weights_ref is None else weights_ref[span, :]
       y = _epilogue(accs, biases, cfg, row_weights)
       row = tile_lo + lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
       mine = (row >= start) & (row < end)
       if cotangent:
-        halves = _gated_cotangent_tiles(cfg.cotangent_of, z_refs[0][lo:lo + size, :],
-                                        z_refs[1][lo:lo + size, :], y)
+        halves = _gated_cotangent_tiles(cfg.cotangent_of, z_refs[0][span, :],
+                                        z_refs[1][span, :], y)
         for h, d in enumerate(halves):
-          pair_ref[h, lo:lo + size, :] = jnp.where(mine, d.astype(pair_ref.dtype),
-                                                   pair_ref[h, lo:lo + size, :])
+          pair_ref[h, span, :] = jnp.where(mine, d.astype(pair_ref.dtype),
+                                  pair_ref[h, span, :])
         return
-      out_ref[lo:lo + size, :] = jnp.where(mine, y, out_ref[lo:lo + size, :])
+      out_ref[span, :] = jnp.where(mine, y, out_ref[span, :])
 
     if k_steps == 1:
       finish(products(False))
@@ -634,10 +636,23 @@ def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
   else:
     full = (start <= tile_lo) & (end >= tile_lo + tile_m)
     pl.when(real & full)(lambda: rows(0, tile_m))
-    for chunk in range(chunks):  # a partial item: only the MXU row slices it touches
-      lo = chunk * row_chunk
-      touched = (start < tile_lo + lo + row_chunk) & (end > tile_lo + lo)
-      pl.when(real & ~full & touched)(functools.partial(rows, lo, row_chunk))
+    touches = lambda lo: (start < tile_lo + lo + row_chunk) & (end > tile_lo + lo)
+    if cfg.transpose_lhs or blocked:  # lane-dim or per-block slices: one copy per chunk
+      for chunk in range(chunks):  # a partial item: only the MXU row slices it touches
+        lo = chunk * row_chunk
+        pl.when(real & ~full & touches(lo))(functools.partial(rows, lo, row_chunk))
+    else:
+      # A partial item: only the MXU row slices it touches, by a loop over the chunks at a
+      # traced row offset, so that Mosaic compiles one chunk's code instead of `chunks`
+      # unrolled copies (which doubled the kernel's code for the same run-time work).
+      @pl.when(real & ~full)
+      def _():
+        def chunk_body(chunk, carry):
+          lo = pl.multiple_of(chunk * row_chunk, row_chunk)
+          pl.when(touches(lo))(functools.partial(rows, lo, row_chunk))
+          return carry
+
+        lax.fori_loop(0, chunks, chunk_body, 0)
   if cotangent:
     last = pl.num_programs(1) - 1
     last_in_tile = (item == last) | (
