@@ -96,6 +96,12 @@ FEATURES = ("row_weights", "gated", "gated_lhs", "gated_cotangent")
 # ------------------------------------------------------------------------------ tiling
 
 
+# How much more modelled run time `default_tiling` trades for less kernel code (compile
+# time): measured on the Mixtral-like training step for v5e, the chosen tiles cost at most
+# ~2% more modelled time and compile about twice as fast (BENCHMARKS.md).
+COMPILE_SLACK = 0.03
+
+
 def _lane_tiles(dim: int, largest: int, smallest: int = 256) -> list[int]:
   """Candidate tiles for a lane-blocked dim, best first: the whole dim when it is at most
   `largest`; then multiples of 128 that divide it (largest first, down to `smallest`); then
@@ -117,8 +123,9 @@ def _lane_tiles(dim: int, largest: int, smallest: int = 256) -> list[int]:
 
 
 def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) -> Tiling:
-  """Tiles for the TPU kernels: of those that fit in half of the TPU's VMEM, the one with
-  the least `modelled_seconds` (balanced groups).
+  """Tiles for the TPU kernels: of those that fit in half of the TPU's VMEM and whose
+  `modelled_seconds` (balanced groups) is within `COMPILE_SLACK` of the least, the one
+  with the least `code_size` (Mosaic's compile time).
 
   Candidates: m-grouping: 128/256/512 rows (or M), K whole or split evenly into multiples of
   128 (>= 512), N whole up to 2048 or split evenly (>= 256, a ragged power of two when N
@@ -166,12 +173,24 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
   candidates = [t for t in candidates if fits(t, math.ceil(k / t.tile_k))]
   if not candidates:
     return fallback
-  # Ties (within 1%) go to the larger tiles (fewer steps, fewer re-reads).
+  # Of the tiles within COMPILE_SLACK of the best modelled time, those with the least
+  # unrolled MXU code per step (`code_size`: Mosaic's compile time grows with it, about
+  # linearly); among them the larger tiles (fewer steps, fewer re-reads).
   scored = [(modelled_seconds(paired(t, cfg), m, k, n * (2 if cfg.gated else 1), cfg,
                               itemsize), t) for t in candidates]
   best = min(score for score, _ in scored)
-  return max((t for score, t in scored if score <= best * 1.01),
+  near = [t for score, t in scored if score <= best * (1 + COMPILE_SLACK)]
+  least = min(code_size(t, cfg) for t in near)
+  return max((t for t in near if code_size(t, cfg) == least),
              key=lambda t: (t.tile_k, t.tile_n, t.tile_m))
+
+
+def code_size(tiling: Tiling, cfg: GmmConfig) -> int:
+  """A proxy for the kernel's code, and so its Mosaic compile time: the multiply-adds of
+  one grid step's dot (``tile_m x tile_k x tile_n``, gate and up when gated), which Mosaic
+  unrolls into MXU operations."""
+  tiling = paired(tiling, cfg)
+  return tiling.tile_m * tiling.tile_k * tiling.tile_n
 
 
 def paired(tiling: Tiling, cfg: GmmConfig) -> Tiling:
