@@ -96,6 +96,12 @@ FEATURES = ("row_weights", "gated", "gated_lhs", "gated_cotangent")
 # ------------------------------------------------------------------------------ tiling
 
 
+# How much more modelled run time `default_tiling` trades for less kernel code (compile
+# time): measured on the Mixtral-like training step for v5e, the chosen tiles cost at most
+# ~2% more modelled time and compile about twice as fast (BENCHMARKS.md).
+COMPILE_SLACK = 0.03
+
+
 def _lane_tiles(dim: int, largest: int, smallest: int = 256) -> list[int]:
   """Candidate tiles for a lane-blocked dim, best first: the whole dim when it is at most
   `largest`; then multiples of 128 that divide it (largest first, down to `smallest`); then
@@ -117,8 +123,9 @@ def _lane_tiles(dim: int, largest: int, smallest: int = 256) -> list[int]:
 
 
 def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) -> Tiling:
-  """Tiles for the TPU kernels: of those that fit in half of the TPU's VMEM, the one with
-  the least `modelled_seconds` (balanced groups).
+  """Tiles for the TPU kernels: of those that fit in half of the TPU's VMEM and whose
+  `modelled_seconds` (balanced groups) is within `COMPILE_SLACK` of the least, the one
+  with the least `code_size` (Mosaic's compile time).
 
   Candidates: m-grouping: 128/256/512 rows (or M), K whole or split evenly into multiples of
   128 (>= 512), N whole up to 2048 or split evenly (>= 256, a ragged power of two when N
@@ -166,12 +173,24 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
   candidates = [t for t in candidates if fits(t, math.ceil(k / t.tile_k))]
   if not candidates:
     return fallback
-  # Ties (within 1%) go to the larger tiles (fewer steps, fewer re-reads).
+  # Of the tiles within COMPILE_SLACK of the best modelled time, those with the least
+  # unrolled MXU code per step (`code_size`: Mosaic's compile time grows with it, about
+  # linearly); among them the larger tiles (fewer steps, fewer re-reads).
   scored = [(modelled_seconds(paired(t, cfg), m, k, n * (2 if cfg.gated else 1), cfg,
                               itemsize), t) for t in candidates]
   best = min(score for score, _ in scored)
-  return max((t for score, t in scored if score <= best * 1.01),
+  near = [t for score, t in scored if score <= best * (1 + COMPILE_SLACK)]
+  least = min(code_size(t, cfg) for t in near)
+  return max((t for t in near if code_size(t, cfg) == least),
              key=lambda t: (t.tile_k, t.tile_n, t.tile_m))
+
+
+def code_size(tiling: Tiling, cfg: GmmConfig) -> int:
+  """A proxy for the kernel's code, and so its Mosaic compile time: the multiply-adds of
+  one grid step's dot (``tile_m x tile_k x tile_n``, gate and up when gated), which Mosaic
+  unrolls into MXU operations."""
+  tiling = paired(tiling, cfg)
+  return tiling.tile_m * tiling.tile_k * tiling.tile_n
 
 
 def paired(tiling: Tiling, cfg: GmmConfig) -> Tiling:
@@ -531,26 +550,28 @@ def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
       return _dequantized(w_ref, scale_ref, zero_ref, cfg, dot_dtype)
     return w_ref[...]
 
-  def rows(lo: int, size: int):
-    """The item's work on the rows ``[lo, lo + size)`` of the tile (static slice)."""
-    own = (slice(lo, lo + size), slice(None))
+  def rows(lo, size: int):
+    """The item's work on the rows ``[lo, lo + size)`` of the tile (`lo` static, or traced
+    and a multiple of `row_chunk`)."""
+    span = pl.ds(lo, size)
+    own = (span, slice(None))
 
     def products(masked: bool):
       """The step's product for each rhs column block (gate and up when gated)."""
       if blocked:  # one dot per scale block of this K step, times its row and column scales
         return [_blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, scale_ref,
-                                 slice(lo, lo + size),
+                                 span,
                                  k_step * len(_block_widths(tile_k, quant.k_block)), cfg,
                                  quant.k_block, dot_dtype,
                                  acc_dtype, (k_step * tile_k, 0, k) if masked else None)]
       if prologue:  # act(gate, up) in f32, rounded to lhs's dtype (`epilogue.gated_input`)
         x = GATED_PAIRS[cfg.lhs_activation](
-            lhs_ref[lo:lo + size, :].astype(jnp.float32),
-            lhs_up_ref[lo:lo + size, :].astype(jnp.float32)).astype(lhs_ref.dtype)
+            lhs_ref[span, :].astype(jnp.float32),
+            lhs_up_ref[span, :].astype(jnp.float32)).astype(lhs_ref.dtype)
         x = _values(x, dot_dtype)
       else:
-        x = _values(lhs_ref[:, lo:lo + size] if cfg.transpose_lhs
-                    else lhs_ref[lo:lo + size, :], dot_dtype)
+        x = _values(lhs_ref[:, span] if cfg.transpose_lhs
+                    else lhs_ref[span, :], dot_dtype)
       if masked:  # the padded K edge of the last step reads garbage: zero it in both
         x = _mask_k(x, k_step * tile_k, 0, k, 0 if cfg.transpose_lhs else 1)
       out = []
@@ -563,21 +584,21 @@ def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
 
     def finish(accs):
       if lhs_scale_ref is not None and not blocked:  # int8 x int8: int32 sums, then scales
-        accs = [acc.astype(jnp.float32) * lhs_scale_ref[lo:lo + size, :] * scale_ref[...]
+        accs = [acc.astype(jnp.float32) * lhs_scale_ref[span, :] * scale_ref[...]
                 for acc in accs]
       biases = [None] * len(accs) if bias_refs is None else [b[...] for b in bias_refs]
-      row_weights = None if weights_ref is None else weights_ref[lo:lo + size, :]
+      row_weights = None if weights_ref is None else weights_ref[span, :]
       y = _epilogue(accs, biases, cfg, row_weights)
       row = tile_lo + lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
       mine = (row >= start) & (row < end)
       if cotangent:
-        halves = _gated_cotangent_tiles(cfg.cotangent_of, z_refs[0][lo:lo + size, :],
-                                        z_refs[1][lo:lo + size, :], y)
+        halves = _gated_cotangent_tiles(cfg.cotangent_of, z_refs[0][span, :],
+                                        z_refs[1][span, :], y)
         for h, d in enumerate(halves):
-          pair_ref[h, lo:lo + size, :] = jnp.where(mine, d.astype(pair_ref.dtype),
-                                                   pair_ref[h, lo:lo + size, :])
+          pair_ref[h, span, :] = jnp.where(mine, d.astype(pair_ref.dtype),
+                                  pair_ref[h, span, :])
         return
-      out_ref[lo:lo + size, :] = jnp.where(mine, y, out_ref[lo:lo + size, :])
+      out_ref[span, :] = jnp.where(mine, y, out_ref[span, :])
 
     if k_steps == 1:
       finish(products(False))
@@ -601,19 +622,32 @@ def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
       pl.when(last_k)(lambda: finish([acc_ref[own] for acc_ref in acc_refs]))
       return
 
-    @pl.when(k_step == 0)
-    def _():
-      for acc_ref, part in zip(acc_refs, products(False)):
-        acc_ref[own] = part
+    # The step's product is traced once, outside the branches that use it: a copy per
+    # branch (first, middle, last K step) tripled the kernel's unrolled MXU code and
+    # Mosaic's compile time, for the same work at run time. A ragged K edge masks the last
+    # step's product: that step gets its own (masked) copy, the others share one.
+    def accumulate(parts, middle):
+      """The first K step stores the product, the `middle` ones add it."""
+      @pl.when(k_step == 0)
+      def _():
+        for acc_ref, part in zip(acc_refs, parts):
+          acc_ref[own] = part
 
-    @pl.when((k_step > 0) & ~last_k)
-    def _():
-      for acc_ref, part in zip(acc_refs, products(False)):
-        acc_ref[own] += part
+      @pl.when(middle)
+      def _():
+        for acc_ref, part in zip(acc_refs, parts):
+          acc_ref[own] += part
 
-    @pl.when(last_k)
-    def _():
-      finish([acc_ref[own] + part for acc_ref, part in zip(acc_refs, products(mask_edge))])
+    def last_step(parts):
+      finish([acc_ref[own] + part for acc_ref, part in zip(acc_refs, parts)])
+
+    if mask_edge:
+      pl.when(~last_k)(lambda: accumulate(products(False), k_step > 0))
+      pl.when(last_k)(lambda: last_step(products(True)))
+    else:
+      parts = products(False)
+      accumulate(parts, (k_step > 0) & ~last_k)
+      pl.when(last_k)(lambda: last_step(parts))
 
   chunks = tile_m // row_chunk if row_chunk < tile_m and tile_m % row_chunk == 0 else 1
   if chunks == 1:
@@ -621,10 +655,23 @@ def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
   else:
     full = (start <= tile_lo) & (end >= tile_lo + tile_m)
     pl.when(real & full)(lambda: rows(0, tile_m))
-    for chunk in range(chunks):  # a partial item: only the MXU row slices it touches
-      lo = chunk * row_chunk
-      touched = (start < tile_lo + lo + row_chunk) & (end > tile_lo + lo)
-      pl.when(real & ~full & touched)(functools.partial(rows, lo, row_chunk))
+    touches = lambda lo: (start < tile_lo + lo + row_chunk) & (end > tile_lo + lo)
+    if cfg.transpose_lhs or blocked:  # lane-dim or per-block slices: one copy per chunk
+      for chunk in range(chunks):  # a partial item: only the MXU row slices it touches
+        lo = chunk * row_chunk
+        pl.when(real & ~full & touches(lo))(functools.partial(rows, lo, row_chunk))
+    else:
+      # A partial item: only the MXU row slices it touches, by a loop over the chunks at a
+      # traced row offset, so that Mosaic compiles one chunk's code instead of `chunks`
+      # unrolled copies (which doubled the kernel's code for the same run-time work).
+      @pl.when(real & ~full)
+      def _():
+        def chunk_body(chunk, carry):
+          lo = pl.multiple_of(chunk * row_chunk, row_chunk)
+          pl.when(touches(lo))(functools.partial(rows, lo, row_chunk))
+          return carry
+
+        lax.fori_loop(0, chunks, chunk_body, 0)
   if cotangent:
     last = pl.num_programs(1) - 1
     last_in_tile = (item == last) | (
