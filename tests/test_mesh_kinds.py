@@ -265,3 +265,28 @@ def test_grouped_linear_gradients_on_a_mesh(kind):
   assert "CustomSPMDPartitioning" not in lowered.as_text()
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_explicit_axes_split_composes_with_vmap_and_jvp():
+  # The trace-time split under vmap over each operand and under forward-mode jax.jvp: the
+  # same values as one device, the batch dim unsharded, the rows keeping their axis.
+  the_mesh = mesh((2, 4), ("d", "e"), "explicit")
+  x, w = operands(4)
+  xb = jnp.stack([x, 2 * x, -x])
+  wb = jnp.stack([w, 0.5 * w])
+  f = lambda x, w: gmm_jax.gmm(x, w, SIZES, activation="silu")  # noqa: E731
+  want_x = jax.vmap(f, in_axes=(0, None))(xb, w)
+  want_w = jax.vmap(f, in_axes=(None, 0))(x, wb)
+  tangents = (jnp.ones_like(x), jnp.ones_like(w))
+  want_jvp = jax.jvp(f, (x, w), tangents)
+  with jax.set_mesh(the_mesh):
+    xs, ws = jax.device_put(xb, P(None, "d")), jax.device_put(w, P("e"))
+    got_x = jax.jit(jax.vmap(f, in_axes=(0, None)))(xs, ws)
+    got_w = jax.jit(jax.vmap(f, in_axes=(None, 0)))(xs[0], jax.device_put(wb, P(None, "e")))
+    got_jvp = jax.jit(lambda a, b, ta, tb: jax.jvp(f, (a, b), (ta, tb)))(
+        xs[0], ws, jax.device_put(tangents[0], P("d")), jax.device_put(tangents[1], P("e")))
+  assert spec_of(got_x)[:2] == (None, "d")
+  np.testing.assert_allclose(got_x, want_x, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got_w, want_w, rtol=1e-5, atol=1e-5)
+  for got, want in zip(got_jvp, want_jvp):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
