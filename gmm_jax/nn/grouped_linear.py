@@ -104,7 +104,9 @@ class GroupedLinear(nnx.Module):
     mesh of `jax.set_mesh`, or the one x is placed on), where the types carry none: the
     kernel as its logical axes name (`params.mesh_axes`), the rows over the other axes
     that divide them. None elsewhere (one device's view; on Explicit axes the gmm splits
-    itself by the types)."""
+    itself by the types). A layer with input_quant, weight_quant or quantization does not
+    pin one: its gmm quantizes with whole-operand statistics, which a split would make
+    per-shard (it is then split as a plain gmm on Auto axes is)."""
     mesh = auto_mesh(x)
     if mesh is None:
       return None
