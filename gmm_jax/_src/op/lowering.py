@@ -244,7 +244,7 @@ class Fallback:
 FALLBACK = Fallback(
     "reference",
     "plain jit on several TPU chips with no mesh in the trace: the dense reference, a "
-    "batched dot over the groups that XLA's partitioner splits, G/top_k times the work "
+    "batched dot over the groups that XLA's partitioner splits, G times the work "
     "of the kernels; give the trace the mesh with jax.set_mesh and Explicit axes, the "
     "layout with gmm(..., sharding=GmmSharding(...)), or a layer its expert_parallel=")
 FALLBACK_WARNED = []  # non-empty once the fallback's warning was given (once per process)
