@@ -9,14 +9,13 @@ importable, as the other deviceless tests are.
 
 from __future__ import annotations
 
-import importlib.util
-
 import gmm_jax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import bench_decode
+from lowering import has_module
 
 COMPILER_MODULE = {"v5e": "libtpu", "h200": "jax_plugins.xla_cuda12"}
 # At most this many top-level ops that do work (the kernel included) per target. H200: the
@@ -27,11 +26,7 @@ MAX_ENTRY_OPS = {"v5e": 10, "h200": 7}
 
 def _require_compiler(target: str) -> None:
   module = COMPILER_MODULE[target]
-  try:
-    found = importlib.util.find_spec(module) is not None
-  except ModuleNotFoundError:
-    found = False
-  if not found:
+  if not has_module(module):
     pytest.skip(f"{module} is not importable: this jax install has no compiler for {target}")
 
 
