@@ -190,3 +190,35 @@ def test_auto_transport_follows_the_topology(topology, want):
   assert routing.transport_for("ragged", "tpu", mesh) == "ragged"
   assert routing.transport_for("auto", "cpu", mesh) == "all_to_all"
 
+
+
+def test_routed_experts_on_tpu_with_no_mesh_in_sight_compiles():
+  # Plain jit whose inputs only in_shardings place: the trace sees no layout, and on TPU no
+  # partitioner runs the routed-experts op (jax-ml/jax#38196). It runs inline there, each
+  # gmm as the dense reference XLA partitions: compiled for v5e 2x2 with no
+  # custom_partitioning call and no expert weight gathered, forward and gradients.
+  devices = _tpu_devices("v5e:2x2")
+  mesh = Mesh(np.array(devices).reshape(1, 4), ("data", "expert"))
+  e, d, f, t, k = 8, 256, 384, 512, 2
+  spec = gmm_jax.ExpertFFN(e, "silu", gated=True)
+  abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  params = {"w_in": abstract((e, d, 2 * f), jnp.bfloat16),
+            "w_down": abstract((e, f, d), jnp.bfloat16)}
+
+  def loss(x, top_p, top_e, params):
+    y, _ = gmm_jax.routed_experts(spec, x, top_e, top_p, params)
+    return jnp.sum(y ** 2)
+
+  tokens = NamedSharding(mesh, P(("data", "expert")))
+  experts = NamedSharding(mesh, P("expert"))
+  step = jax.jit(jax.grad(loss, argnums=(0, 1, 3)),
+                 in_shardings=(tokens, tokens, tokens, {"w_in": experts, "w_down": experts}))
+  with jax.default_device(devices[0]), dispatch.record() as decisions:
+    lowered = step.lower(abstract((t, d), jnp.bfloat16), abstract((t, k), jnp.float32),
+                         abstract((t, k), jnp.int32), params)
+    text = lowered.compile().as_text()
+  assert "CustomSPMDPartitioning" not in lowered.as_text()
+  assert {decision.implementation for decision in decisions} == {"reference"}
+  weights = {f"bf16[{e},{d},{2 * f}]", f"bf16[{e},{f},{d}]", f"bf16[{d},{2 * f}]",
+             f"bf16[{f},{d}]"}
+  assert not {s.split("{")[0] for s in _all_gathers(text)} & weights

@@ -376,6 +376,10 @@ class Static:
   # (mesh, Layout) of a call split at trace time (operands typed on Explicit axes: a
   # shard_map per direction), None for the partitionable ops.
   split: Any = None
+  # No mesh in sight on TPU, where no partitioner runs the partitionable ops (jax-ml/jax
+  # #38196): the per-device computation inline, each gmm then split as the op's lowering
+  # splits a gmm XLA partitions there (the dense reference).
+  inline: bool = False
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -750,9 +754,21 @@ def _split_backward(static: Static, *flat):
                        check_vma=False)(*flat)
 
 
+def _inline_forward(static: Static, *flat):
+  x, top_e, top_p, params, _ = _unflatten(static, flat)
+  return _forward_on_device(static, Layout(), x, top_e, top_p, params)
+
+
+def _inline_backward(static: Static, *flat):
+  x, top_e, top_p, params, (dy,) = _unflatten(static, flat)
+  dx, dp, dw = _backward_on_device(static, Layout(), x, top_e, top_p, params, dy)
+  return (dx, dp, *dw)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _experts(static: Static, x, top_e, top_p, params):
-  forward = _forward_op if static.split is None else _split_forward
+  forward = (_split_forward if static.split is not None else
+             _inline_forward if static.inline else _forward_op)
   return forward(static, x, top_e, top_p, *jax.tree.leaves(params))
 
 
@@ -764,7 +780,8 @@ def _experts_bwd(static, residuals, cotangents):
   x, top_e, top_p, params = residuals
   dy, _ = cotangents
   leaves = jax.tree.leaves(params)
-  backward = _backward_op if static.split is None else _split_backward
+  backward = (_split_backward if static.split is not None else
+              _inline_backward if static.inline else _backward_op)
   dx, dp, *dw = backward(static, x, top_e, top_p, *leaves, jnp.asarray(dy, jnp.float32))
   it = iter(dw)
   grads = [next(it).astype(leaf.dtype) if _float_leaf(leaf) else
@@ -780,7 +797,10 @@ def routed_experts(ffn: ExpertFFN, x, top_e, top_p, params, *,
                    capacity_factor: float | None = None, buffer_factor: float | None = None,
                    transport: str = "auto"):
   """The routed experts of an MoE layer, split over the mesh by the operands' shardings
-  (see the module docstring).
+  (see the module docstring): at trace time with `shard_map` where their types carry the
+  layout (Explicit axes), else by the partitioner (CPU, GPU). On TPU, where no partitioner
+  runs such an op, a call whose trace sees no layout runs inline, each of its gmms split
+  as the op splits a gmm XLA partitions there (the dense reference).
 
   Args:
     ffn: the experts' FFN.
@@ -807,8 +827,9 @@ def routed_experts(ffn: ExpertFFN, x, top_e, top_p, params, *,
   if not leaves or leaves[0].shape[0] != ffn.num_experts:
     raise ValueError(f"params must have the {ffn.num_experts} experts as their leading "
                      f"dim, got {[tuple(l.shape) for l in leaves]}")
-  static = Static(ffn, tree, capacity_factor, buffer_factor, transport,
-                  _trace_time_split(ffn, x, leaves))
+  split = _trace_time_split(ffn, x, leaves)
+  static = Static(ffn, tree, capacity_factor, buffer_factor, transport, split,
+                  inline=split is None and dispatch.trace_platform() == "tpu")
   return _experts(static, x, top_e, top_p, params)
 
 
