@@ -45,8 +45,9 @@ from gmm_jax._src.dispatch import mesh_platform, on_lowering_platform
 from gmm_jax._src.grouped_array import from_ragged, to_ragged
 from gmm_jax._src.epilogue import (GATED_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gather_rows,
                                     swiglu_clamped)
-from gmm_jax._src.op.primitive import PREACTIVATION
-from gmm_jax._src.sharding import explicit_axes, reshard
+from gmm_jax._src.op.primitive import (PREACTIVATION, explicit_axes, explicit_mesh,
+                                       typed_spec)
+from gmm_jax._src.sharding import reshard
 from gmm_jax._src import routing
 from gmm_jax._src.routing import route
 
@@ -718,11 +719,6 @@ def _split_specs(static: Static, flat_shapes):
   return tuple(s.spec for s in shardings[:len(flat_shapes)]), layout, mesh
 
 
-def _explicit_names(mesh) -> frozenset:
-  return frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-                   if t == jax.sharding.AxisType.Explicit)
-
-
 def _split_forward(static: Static, *flat):
   specs, layout, mesh = _split_specs(static, flat)
   tokens = P(_entry(layout.token_axes))
@@ -733,7 +729,7 @@ def _split_forward(static: Static, *flat):
 
   flat = reshard(flat, specs, mesh)
   return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(tokens, tokens),
-                       axis_names=_explicit_names(mesh),
+                       axis_names=frozenset(explicit_axes(mesh)),
                        check_vma=False)(*flat)
 
 
@@ -750,7 +746,7 @@ def _split_backward(static: Static, *flat):
   flat = reshard(flat, specs, mesh)
   return jax.shard_map(body, mesh=mesh, in_specs=specs,
                        out_specs=(tokens, tokens, *param_specs),
-                       axis_names=_explicit_names(mesh),
+                       axis_names=frozenset(explicit_axes(mesh)),
                        check_vma=False)(*flat)
 
 
@@ -836,21 +832,15 @@ def routed_experts(ffn: ExpertFFN, x, top_e, top_p, params, *,
 def _trace_time_split(ffn: ExpertFFN, x, leaves):
   """(mesh, Layout) where the tokens' or the expert weights' types carry a mesh with
   Explicit axes (the trace knows the layout: the op splits itself with `shard_map`, which
-  every platform compiles), else None (the partitionable ops)."""
-  mesh = None
-  for value in (x, *leaves):
-    typed = getattr(jax.typeof(value), "sharding", None)
-    candidate = getattr(typed, "mesh", None)
-    if candidate is not None and not candidate.empty and explicit_axes(candidate):
-      mesh = candidate
-      break
+  every platform compiles), else None (the partitionable ops). The mesh and the layouts
+  are read as the gmm op's own split reads them (`explicit_mesh`, `typed_spec`)."""
+  mesh = explicit_mesh([x, *leaves])
   if mesh is None:
     return None
-  sizes = {a: s for a, s, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-           if t == jax.sharding.AxisType.Explicit}
+  sizes = {a: s for a, s in zip(mesh.axis_names, mesh.axis_sizes) if a in explicit_axes(mesh)}
 
   def lead(value):
-    spec = getattr(getattr(jax.typeof(value), "sharding", None), "spec", None) or ()
+    spec = typed_spec(value)
     return _axes(spec[0]) if len(spec) else ()
 
   weights = [leaf for leaf in leaves if leaf.shape and leaf.shape[0] == ffn.num_experts]
