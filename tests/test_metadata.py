@@ -17,7 +17,7 @@ import pytest
 from gmm_test_base import group_sizes
 from oracle import local_rows
 
-from gmm_jax._src import metadata
+from gmm_jax._src import group_list, metadata
 
 # Eager: the shapes change with every example, and op-by-op dispatch reuses the compiled
 # primitives where jit would compile each new shape whole.
@@ -185,3 +185,37 @@ def test_metadata_under_x64_strict_promotion(counts_dtype):
   np.testing.assert_array_equal(class_start, [0, 1])
   np.testing.assert_array_equal(order[:2], [0, 1])
   np.testing.assert_array_equal(ids, [0] * 5 + [2] * 9 + [-1] * 2)
+
+
+@st.composite
+def overlong_lists(draw):
+  """Group sizes, each within the dimension, whose running sum may pass it (what the gmm
+  op's `group_list.fitted_counts` hands on), with a tile, an offset and local groups."""
+  dim = draw(st.integers(1, 40))
+  num_groups = draw(st.integers(1, 6))
+  sizes = draw(st.lists(st.integers(0, dim), min_size=num_groups, max_size=num_groups))
+  num_local = draw(st.integers(1, num_groups))
+  return dict(dim=dim, sizes=sizes, tile=draw(st.sampled_from([1, 4, 8, 16])),
+              offset=draw(st.integers(0, num_groups - num_local)), num_local=num_local)
+
+
+@hypothesis.given(problem=overlong_lists(), align=st.sampled_from(["tile", "group"]),
+                  cover=st.booleans())
+def test_a_list_past_the_dimension_reads_as_its_clamped_sizes(problem, align, cover):
+  # Every derivation cuts a list where its running sum passes the dimension: the same
+  # bounds, row ids, local bounds, shard counts, work items and tile walk as the clamped
+  # sizes (`group_list.clamp_counts`) give.
+  dim, tile, offset, num_local = (problem[k] for k in ("dim", "tile", "offset", "num_local"))
+  raw = jnp.asarray(problem["sizes"], jnp.int32)
+  clamped = group_list.clamp_counts(raw, dim)
+  np.testing.assert_array_equal(
+      group_list.fitted_counts(raw, "counts", None, dim), raw)  # already within [0, dim]
+  for fn in (lambda c: metadata.bounds_from_counts(c, dim),
+             lambda c: metadata.row_group_ids(c, dim, jnp.int32(offset), num_local),
+             lambda c: metadata.local_group_bounds(c, dim, jnp.int32(offset), num_local),
+             lambda c: metadata.counts_in_range(c, dim // 2, dim - dim // 2),
+             lambda c: metadata.make_tile_metadata(c, dim, tile, jnp.int32(offset), num_local,
+                                                   align, cover=cover),
+             lambda c: metadata.tile_walk(c, dim, tile, jnp.int32(offset), num_local)):
+    for got, want in zip(jax.tree.leaves(fn(raw)), jax.tree.leaves(fn(clamped))):
+      np.testing.assert_array_equal(got, want)

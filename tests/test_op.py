@@ -339,8 +339,8 @@ INVALID_LISTS = [
     ("sparse", [[2, 4], [7, 3]], [0, 0, 4]),  # index 7 is out of [0, 3): dropped
     ("sparse", [[0, 2**31 - 1], [1, 5]], [2**31 - 1, 5, 0]),
 ]
-IMPLEMENTATIONS = [("xla", False), ("reference", False), ("pallas_triton", True),
-                   ("pallas_tpu", True)]
+IMPLEMENTATIONS = [("xla", False), ("reference", False), ("lax_ragged_dot", False),
+                   ("pallas_triton", True), ("pallas_tpu", True)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,6 +371,35 @@ def test_invalid_traced_lists_give_the_same_defined_result(group_type, implement
     if group_type == "m":  # rows of no group are exactly 0
       rows = np.arange(M) >= sum(clamped)
       assert np.all(got[rows] == 0), (encoding, group_list)
+
+
+@covering(("group_type", ["m", "k"]), ("implementation, interpret", [
+    pytest.param(name, interpret, id=name) for name, interpret in IMPLEMENTATIONS]))
+def test_invalid_traced_lists_differentiate_as_the_clamped_list(group_type, implementation,
+                                                               interpret):
+  # The op's sizes are cut where their running sum passes the dimension, not clamped first:
+  # its derivative rules (the transposed gmms, the bias and row-id masks) must cut them the
+  # same way. Gradients of an invalid list equal those of its clamped sizes, exactly the
+  # same computation.
+  lhs, rhs, bias = _operands(group_type, seed=14)
+  dim = M if group_type == "m" else K
+  out_shape = (M, N) if group_type == "m" else (G, M, N)
+  cotangent = jnp.asarray(np.random.default_rng(15).standard_normal(out_shape), jnp.float32)
+
+  def loss(encoding, group_list, lhs, rhs, bias):
+    out = gmm_jax.gmm(lhs, rhs, group_list, group_type=group_type, group_list_type=encoding,
+                      bias=bias, num_groups=G, implementation=implementation,
+                      interpret=interpret, activation="silu")
+    return jnp.sum(out * cotangent)
+
+  grad = jax.jit(jax.grad(loss, argnums=(2, 3, 4)), static_argnums=0)
+  for encoding, group_list, counts in INVALID_LISTS[:5]:
+    clamped = jnp.asarray(_clamped(counts, dim), jnp.int32)
+    got = grad(encoding, jnp.asarray(group_list, jnp.int32), lhs, rhs, bias)
+    want = grad("counts", clamped, lhs, rhs, bias)
+    for name, a, b in zip(("lhs", "rhs", "bias"), got, want):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6,
+                                 err_msg=f"{name} {encoding} {group_list}")
 
 
 # ------------------------------------------------------------ implementation sequences

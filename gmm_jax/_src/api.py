@@ -203,7 +203,7 @@ def _group_counts(groups, group_list_type, num_groups, group_type, rhs_shape, gr
     if num_local > num_total:
       raise ValueError(f"num_groups={num_local} exceeds the group list length {num_total}")
   group_list.validate_concrete(groups, group_list_type, dim_size, num_total, dim_name)
-  counts = group_list.to_counts(groups, group_list_type, num_total, dim_size=dim_size)
+  counts = group_list.fitted_counts(groups, group_list_type, num_total, dim_size)
   return counts, num_total, num_local
 
 

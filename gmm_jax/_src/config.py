@@ -120,8 +120,9 @@ class GmmConfig:
   the gmm primitive).
 
   Below the public API every layer receives canonical operands ``(lhs, rhs, counts,
-  group_offset, bias, cfg)``: counts are int32 ``[G]`` global group sizes that fit the
-  grouped dimension (see `group_list.to_counts`), group_offset an int32 scalar (the first
+  group_offset, bias, cfg)``: counts are int32 ``[G]`` global group sizes, each within
+  the grouped dimension, cut where their running sum passes it (see
+  `group_list.fitted_counts`), group_offset an int32 scalar (the first
   global group held in ``rhs``/the output), bias None or ``[num_local, N]``.
 
   Fields:

@@ -209,6 +209,25 @@ def to_counts(group_list, group_list_type: str, num_groups: int | None = None,
   return counts if dim_size is None else clamp_counts(counts, dim_size)
 
 
+def fitted_counts(group_list, group_list_type: str, num_groups: int | None,
+                  dim_size: int) -> jax.Array:
+  """Group sizes for the gmm op: `to_counts` with `dim_size` as the groups' bounds see it.
+
+  Every size is clipped to ``[0, dim_size]``; where no running sum of such sizes can wrap
+  around int32 (``G * dim_size`` below 2**31), a list that runs past the dimension is left
+  so, since every consumer of the op's sizes reads the groups' rows from their running sum
+  clipped to the dimension (`metadata.bounds_from_counts`, `metadata.tile_walk`): the same
+  rows `clamp_counts` gives, without the running sum it computes first. Elsewhere (and for
+  a sparse list, clamped in entry order) the sizes are `to_counts`'.
+  """
+  group_list = as_group_list(group_list)
+  num_total = num_groups if group_list_type == "sparse" else group_list.shape[0]
+  if group_list_type == "sparse" or num_total * max(int(dim_size), 1) >= _INT32_MAX:
+    return to_counts(group_list, group_list_type, num_groups, dim_size=dim_size)
+  counts = to_counts(group_list, group_list_type, num_groups)
+  return jnp.clip(counts, 0, dim_size)
+
+
 def check_group_list(
     group_list, group_list_type: str = "counts", dim_size: int | None = None,
     num_groups: int | None = None,

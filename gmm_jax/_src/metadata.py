@@ -4,8 +4,10 @@ Floor 0: imports nothing from gmm_jax. Only this module derives group bounds, pe
 ids, local group bounds and the work items (a tile of rows x one group it touches) that the
 XLA path and the Pallas kernels consume; nobody re-derives them.
 
-Conventions: ``counts`` is an int32 ``[G]`` vector of group sizes that fits the grouped
-dimension (as `group_list.to_counts` returns it); ``bounds`` are ``[G + 1]`` start offsets
+Conventions: ``counts`` is an int32 ``[G]`` vector of group sizes, each within the grouped
+dimension; where their running sum passes it the list is cut there (the group bounds are
+clipped to the dimension, as `group_list.clamp_counts` would cut the sizes), so every
+function here gives the rows of the clamped list. ``bounds`` are ``[G + 1]`` start offsets
 with the total appended. Counts may be traced: nothing here syncs with the host.
 """
 
@@ -359,7 +361,7 @@ def tile_walk(counts: jax.Array, dim_size: int, tile: int, group_offset=0,
   num_total = counts.shape[0]
   num_local = num_total if num_local is None else num_local
   num_ranges = num_local + 2
-  counts = counts.astype(jnp.int32)  # they fit the dimension: no running sum passes it
+  counts = counts.astype(jnp.int32)
   first, end = local_group_range(group_offset, num_local, num_total)
   # Range r >= 1 starts where global group min(first + r - 1, end) starts, range 0 at row
   # 0: a compare-and-sum over the counts (no prefix sum, no gather).
@@ -368,8 +370,10 @@ def tile_walk(counts: jax.Array, dim_size: int, tile: int, group_offset=0,
   group = jnp.arange(num_total, dtype=jnp.int32)
   bounds = jnp.sum(jnp.where(group[None, :] < groups_before[:, None], counts[None, :], 0),
                    axis=1, dtype=jnp.int32)
-  lo = bounds[:-1]
-  hi = jnp.where(jnp.arange(num_ranges) == num_ranges - 1, dim_size, bounds[1:])
+  # Clipped to the dimension, as `bounds_from_counts` clips: a list past it is cut there.
+  lo = jnp.minimum(bounds[:-1], dim_size)
+  hi = jnp.where(jnp.arange(num_ranges) == num_ranges - 1, dim_size,
+                 jnp.minimum(bounds[1:], dim_size))
   row_starts = lo
   hi, tile_ = hi.astype(jnp.int32), jnp.int32(tile)  # int32 under jax_enable_x64 too
   spans = jnp.where(hi > lo, lax.div(hi - 1, tile_) - lax.div(lo, tile_) + 1, 0)

@@ -83,7 +83,9 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
   Args:
     lhs, rhs: arrays, or `QArray`s for a quantized mode that some backend serves (the
       lowering dequantizes when none does on the platform it lowers for).
-    counts: int32 ``[G]`` sizes that fit the grouped dimension (`group_list.to_counts`).
+    counts: int32 ``[G]`` sizes in ``[0, dim]`` (`group_list.fitted_counts`); a list whose
+      running sum passes the grouped dimension is cut there (every consumer reads the
+      groups' rows through `metadata.bounds_from_counts` or `metadata.tile_walk`).
     group_offset: int32 scalar.
     bias: None or ``[num_local, N]``.
     cfg: the static options.
