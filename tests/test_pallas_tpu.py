@@ -4,6 +4,8 @@ shapes, lowerable primitives), which needs no TPU."""
 
 from __future__ import annotations
 
+import functools
+
 import gmm_jax
 import jax
 import jax.numpy as jnp
@@ -495,3 +497,65 @@ def test_dispatch_fuses_what_the_kernel_does_and_moves_the_rest_around(n_out, fu
     text = _lower_for_tpu(lambda x, r: f(x, r, None, False), x, rhs)
     assert mosaic_calls(text) == 1
     assert f"tensor<100x{2 * n_out}xf32>" not in text.split("tpu_custom_call")[-1]
+
+
+# The kernels multiply a K block wider than K_CHUNK (m-grouping) and an output tile taller
+# than OUT_ROW_CHUNK (k-grouping) in chunks, in a loop (Mosaic compiles one chunk's code).
+# Small chunks here, so that small shapes take the loops: several chunks per K step and
+# per tile, a ragged K edge masked inside the last chunk, gated epilogues and prologues,
+# both layouts, the gradients' k-grouped gmms; against the reference.
+CHUNKED_CASES = [
+    pytest.param("m", dict(activation="gelu"), (32, 256, 128), 300, id="m-2k-steps-edge"),
+    pytest.param("m", dict(activation="swiglu"), (32, 384, 128), 384, id="m-one-k-step-swiglu"),
+    pytest.param("m", dict(transpose_lhs=True, transpose_rhs=True), (128, 256, 128), 300,
+                 id="m-tl-tr"),
+    pytest.param("m", dict(lhs_activation="swiglu"), (32, 256, 128), 256, id="m-prologue"),
+    pytest.param("k", dict(activation="gelu"), (256, 128, 128), 300, id="k-2-row-chunks"),
+    pytest.param("k", dict(transpose_lhs=True, transpose_rhs=True, activation="swiglu"),
+                 (256, 128, 128), 300, id="k-tl-tr-swiglu"),
+]
+
+
+@pytest.mark.parametrize("group_type, options, tiles, k", CHUNKED_CASES)
+def test_chunked_products_match_the_reference(monkeypatch, group_type, options, tiles, k):
+  monkeypatch.setattr(tpu_gmm, "K_CHUNK", 128)
+  monkeypatch.setattr(tpu_gmm, "OUT_ROW_CHUNK", 128)
+  tiling = Tiling(*tiles)
+  if group_type == "m":
+    assert tpu_gmm.k_chunks(tiling.tile_k) == tiling.tile_k // 128 > 1
+  else:
+    assert tpu_gmm.out_row_chunk(tiling.tile_m) == 128
+  gated = options.get("activation") == "swiglu"
+  prologue = "lhs_activation" in options
+  m, n, num_local = (233, 264 if gated else 132, 3) if group_type == "m" else (
+      261, 264 if gated else 132, 3)
+  sizes = [70, 0, 41, 100] if group_type == "m" else [130, 0, 41, 100]
+  transpose_lhs, transpose_rhs = (options.get("transpose_lhs", False),
+                                  options.get("transpose_rhs", False))
+  lhs, rhs, bias = make_operands(group_type, m=m, k=2 * k if prologue else k, n=n,
+                                 num_local=num_local, transpose_lhs=transpose_lhs,
+                                 transpose_rhs=transpose_rhs, with_bias=True, seed=23)
+  if prologue:  # w's K is z's half
+    rhs = rhs[:, :k] if not transpose_rhs else rhs[..., :k]
+  counts = jnp.asarray(sizes, jnp.int32)
+
+  def run(implementation, lhs, rhs):
+    extra = dict(num_groups=num_local) if group_type == "k" else {}
+    return gmm_jax.gmm(lhs, rhs, counts, group_type=group_type, group_offset=1,
+                       bias=None if prologue else bias, **extra, implementation=implementation,
+                       interpret=implementation == "pallas_tpu",
+                       tiling=tiling if implementation == "pallas_tpu" else None,
+                       preferred_element_type=jnp.float32, **options)
+
+  got = jax.jit(functools.partial(run, "pallas_tpu"))(lhs, rhs)
+  want = run("reference", lhs, rhs)
+  # A gated output is a product of two sums: each one's rounding times the other (~|z|).
+  scale = 16.0 if gated else 4.0
+  np.testing.assert_allclose(f64(got), f64(want), **tolerances(jnp.float32, k=k, scale=scale))
+  if group_type == "m" and not prologue:  # the backward's dlhs (m) and drhs (k) gmms too
+    loss = lambda impl, l, r: jnp.sum(run(impl, l, r) ** 2)  # noqa: E731
+    got = jax.jit(jax.grad(functools.partial(loss, "pallas_tpu"), argnums=(0, 1)))(lhs, rhs)
+    want = jax.grad(functools.partial(loss, "reference"), argnums=(0, 1))(lhs, rhs)
+    for a, b in zip(got, want):  # f32 sums of other orders, relative to the largest entry
+      np.testing.assert_allclose(f64(a), f64(b), rtol=1e-4,
+                                 atol=1e-4 * float(np.max(np.abs(f64(b)))))

@@ -1,12 +1,12 @@
 """Pallas TPU (Mosaic) gmm kernels.
 
-m-grouping, grid ``(N tiles, items, K tiles)`` with the item count read from a scalar (a
-dynamic grid bound: only the items that exist are visited). The items are the tile-aligned
-work items of `metadata.make_tile_metadata` (a row tile x one local group it touches) plus
-one *zero item* for every row tile that no local group touches, so every output tile is
-written exactly once and rows no item owns (past the group total, of remote groups) are
-zeros written by the kernel itself: no pass over the output after the call. A zero item
-does no compute and repeats a neighbouring item's input block indices (no DMA).
+m-grouping, grid ``(N tiles, steps, K tiles)`` with the step count read from a scalar (a
+dynamic grid bound: only the steps that exist are visited). The steps are those of the
+scalar-prefetched `metadata.TileWalk`: one per (row tile, local group it touches), plus a
+*zero step* for every row tile that no local group touches, so every output tile is written
+exactly once and rows no step owns (past the group total, of remote groups) are zeros
+written by the kernel itself: no pass over the output after the call. A zero step does no
+compute and repeats a neighbouring step's input block indices (no DMA).
 
 The default tiles cover K and, where VMEM allows, N (or split N evenly), so the weights
 ``rhs[g]`` are fetched once per column block while consecutive items of one group keep the
@@ -15,6 +15,13 @@ no accumulator; with several, the K edge is masked on the last step only. An ite
 part of a row tile computes only the `row_chunk`-row slices it touches (the MXU's rows), not
 the whole tile. The VMEM limit is set from the block sizes (`vmem_limit`); tiles that do not
 fit raise NotImplementedError rather than relying on Mosaic's default scoped limit.
+
+Code size (Mosaic's compile time grows with the MXU code it unrolls): each step's product
+is traced once (twice with a ragged K edge, whose last step masks it), a partial item's row
+slices run in a loop, and a K block wider than `K_CHUNK` columns is multiplied
+`K_CHUNK` columns at a time in a loop (`k_chunks`); the k-grouping kernel computes an output
+tile taller than `OUT_ROW_CHUNK` rows in row chunks, in a loop (`out_row_chunk`). The
+blocks, the grid and the DMAs stay the tiles'; `code_size` is one iteration's product.
 
 k-grouping, grid ``(M tiles, N tiles, items)`` (items over K, built with ``cover=True`` so an
 empty group has one zero-column item and its output is ``activation(bias)``): the
@@ -100,6 +107,11 @@ FEATURES = ("row_weights", "gated", "gated_lhs", "gated_cotangent")
 # time): measured on the Mixtral-like training step for v5e, the chosen tiles cost at most
 # ~2% more modelled time and compile about twice as fast (BENCHMARKS.md).
 COMPILE_SLACK = 0.03
+# The m-grouping kernel multiplies a K block of more columns than this in chunks of this
+# many, in a loop (`k_chunks`); the k-grouping kernel computes an output tile of more rows
+# than OUT_ROW_CHUNK in chunks of that many (`out_row_chunk`).
+K_CHUNK = 512
+OUT_ROW_CHUNK = 256
 
 
 def _lane_tiles(dim: int, largest: int, smallest: int = 256) -> list[int]:
@@ -185,12 +197,33 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
              key=lambda t: (t.tile_k, t.tile_n, t.tile_m))
 
 
+def k_chunks(tile_k: int, cached: bool = False) -> int:
+  """How many `K_CHUNK`-column chunks the m-grouping kernel's K block is multiplied in, one
+  loop iteration each (1: the block in one product; weights the kernel dequantizes into a
+  cache, or dequantizes whole, are multiplied whole)."""
+  if cached or tile_k <= K_CHUNK or tile_k % K_CHUNK:
+    return 1
+  return tile_k // K_CHUNK
+
+
+def out_row_chunk(tile_m: int) -> int:
+  """The rows per chunk the k-grouping kernel computes its output tile in, one loop
+  iteration each: `OUT_ROW_CHUNK`, or 128 where that does not divide the tile (the tile
+  itself where neither does, or where it is no larger)."""
+  for rows in (OUT_ROW_CHUNK, 128):
+    if tile_m > rows and tile_m % rows == 0:
+      return rows
+  return tile_m
+
+
 def code_size(tiling: Tiling, cfg: GmmConfig) -> int:
   """A proxy for the kernel's code, and so its Mosaic compile time: the multiply-adds of
-  one grid step's dot (``tile_m x tile_k x tile_n``, gate and up when gated), which Mosaic
-  unrolls into MXU operations."""
+  the dot that Mosaic unrolls into MXU operations, one loop iteration's (`k_chunks`,
+  `out_row_chunk`) of a grid step (gate and up when gated)."""
   tiling = paired(tiling, cfg)
-  return tiling.tile_m * tiling.tile_k * tiling.tile_n
+  if cfg.group_type == "k":
+    return out_row_chunk(tiling.tile_m) * tiling.tile_k * tiling.tile_n
+  return tiling.tile_m * tiling.tile_k // k_chunks(tiling.tile_k) * tiling.tile_n
 
 
 def paired(tiling: Tiling, cfg: GmmConfig) -> Tiling:
@@ -564,23 +597,47 @@ def _m_kernel(ranges_ref, row_starts_ref, steps_end_ref, *refs, dims,
                                  k_step * len(_block_widths(tile_k, quant.k_block)), cfg,
                                  quant.k_block, dot_dtype,
                                  acc_dtype, (k_step * tile_k, 0, k) if masked else None)]
-      if prologue:  # act(gate, up) in f32, rounded to lhs's dtype (`epilogue.gated_input`)
-        x = GATED_PAIRS[cfg.lhs_activation](
-            lhs_ref[span, :].astype(jnp.float32),
-            lhs_up_ref[span, :].astype(jnp.float32)).astype(lhs_ref.dtype)
-        x = _values(x, dot_dtype)
-      else:
-        x = _values(lhs_ref[:, span] if cfg.transpose_lhs
-                    else lhs_ref[span, :], dot_dtype)
-      if masked:  # the padded K edge of the last step reads garbage: zero it in both
-        x = _mask_k(x, k_step * tile_k, 0, k, 0 if cfg.transpose_lhs else 1)
-      out = []
-      for w_ref in (rhs_ref, up_ref) if gated else (rhs_ref,):
-        w = _values(weights(w_ref), dot_dtype)
-        if masked:
-          w = _mask_k(w, k_step * tile_k, 0, k, 1 if cfg.transpose_rhs else 0)
-        out.append(_dot(x, w, cfg, dot_dtype, acc_dtype))
-      return out
+      w_refs = (rhs_ref, up_ref) if gated else (rhs_ref,)
+
+      def chunk_product(ks, first):
+        """The product over the K columns `ks` of the step's block (None: all of them;
+        the first is the problem's column `first`), for each rhs column block."""
+        whole = ks is None
+        ks = slice(None) if whole else ks
+        if prologue:  # act(gate, up) in f32, rounded to lhs's dtype (`epilogue.gated_input`)
+          x = GATED_PAIRS[cfg.lhs_activation](
+              lhs_ref[span, ks].astype(jnp.float32),
+              lhs_up_ref[span, ks].astype(jnp.float32)).astype(lhs_ref.dtype)
+          x = _values(x, dot_dtype)
+        else:
+          x = _values(lhs_ref[ks, span] if cfg.transpose_lhs
+                      else lhs_ref[span, ks], dot_dtype)
+        if masked:  # the padded K edge of the last step reads garbage: zero it in both
+          x = _mask_k(x, first, 0, k, 0 if cfg.transpose_lhs else 1)
+        out = []
+        for w_ref in w_refs:
+          w = _values(weights(w_ref) if whole else (
+              w_ref[:, ks] if cfg.transpose_rhs else w_ref[ks, :]), dot_dtype)
+          if masked:
+            w = _mask_k(w, first, 0, k, 1 if cfg.transpose_rhs else 0)
+          out.append(_dot(x, w, cfg, dot_dtype, acc_dtype))
+        return out
+
+      chunks = k_chunks(tile_k, weight_cache or weight_only)
+      if chunks == 1:
+        return chunk_product(None, k_step * tile_k)
+
+      # K_CHUNK columns at a time in a loop: Mosaic compiles one chunk's MXU code instead
+      # of the whole block's (its compile time grows with the unrolled code); the block's
+      # DMA and the grid are unchanged.
+      def chunk_body(c, accs):
+        lo_k = pl.multiple_of(c * K_CHUNK, K_CHUNK)
+        parts = chunk_product(pl.ds(lo_k, K_CHUNK), k_step * tile_k + lo_k)
+        return tuple(acc + part for acc, part in zip(accs, parts))
+
+      width = (rhs_ref.shape[0] if cfg.transpose_rhs else rhs_ref.shape[1])
+      init = tuple(jnp.zeros((size, width), acc_dtype) for _ in w_refs)
+      return list(lax.fori_loop(0, chunks, chunk_body, init))
 
     def finish(accs):
       if lhs_scale_ref is not None and not blocked:  # int8 x int8: int32 sums, then scales
@@ -717,33 +774,47 @@ def _k_kernel(groups_ref, tiles_ref, starts_ref, ends_ref, lhs_ref, rhs_ref, *re
     for acc_ref in acc_refs:
       acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
 
-  def products(masked: bool):
-    """The item's product for each rhs column block (gate and up when gated)."""
+  w_refs = (rhs_ref, up_ref) if gated else (rhs_ref,)
+
+  def products(masked: bool, rows):
+    """The item's product on the output rows `rows` for each rhs column block (gate and up
+    when gated)."""
     if blocked:
-      return [_blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, slice(None),
+      return [_blocked_product(lhs_ref, rhs_ref, lhs_scale_ref, rhs_scale_ref, rows,
                                tiles_ref[item] * len(_block_widths(tiling.tile_k, k_block)),
                                cfg, k_block, dot_dtype, acc_dtype,
                                (first, start, end) if masked else None)]
-    x = _values(lhs_ref[...], dot_dtype)
+    x = _values(lhs_ref[:, rows] if cfg.transpose_lhs else lhs_ref[rows, :], dot_dtype)
     if masked:  # columns of other groups in this K tile, and the padded K edge: zero in both
       x = _mask_k(x, first, start, end, 0 if cfg.transpose_lhs else 1)
     out = []
-    for w_ref in (rhs_ref, up_ref) if gated else (rhs_ref,):
+    for w_ref in w_refs:
       w = _values(w_ref[...], dot_dtype)
       if masked:
         w = _mask_k(w, first, start, end, 1 if cfg.transpose_rhs else 0)
       out.append(_dot(x, w, cfg, dot_dtype, acc_dtype))
     return out
 
-  @pl.when(full)
-  def _():
-    for acc_ref, part in zip(acc_refs, products(False)):
-      acc_ref[...] += part
+  chunk = tiling.tile_m if blocked else out_row_chunk(tiling.tile_m)
 
-  @pl.when(~full & (end > start))
-  def _():
-    for acc_ref, part in zip(acc_refs, products(True)):
-      acc_ref[...] += part
+  def accumulate(masked: bool):
+    if chunk == tiling.tile_m:
+      for acc_ref, part in zip(acc_refs, products(masked, slice(None))):
+        acc_ref[...] += part
+      return
+
+    # `chunk` output rows at a time, in a loop: Mosaic compiles one chunk's MXU code
+    # instead of the whole tile's (its compile time grows with the unrolled code).
+    def chunk_body(c, carry):
+      rows = pl.ds(pl.multiple_of(c * chunk, chunk), chunk)
+      for acc_ref, part in zip(acc_refs, products(masked, rows)):
+        acc_ref[rows, :] += part
+      return carry
+
+    lax.fori_loop(0, tiling.tile_m // chunk, chunk_body, 0)
+
+  pl.when(full)(functools.partial(accumulate, False))
+  pl.when(~full & (end > start))(functools.partial(accumulate, True))
 
   @pl.when(last_of_group)
   def _():
