@@ -320,8 +320,8 @@ def ffn_sorted(spec: ExpertFFN, x, top_e, top_p, params, *, capacity=None):
   order = jnp.argsort(key, stable=True)
   sizes = jnp.bincount(key, length=num_local + 1)[:num_local].astype(jnp.int32)
   rows, out_p = weighted_rows(spec, copies, jnp.where(valid, flat_p, 0), valid)
-  y_sorted = ffn_rows(spec, rows[order], sizes, params)
-  out = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+  y_sorted = ffn_rows(spec, routing.permute_rows(rows, order), sizes, params)
+  out = routing.unpermute_rows(y_sorted, order)
   weighted = (out.astype(jnp.float32).reshape(num_tokens, k, -1)
               * out_p.reshape(num_tokens, k, 1).astype(jnp.float32))
   return jnp.sum(weighted, axis=1), valid.reshape(num_tokens, k)
@@ -502,8 +502,8 @@ def _travel(static: Static, layout: Layout, x, top_e, top_p, params, capacity):
   def compute(recv, recv_ids):
     order = jnp.argsort(recv_ids, stable=True)
     sizes = jnp.bincount(recv_ids, length=local_experts + 1)[:local_experts]
-    y = ffn_rows(spec, recv[order], sizes.astype(jnp.int32), params)
-    return jnp.zeros_like(y).at[order].set(y)
+    y = ffn_rows(spec, routing.permute_rows(recv, order), sizes.astype(jnp.int32), params)
+    return routing.unpermute_rows(y, order)
 
   def run(platform, rows, ids):
     kind = routing.transport_for(static.transport, platform, layout.mesh)
