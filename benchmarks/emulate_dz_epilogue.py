@@ -29,7 +29,7 @@ from jax import lax
 
 import gmm_jax
 from gmm_jax import bench_moe
-from gmm_jax._src import epilogue
+from gmm_jax._src.core import epilogue
 
 T, D, F, E, TOP_K = 4096, 1024, 2048, 64, 2
 BF16 = jnp.bfloat16

@@ -53,8 +53,10 @@ from absl import flags
 from jax.experimental import topologies
 
 import gmm_jax
-from gmm_jax._src import cli, dispatch, tuning
-from gmm_jax._src.config import is_gated
+from gmm_jax._src import cli
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.tiling import tuning
+from gmm_jax._src.core.config import is_gated
 
 TARGET_DIR = pathlib.Path(__file__).with_name("targets")
 # name -> (platform, topology, target config file (GPU)). A program is compiled for the

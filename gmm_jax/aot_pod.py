@@ -88,7 +88,8 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gmm_jax import nn
-from gmm_jax._src import cli, dispatch
+from gmm_jax._src import cli
+from gmm_jax._src.backends import registry as dispatch
 
 TARGET_DIR = pathlib.Path(__file__).with_name("targets")
 GIB = 2 ** 30

@@ -46,9 +46,11 @@ from absl import flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from gmm_jax import GmmSharding, QuantSpec, autotune, gmm, quantize, routed_gmm
-from gmm_jax._src import cli, dispatch, tuning
-from gmm_jax._src.autotune import min_wall_time
-from gmm_jax._src.config import GmmConfig, Problem
+from gmm_jax._src import cli
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.tiling import tuning
+from gmm_jax._src.tiling.autotune import min_wall_time
+from gmm_jax._src.core.config import GmmConfig, Problem
 
 
 def group_sizes(m: int, num_groups: int, distribution: str, seed: int = 0) -> np.ndarray:

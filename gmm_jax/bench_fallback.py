@@ -37,7 +37,7 @@ from jax.experimental import topologies
 
 import gmm_jax
 from gmm_jax import aot
-from gmm_jax._src import dispatch
+from gmm_jax._src.backends import registry as dispatch
 
 # The targets of `gmm_jax.aot` this compares on.
 TARGETS = {name: aot.TARGETS[name] for name in ("h200", "v5e")}

@@ -53,7 +53,7 @@ from jax._src.lib import xla_client  # private: the PJRT plugin loader
 from jax.experimental import topologies
 
 import gmm_jax
-from gmm_jax._src.autotune import min_wall_time
+from gmm_jax._src.tiling.autotune import min_wall_time
 
 
 def init_params(key, embed: int, mlp: int, experts: int, dtype=jnp.float32) -> dict:

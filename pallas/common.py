@@ -2,7 +2,7 @@
 checks, the empty and K=0 cases), tile sizes, edge masks, in-kernel dequantization.
 
 Floor 2 with the kernels. Kernels read the grouped layout only through
-`gmm_jax._src.metadata` (work items, group bounds); nothing here re-derives group offsets
+`gmm_jax._src.core.metadata` (work items, group bounds); nothing here re-derives group offsets
 from a group list.
 """
 
@@ -16,9 +16,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from gmm_jax._src import tuning
-from gmm_jax._src.config import GmmConfig, Problem, Tiling, accumulator_dtype, problem_dims
-from gmm_jax._src.qarray import QArray, broadcast_scale, quant_mode
+from gmm_jax._src.tiling import tuning
+from gmm_jax._src.core.config import GmmConfig, Problem, Tiling, accumulator_dtype, problem_dims
+from gmm_jax._src.core.qarray import QArray, broadcast_scale, quant_mode
 
 
 def next_power_of_2(x: int) -> int:

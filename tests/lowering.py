@@ -11,7 +11,7 @@ import contextlib
 import importlib.util
 
 import jax
-from gmm_jax._src import dispatch
+from gmm_jax._src.backends import registry as dispatch
 from jax.experimental.pallas import triton as plgpu
 
 

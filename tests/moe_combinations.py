@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gmm_jax
 import meshes
-from gmm_jax._src import experts
+from gmm_jax._src.moe import experts
 
 D, F = 8, 4
 MESH = ((2, 4), ("data", "expert"))

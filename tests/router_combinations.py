@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from gmm_jax import nn
-from gmm_jax._src import experts
+from gmm_jax._src.moe import experts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import meshes

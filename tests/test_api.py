@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import dispatch
+from gmm_jax._src.backends import registry as dispatch
 from gmm_test_base import group_sizes
 from jax.experimental import checkify
 from oracle import f64, gmm_oracle, local_rows, tolerances
@@ -597,7 +597,7 @@ def test_tile_metadata_skip_leaves_the_first_rows_of_each_group(skip):
 
 def test_xla_head_capacity_engages_for_small_16bit_groups():
   # The 16-bit small-group tests of the shared base rely on this pass being active.
-  from gmm_jax._src.xla import head_capacity
+  from gmm_jax._src.backends.xla import head_capacity
   assert head_capacity(96, 8, 256, jnp.bfloat16) == 16
   assert head_capacity(2048, 64, 256, jnp.float16) == 32
   assert head_capacity(2048, 64, 256, jnp.float32) == 0  # f32 loops are not slowed down

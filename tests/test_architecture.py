@@ -1,12 +1,17 @@
 """The layered core of ARCHITECTURE.md, read from the source: every import goes down a
 floor (never up, never in a circle), no function-level import dodges one, floor-0 modules
 import nothing from gmm_jax, the dispatcher names no backend, and test files never import
-each other."""
+each other.
+
+`FLOORS` below is the one floor table: docs/architecture.md's is generated from it and each
+module's docstring (``python tests/test_architecture.py --write`` rewrites it; a test fails
+when the two differ)."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
@@ -15,21 +20,21 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Module -> floor. The public package `gmm_jax` (its __init__) re-exports floors 0-6; the
 # floor-6 modules use the public API through it or through the modules below them.
 FLOORS = {
-    "gmm_jax._src.config": 0,
-    "gmm_jax._src.epilogue": 0,
-    "gmm_jax._src.qarray": 0,
-    "gmm_jax._src.group_list": 0,
-    "gmm_jax._src.metadata": 0,
-    "gmm_jax._src.errors": 0,  # GmmShapeError
+    "gmm_jax._src.core.config": 0,
+    "gmm_jax._src.core.epilogue": 0,
+    "gmm_jax._src.core.qarray": 0,
+    "gmm_jax._src.core.group_list": 0,
+    "gmm_jax._src.core.metadata": 0,
+    "gmm_jax._src.core.errors": 0,  # GmmShapeError
     "gmm_jax._src.cli": 0,  # absl flags and the progress bar of the console scripts
-    "gmm_jax._src.grouped_array": 1,
-    "gmm_jax._src.dispatch": 1,
-    "gmm_jax._src.strategy": 1,
-    "gmm_jax._src.tuning": 1,
-    "gmm_jax._src.cost_models": 1,
-    "gmm_jax._src.reference": 2,
-    "gmm_jax._src.xla": 2,
-    "gmm_jax._src.lax_ragged": 2,
+    "gmm_jax._src.core.grouped_array": 1,
+    "gmm_jax._src.backends.registry": 1,
+    "gmm_jax._src.sharding.strategy": 1,
+    "gmm_jax._src.tiling.tuning": 1,
+    "gmm_jax._src.tiling.cost_models": 1,
+    "gmm_jax._src.backends.reference": 2,
+    "gmm_jax._src.backends.xla": 2,
+    "gmm_jax._src.backends.lax_ragged_dot": 2,
     "gmm_jax._src.op": 2,
     "gmm_jax._src.op.primitive": 2,
     "gmm_jax._src.op.lowering": 2,
@@ -44,13 +49,13 @@ FLOORS = {
     "gmm_jax.pallas.gpu.mosaic": 2,
     "gmm_jax.pallas.tpu": 2,
     "gmm_jax.pallas.tpu.gmm": 2,
-    "gmm_jax._src.backends": 3,
-    "gmm_jax._src.quantized": 3,
-    "gmm_jax._src.sharding": 4,
-    "gmm_jax._src.fp8_training": 4,
+    "gmm_jax._src.backends.builtin": 3,
+    "gmm_jax._src.backends.quantized": 3,
+    "gmm_jax._src.sharding.spec": 4,
+    "gmm_jax._src.backends.fp8_training": 4,
     "gmm_jax._src.api": 5,
-    "gmm_jax._src.routing": 6,
-    "gmm_jax._src.experts": 6,
+    "gmm_jax._src.moe.routing": 6,
+    "gmm_jax._src.moe.experts": 6,
     "gmm_jax._src.ragged_dot": 6,
     "gmm_jax.nn": 6,
     **{f"gmm_jax.nn.{name}": 6 for name in (
@@ -64,7 +69,7 @@ FLOORS = {
     "gmm_jax.examples.train_moe": 7,
     "gmm_jax.aot": 6,
     "gmm_jax.aot_pod": 7,  # compiles gmm_jax.nn (floor 6) training steps
-    "gmm_jax._src.autotune": 6,
+    "gmm_jax._src.tiling.autotune": 6,
     "gmm_jax.demo": 6,
     "gmm_jax.compat": 6,
     "gmm_jax.compat.onednn": 6,
@@ -74,6 +79,8 @@ FLOORS = {
     "gmm_jax.compat._ascend_rules": 6,
     "gmm_jax.compat._ascend_scales": 6,
     "gmm_jax._src": 0,
+    # The role packages: empty faces (they import nothing), their modules on their floors.
+    **{f"gmm_jax._src.{name}": 0 for name in ("core", "backends", "tiling", "sharding", "moe")},
     "gmm_jax": 7,
 }
 PUBLIC_PACKAGE = "gmm_jax"
@@ -99,19 +106,19 @@ SAME_FLOOR = {
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_scales"),
     ("gmm_jax.compat._ascend_rules", "gmm_jax.compat._ascend_scales"),
     ("gmm_jax.demo", "gmm_jax.bench"),  # the demo prints a benchmark table
-    ("gmm_jax.bench", "gmm_jax._src.autotune"),  # the benchmark times as the autotuner does
-    ("gmm_jax.bench_moe", "gmm_jax._src.autotune"),
+    ("gmm_jax.bench", "gmm_jax._src.tiling.autotune"),  # the benchmark times as the autotuner does
+    ("gmm_jax.bench_moe", "gmm_jax._src.tiling.autotune"),
     ("gmm_jax.bench_fallback", "gmm_jax.aot"),  # the same deviceless targets
     # The routed-experts op moves rows with the routing transports; the layer composes it.
-    ("gmm_jax._src.experts", "gmm_jax._src.routing"),
-    ("gmm_jax.nn", "gmm_jax._src.experts"),
+    ("gmm_jax._src.moe.experts", "gmm_jax._src.moe.routing"),
+    ("gmm_jax.nn", "gmm_jax._src.moe.experts"),
     # The Flax layers package: its modules build on each other (the circle test still
     # holds) and on the routed-experts op.
     *((a, b) for a in ("gmm_jax.nn", "gmm_jax.nn.params", "gmm_jax.nn.grouped_linear",
                        "gmm_jax.nn.router", "gmm_jax.nn.expert_ffn", "gmm_jax.nn.shared",
                        "gmm_jax.nn.dispatch", "gmm_jax.nn.presets", "gmm_jax.nn.moe",
                        "gmm_jax.nn.linen", "gmm_jax.nn.hf", "gmm_jax.nn.hf_unsupported")
-      for b in ("gmm_jax._src.experts", "gmm_jax.nn.params", "gmm_jax.nn.grouped_linear",
+      for b in ("gmm_jax._src.moe.experts", "gmm_jax.nn.params", "gmm_jax.nn.grouped_linear",
                 "gmm_jax.nn.router", "gmm_jax.nn.expert_ffn", "gmm_jax.nn.shared",
                 "gmm_jax.nn.dispatch", "gmm_jax.nn.presets", "gmm_jax.nn.moe",
                 "gmm_jax.nn.linen", "gmm_jax.nn.hf", "gmm_jax.nn.hf_unsupported")),
@@ -229,17 +236,17 @@ def test_no_function_level_import_of_gmm_jax_or_a_required_dependency():
 
 
 def test_the_dispatcher_names_no_backend():
-  text = (ROOT / "gmm_jax" / "_src" / "dispatch.py").read_text()
+  text = (ROOT / "gmm_jax" / "_src" / "backends" / "registry.py").read_text()
   for name in ("\"xla\"", "\"reference\"", "pallas_triton", "pallas_tpu", "gmm_jax.pallas"):
     assert name not in text, name
 
 
 def test_backends_never_import_the_layers_above_them(graph):
   _, edges = graph
-  backends = ["gmm_jax._src.reference", "gmm_jax._src.xla", "gmm_jax._src.lax_ragged",
+  backends = ["gmm_jax._src.backends.reference", "gmm_jax._src.backends.xla", "gmm_jax._src.backends.lax_ragged_dot",
               "gmm_jax.pallas.common",
               "gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.tpu.gmm"]
-  forbidden = {"gmm_jax._src.dispatch", "gmm_jax._src.op", "gmm_jax._src.quantized",
+  forbidden = {"gmm_jax._src.backends.registry", "gmm_jax._src.op", "gmm_jax._src.backends.quantized",
                "gmm_jax._src.api"}
   for module in backends:
     assert not {t for t, _, _ in edges[module]} & forbidden, module
@@ -256,3 +263,58 @@ def test_test_files_never_import_each_other():
         names = [node.module]
       offenders += [f"{path.name} imports {n}" for n in names if n.startswith("test_")]
   assert not offenders, offenders
+
+
+# ------------------------------------------------------------ the docs' generated floor table
+
+DOCS = ROOT / "docs" / "architecture.md"
+TABLE_START = "<!-- floors: generated by `python tests/test_architecture.py --write` -->"
+TABLE_END = "<!-- floors: end -->"
+
+
+def _path(module: str) -> str:
+  """The module's file, as the repository holds it (`pallas/` installs as gmm_jax.pallas)."""
+  parts = module.split(".")
+  if parts[:2] == ["gmm_jax", "pallas"]:
+    parts = parts[1:]
+  base = ROOT.joinpath(*parts)
+  return str((base / "__init__.py" if base.is_dir() else base.with_suffix(".py"))
+             .relative_to(ROOT))
+
+
+def _job(tree: ast.Module) -> str:
+  """The first sentence of a module's docstring: its one job."""
+  text = " ".join((ast.get_docstring(tree) or "").split("\n\n")[0].split())
+  end = text.find(". ")
+  return (text if end < 0 else text[:end + 1]).replace("|", "\\|")
+
+
+def floor_table() -> str:
+  """The floor table of docs/architecture.md, from `FLOORS` and the modules' docstrings:
+  every module with a docstring, by floor then path."""
+  sources = _sources()
+  rows = sorted((FLOORS[m], _path(m), _job(tree)) for m, tree in sources.items()
+                if m in FLOORS and ast.get_docstring(tree))
+  lines = ["| floor | module | its one job (the docstring's first sentence) |", "|---|---|---|"]
+  lines += [f"| {floor} | `{path}` | {job} |" for floor, path, job in rows]
+  return "\n".join(lines)
+
+
+def _docs_table(text: str) -> tuple[int, int]:
+  start, end = text.find(TABLE_START), text.find(TABLE_END)
+  assert 0 <= start < end, f"{DOCS} lost the markers of its generated floor table"
+  return start + len(TABLE_START), end
+
+
+def test_the_docs_floor_table_is_generated_from_floors():
+  text = DOCS.read_text()
+  start, end = _docs_table(text)
+  assert text[start:end].strip() == floor_table(), (
+      f"{DOCS}'s floor table differs from FLOORS and the docstrings: run "
+      "`python tests/test_architecture.py --write`")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+  current = DOCS.read_text()
+  begin, finish = _docs_table(current)
+  DOCS.write_text(current[:begin] + "\n" + floor_table() + "\n" + current[finish:])

@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import backends, cost_models, dispatch, quantized
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.backends import builtin as backends, registry as dispatch, quantized
+from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.core.config import GmmConfig, Tiling
 
 TARGETS = pathlib.Path(gmm_jax.__file__).with_name("targets")
 GIB = 2**30

@@ -21,7 +21,7 @@ import pytest
 from oracle import f64, gmm_oracle, local_rows, tolerances
 
 import gmm_jax
-from gmm_jax._src import dispatch
+from gmm_jax._src.backends import registry as dispatch
 from gmm_jax.compat import megablox
 from gmm_jax.compat.megablox import ops
 

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import cost_models, dispatch, tuning
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.tiling import cost_models, tuning
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.core.config import GmmConfig, Tiling
 from jax.experimental import topologies
 
 H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"

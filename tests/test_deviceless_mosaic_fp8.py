@@ -19,7 +19,7 @@ import pytest
 import h200
 
 import gmm_jax
-from gmm_jax._src import dispatch
+from gmm_jax._src.backends import registry as dispatch
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 M, K, N, G = 512, 256, 256, 4

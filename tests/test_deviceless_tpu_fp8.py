@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import tuning
-from gmm_jax._src.config import GmmConfig
+from gmm_jax._src.tiling import tuning
+from gmm_jax._src.core.config import GmmConfig
 from gmm_jax.pallas.tpu import gmm as tpu_gmm
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 import gmm_jax
 import meshes
 import oracle
-from gmm_jax._src import epilogue, strategy
+from gmm_jax._src.core import epilogue
+from gmm_jax._src.sharding import strategy
 
 RNG = np.random.default_rng(7)
 ACTIVATIONS = [None, "relu", "gelu", "gelu_tanh", "fast_gelu", "silu"]

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import experts
+from gmm_jax._src.moe import experts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import meshes

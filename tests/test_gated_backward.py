@@ -14,7 +14,7 @@ from jax.test_util import check_grads
 
 import gmm_jax
 import oracle
-from gmm_jax._src import epilogue
+from gmm_jax._src.core import epilogue
 
 GATED = ["swiglu", "geglu", "geglu_tanh", "swiglu_clamped"]
 RNG = np.random.default_rng(11)

@@ -23,7 +23,7 @@ from oracle import GATED, f64, gmm_oracle
 
 import gmm_jax
 from gmm_jax import bench_moe
-from gmm_jax._src import dispatch
+from gmm_jax._src.backends import registry as dispatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -52,7 +52,7 @@ def test_equals_the_oracle_and_its_gradient_is_the_composition(name, implementat
   np.testing.assert_allclose(f64(f(z, w)), _oracle(name, z, w, sizes), rtol=1e-5, atol=1e-5)
   # The composition: the activation in jnp, then the plain gmm on the xla path.
   composed = lambda z, w: gmm_jax.gmm(  # noqa: E731
-      gmm_jax._src.epilogue.gated_halves_f32(name, z), w, sizes)
+      gmm_jax._src.core.epilogue.gated_halves_f32(name, z), w, sizes)
   ct = jnp.asarray(np.random.default_rng(1).uniform(-1, 1, (z.shape[0], w.shape[-1])),
                    jnp.float32)
   got = jax.vjp(f, z, w)[1](ct)
@@ -146,7 +146,7 @@ def test_vmapped_gradients_along_both_operands(axes):
                     in_axes=axes)(zs, ws)
 
   got = grads(lambda z, w: gmm_jax.gmm(z, w, sizes, lhs_activation="geglu"))
-  want = grads(lambda z, w: gmm_jax.gmm(gmm_jax._src.epilogue.gated_halves_f32("geglu", z),
+  want = grads(lambda z, w: gmm_jax.gmm(gmm_jax._src.core.epilogue.gated_halves_f32("geglu", z),
                                         w, sizes))
   for g, r in zip(got, want):
     np.testing.assert_allclose(f64(g), f64(r), rtol=1e-5, atol=1e-5)
@@ -269,7 +269,7 @@ def test_the_default_takes_the_prologue_where_the_kernels_fuse_it(monkeypatch, p
   # ExpertFFN(gated_prologue=None): the prologue where the platform's kernels apply act(z)
   # in the down gmm's prologue and write dz in the dlhs gmm's epilogue (Pallas TPU), the
   # epilogue activation where they would be formed around the kernels (BENCHMARKS.md).
-  from gmm_jax._src import experts
+  from gmm_jax._src.moe import experts
   assert experts.prologue_is_native("swiglu", {"platform": platform}) is native
   monkeypatch.setattr(dispatch, "trace_platform", lambda: platform)
   assert ("'swiglu'" in _prologues_traced(None)) is native

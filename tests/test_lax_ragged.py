@@ -21,9 +21,9 @@ from gmm_test_base import GmmTestBase, make_operands
 from grids import covering
 from oracle import GATED, f64, gmm_oracle, local_rows, rows_oracle, tolerances
 
-from gmm_jax._src import dispatch
-from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.lax_ragged import gmm_lax_ragged
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.core.config import GmmConfig
+from gmm_jax._src.backends.lax_ragged_dot import gmm_lax_ragged
 
 NAME = "lax_ragged_dot"
 gmm = functools.partial(gmm_jax.gmm, implementation=NAME)

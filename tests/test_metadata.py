@@ -17,7 +17,7 @@ import pytest
 from gmm_test_base import group_sizes
 from oracle import local_rows
 
-from gmm_jax._src import group_list, metadata
+from gmm_jax._src.core import group_list, metadata
 
 # Eager: the shapes change with every example, and op-by-op dispatch reuses the compiled
 # primitives where jit would compile each new shape whole.

@@ -15,7 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from gmm_jax import nn  # noqa: E402
-from gmm_jax._src import experts  # noqa: E402
+from gmm_jax._src.moe import experts  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 G, EMBED, MLP = 4, 16, 24

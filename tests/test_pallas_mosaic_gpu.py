@@ -18,8 +18,8 @@ from gmm_test_base import make_operands
 from oracle import f64, gmm_oracle, local_rows, tolerances
 
 import gmm_jax
-from gmm_jax._src import dispatch
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.core.config import GmmConfig, Tiling
 
 mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")

@@ -16,7 +16,7 @@ import pytest
 from oracle import dequantize, f64, gmm_oracle, local_rows
 
 import gmm_jax
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.core.config import GmmConfig, Tiling
 
 mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")

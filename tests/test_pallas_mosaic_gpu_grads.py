@@ -18,7 +18,7 @@ from gmm_test_base import make_operands
 from oracle import f64, gmm_oracle, tolerances
 
 import gmm_jax
-from gmm_jax._src import dispatch
+from gmm_jax._src.backends import registry as dispatch
 
 mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")

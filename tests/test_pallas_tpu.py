@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src.config import GmmConfig, Tiling
-from gmm_jax._src.reference import gmm_reference
+from gmm_jax._src.core.config import GmmConfig, Tiling
+from gmm_jax._src.backends.reference import gmm_reference
 from gmm_jax.pallas.tpu import gmm as tpu_gmm
 from grids import covering
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
@@ -424,7 +424,7 @@ EPILOGUE_CASES = [
                          "transpose_rhs, k", EPILOGUE_CASES)
 def test_gated_and_row_weights_epilogue(group_type, activation, weighted, tiles,
                                         transpose_lhs, transpose_rhs, k):
-  from gmm_jax._src.epilogue import Rows
+  from gmm_jax._src.core.epilogue import Rows
   gated = activation in ("swiglu", "geglu", "swiglu_clamped")
   m, n_out, num_local = (230, 256, 3) if group_type == "m" else (70, 256, 3)
   sizes = [70, 0, 41, 100] if group_type == "m" else [130, 0, 41, 100]
@@ -471,7 +471,7 @@ def test_dispatch_fuses_what_the_kernel_does_and_moves_the_rest_around(n_out, fu
   # activation and the weights in its epilogue; the gather is done before it (exact). With
   # N/2 = 64 output columns (no 128-lane tile divides it) the kernel refuses the fused form
   # and serves the plain gmm, the activation and weights done after it in f32.
-  from gmm_jax._src import dispatch
+  from gmm_jax._src.backends import registry as dispatch
   tokens, k, num_local = 50, 128, 3
   x = jnp.asarray(np.random.default_rng(1).standard_normal((tokens, k)), jnp.float32)
   rhs = jnp.asarray(np.random.default_rng(2).standard_normal((num_local, k, 2 * n_out)) / 8,

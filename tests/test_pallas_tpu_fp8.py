@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import cost_models
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax.pallas.tpu import gmm as tpu_gmm
 from oracle import dequantize, gmm_oracle, tolerances
 

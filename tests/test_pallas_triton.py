@@ -12,10 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import dequantize, quantize
-from gmm_jax._src import cost_models, dispatch
-from gmm_jax._src.config import GmmConfig, Tiling
-from gmm_jax._src.epilogue import apply_epilogue
-from gmm_jax._src.reference import gmm_reference
+from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.core.config import GmmConfig, Tiling
+from gmm_jax._src.core.epilogue import apply_epilogue
+from gmm_jax._src.backends.reference import gmm_reference
 from gmm_jax.pallas.gpu import gmm as triton_gmm
 from grids import covering
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import triton_ir
 from gmm_jax import quantize
-from gmm_jax._src import dispatch
-from gmm_jax._src.config import GmmConfig
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.core.config import GmmConfig
 from gmm_jax.pallas.gpu import gmm as triton_gmm
 from lowering import gpu_model
 from oracle import dequantize, gmm_oracle

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from gmm_jax import QArray, QuantSpec, dequantize, quantize
-from gmm_jax._src.qarray import check_fits
+from gmm_jax._src.core.qarray import check_fits
 from gmm_test_base import encode
 from grids import covering
 from oracle import dequantize as np_dequantize  # numpy, from the raw fields

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import QArray, quantize
-from gmm_jax._src import dispatch
+from gmm_jax._src.backends import registry as dispatch
 from grids import covering
 from lowering import implementations_used, lower_for, triton_calls
 from oracle import dequantize, f64, gmm_oracle, tolerances

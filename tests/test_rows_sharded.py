@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import dispatch
+from gmm_jax._src.backends import registry as dispatch
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import meshes

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import GmmSharding, quantize
-from gmm_jax._src import strategy
+from gmm_jax._src.sharding import strategy
 from gmm_jax._src.op import lowering
-from gmm_jax._src.config import GmmConfig
+from gmm_jax._src.core.config import GmmConfig
 from jax.sharding import NamedSharding, PartitionSpec as P
 from grids import covering
 from meshes import collectives, mesh

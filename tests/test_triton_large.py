@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import triton_ir
 from gmm_jax import quantize
-from gmm_jax._src.config import GmmConfig, Tiling
-from gmm_jax._src.epilogue import Rows
+from gmm_jax._src.core.config import GmmConfig, Tiling
+from gmm_jax._src.core.epilogue import Rows
 from gmm_jax.pallas.gpu import gmm as triton_gmm
 from lowering import gpu_model
 from oracle import f64, rows_oracle, tolerances

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import quantize
-from gmm_jax._src.config import GmmConfig, Tiling
-from gmm_jax._src.epilogue import Rows, apply_epilogue
+from gmm_jax._src.core.config import GmmConfig, Tiling
+from gmm_jax._src.core.epilogue import Rows, apply_epilogue
 from gmm_jax.pallas.gpu import gmm as triton_gmm
 from grids import covering
 from oracle import ACTIVATIONS, f64, tolerances
@@ -352,7 +352,7 @@ def test_public_moe_ffn_runs_natively():
   """gmm_jax.route + the two fused gmms through the dispatcher: the Triton kernel serves
   every row feature itself (nothing materialized around it)."""
   import gmm_jax
-  from gmm_jax._src import dispatch
+  from gmm_jax._src.backends import registry as dispatch
 
   experts, top_k, hidden = 4, 2, 16
   keys = jax.random.split(jax.random.key(8), 5)

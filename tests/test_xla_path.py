@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src import xla
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.backends import xla
+from gmm_jax._src.core.config import GmmConfig, Tiling
 from oracle import f64, gmm_oracle, local_rows, tolerances
 
 # Small and large groups around a mean of 12 rows (head capacity 16 with tile_m 256), with

@@ -14,17 +14,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gmm_jax._src import backends  # noqa: F401  (registers the implementations)
-from gmm_jax._src import dispatch, fp8_training, group_list, op, quantized
-from gmm_jax._src import sharding as sharding_lib
-from gmm_jax._src import metadata
-from gmm_jax._src.config import (GATED_ACTIVATIONS, GROUP_TYPES, PLATFORMS, GmmConfig, Tiling,
+from gmm_jax._src.backends import builtin as backends  # noqa: F401  (registers the implementations)
+from gmm_jax._src.backends import registry as dispatch, fp8_training, quantized
+from gmm_jax._src.core import group_list
+from gmm_jax._src import op
+from gmm_jax._src.sharding import spec as sharding_lib
+from gmm_jax._src.core import metadata
+from gmm_jax._src.core.config import (GATED_ACTIVATIONS, GROUP_TYPES, PLATFORMS, GmmConfig, Tiling,
                                  Tilings, is_gated)
-from gmm_jax._src.epilogue import NO_ROWS, Rows, resolve_activation
-from gmm_jax._src.errors import GmmShapeError
-from gmm_jax._src import grouped_array
-from gmm_jax._src.grouped_array import GroupedArray, MaskedArray
-from gmm_jax._src.qarray import (Fp8Training, QArray, QuantSpec, as_qarray, as_quantization,
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, resolve_activation
+from gmm_jax._src.core.errors import GmmShapeError
+from gmm_jax._src.core import grouped_array
+from gmm_jax._src.core.grouped_array import GroupedArray, MaskedArray
+from gmm_jax._src.core.qarray import (Fp8Training, QArray, QuantSpec, as_qarray, as_quantization,
                                  check_fits, quant_mode)
 
 Array = jax.Array

@@ -29,8 +29,8 @@ import numpy as np
 from jax import lax
 
 from gmm_jax._src.api import gmm
-from gmm_jax._src.errors import GmmShapeError
-from gmm_jax._src.qarray import as_qarray
+from gmm_jax._src.core.errors import GmmShapeError
+from gmm_jax._src.core.qarray import as_qarray
 
 # jax.lax.ragged_dot's dimension numbers: lhs [m, k], rhs [g, k, n].
 _RAGGED_DOT_NUMBERS = lax.RaggedDotDimensionNumbers(

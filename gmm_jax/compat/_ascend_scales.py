@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import metadata
+from gmm_jax._src.core import metadata
 
 PACKED_DTYPES = (np.dtype(np.uint64), np.dtype(np.int64))
 _SCALE_MASK = 0xFFFFE000

@@ -49,10 +49,10 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import metadata
+from gmm_jax._src.core import metadata
 from gmm_jax._src.api import gmm
-from gmm_jax._src.epilogue import resolve_activation
-from gmm_jax._src.qarray import QArray
+from gmm_jax._src.core.epilogue import resolve_activation
+from gmm_jax._src.core.qarray import QArray
 from gmm_jax.compat import _ascend_scales as scales
 from gmm_jax.compat._ascend_rules import (ACT_TYPES, as_list, check_arguments, check_bias,
                                           check_scenario, check_structure, concrete, counts,

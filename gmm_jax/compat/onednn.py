@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import group_list, metadata
+from gmm_jax._src.core import group_list, metadata
 from gmm_jax._src.api import gmm
-from gmm_jax._src.grouped_array import GroupedDesc, grouped_desc
-from gmm_jax._src.qarray import QArray
+from gmm_jax._src.core.grouped_array import GroupedDesc, grouped_desc
+from gmm_jax._src.core.qarray import QArray
 
 DATA_TYPES = {
     "f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "s32": jnp.int32,

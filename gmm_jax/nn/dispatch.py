@@ -1,5 +1,5 @@
 """How an MoE layer's tokens reach their experts: the layer only chooses among the
-strategies of `gmm_jax._src.experts` (the fused path, the unfused baseline, the
+strategies of `gmm_jax._src.moe.experts` (the fused path, the unfused baseline, the
 partitionable op) and `gmm_jax.routed_apply` (explicit meshes), from its mesh arguments,
 the tokens' and kernels' shardings and the devices in sight."""
 
@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from gmm_jax import routed_apply
-from gmm_jax._src import experts
-from gmm_jax._src.dispatch import trace_platform
-from gmm_jax._src.experts import ExpertFFN
-from gmm_jax._src.sharding import explicit_axes, token_layout
+from gmm_jax._src.moe import experts
+from gmm_jax._src.backends.registry import trace_platform
+from gmm_jax._src.moe.experts import ExpertFFN
+from gmm_jax._src.sharding.spec import explicit_axes, token_layout
 from gmm_jax.nn.params import auto_mesh
 
 Array = jax.Array

@@ -1,7 +1,7 @@
 """The routed experts' FFN variants: gated (``[E, D, 2F]`` gate|up kernel) or plain
 (``[E, D, F]``), their activations, biases and quantization, as the layers that hold the
 parameters and as the static `ExpertFFN` the dispatch strategies
-(`gmm_jax._src.experts`) run."""
+(`gmm_jax._src.moe.experts`) run."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 
 from gmm_jax import QuantSpec
 from gmm_jax.nn.grouped_linear import GroupedLinear
-from gmm_jax._src.epilogue import SWIGLU_ALPHA, SWIGLU_LIMIT, resolve_activation
-from gmm_jax._src.experts import GATED_NAMES, WEIGHT_ON, ExpertFFN
+from gmm_jax._src.core.epilogue import SWIGLU_ALPHA, SWIGLU_LIMIT, resolve_activation
+from gmm_jax._src.moe.experts import GATED_NAMES, WEIGHT_ON, ExpertFFN
 
 Array = jax.Array
 

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from gmm_jax import GmmSharding, QuantSpec, gmm
-from gmm_jax._src.qarray import Fp8Training, as_quantization
+from gmm_jax._src.core.qarray import Fp8Training, as_quantization
 from gmm_jax.nn.params import auto_mesh, mesh_axes, param
 
 Array = jax.Array

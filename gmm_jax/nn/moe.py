@@ -21,8 +21,8 @@ from gmm_jax.nn.params import mesh_axes, param, reshard
 from gmm_jax.nn.presets import scaled
 from gmm_jax.nn.router import Router
 from gmm_jax.nn.shared import SharedExperts
-from gmm_jax._src import experts
-from gmm_jax._src.epilogue import SWIGLU_ALPHA, SWIGLU_LIMIT
+from gmm_jax._src.moe import experts
+from gmm_jax._src.core.epilogue import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 Array = jax.Array
 
@@ -68,7 +68,7 @@ class MoE(nnx.Module):
       ``swiglu_limit``; defaults 7.0 and 1.702; other values only with
       "swiglu_clamped"). The gmm kernels' epilogues hold the defaults: other values run
       the gated activation after the gate|up gmm, in jnp (the same function,
-      `gmm_jax._src.epilogue.swiglu_clamped`), keeping its ``[R, 2F]`` result.
+      `gmm_jax._src.core.epilogue.swiglu_clamped`), keeping its ``[R, 2F]`` result.
     gated: True: gated FFN, ``gate_up`` kernel ``[E, D, 2F]`` (gate half first); False: a
       Switch-style FFN, ``up`` kernel ``[E, D, F]``. Either way ``down`` is ``[E, F, D]``.
     fused: the fused path (above) or the unfused baseline.
@@ -141,7 +141,7 @@ class MoE(nnx.Module):
     layout: "ragged" (default: the routed rows as one grouped gmm of T * top_k rows) or
       "masked" (decode: the rows as ``[E, max_rows, D]`` slots, `gmm_jax.MaskedArray`,
       every shape independent of the routing, as vLLM's and DeepGEMM's masked grouped
-      GEMMs; `gmm_jax._src.experts.ffn_masked`). Masked runs on one device's view (plain
+      GEMMs; `gmm_jax._src.moe.experts.ffn_masked`). Masked runs on one device's view (plain
       jit: its gmms partition by their rule) and not with `expert_parallel` /
       `data_parallel` / `partitionable=True`. On the CPU it is 1.0-4.4x slower than the
       ragged path (BENCHMARKS.md, decode-shaped calls): it is for accelerators' fixed

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gmm_jax._src.sharding import explicit_axes
+from gmm_jax._src.sharding.spec import explicit_axes
 
 
 def _resolve_names(names):

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gmm_jax.nn.params import param
-from gmm_jax._src.epilogue import SWIGLU_ALPHA, SWIGLU_LIMIT, resolve_activation
-from gmm_jax._src.experts import gated_activation
+from gmm_jax._src.core.epilogue import SWIGLU_ALPHA, SWIGLU_LIMIT, resolve_activation
+from gmm_jax._src.moe.experts import gated_activation
 
 Array = jax.Array
 

@@ -85,11 +85,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.interpreters import mlir
 
-from gmm_jax._src import cost_models, epilogue, metadata
-from gmm_jax._src.config import GmmConfig, Tiling, is_gated, out_columns
-from gmm_jax._src.cost_models import band_rows, default_k_chunk, program_order, row_classes
-from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
-from gmm_jax._src.qarray import QArray, quant_mode
+from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.core import epilogue, metadata
+from gmm_jax._src.core.config import GmmConfig, Tiling, is_gated, out_columns
+from gmm_jax._src.tiling.cost_models import band_rows, default_k_chunk, program_order, row_classes
+from gmm_jax._src.core.epilogue import apply_epilogue, resolve_activation
+from gmm_jax._src.core.qarray import QArray, quant_mode
 from gmm_jax.pallas import common
 from gmm_jax.pallas.common import edge_mask, power_of_2_tile
 

@@ -79,10 +79,10 @@ from gmm_jax.pallas import common
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gmm_jax._src import metadata
-from gmm_jax._src.config import GmmConfig, Tiling, problem_dims
-from gmm_jax._src.epilogue import apply_epilogue, resolve_activation
-from gmm_jax._src.qarray import QArray, quant_mode
+from gmm_jax._src.core import metadata
+from gmm_jax._src.core.config import GmmConfig, Tiling, problem_dims
+from gmm_jax._src.core.epilogue import apply_epilogue, resolve_activation
+from gmm_jax._src.core.qarray import QArray, quant_mode
 
 # A jax without (this much of) Pallas Mosaic GPU raises ImportError here or above, and
 # backends.py then skips the registration.

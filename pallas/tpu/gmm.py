@@ -80,13 +80,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gmm_jax._src import cost_models, epilogue, metadata
-from gmm_jax._src.config import GmmConfig, Tiling, is_gated, out_columns
-from gmm_jax._src.cost_models import (DEQUANT_ROWS, LANE, fit_tile, k_items, m_items,
+from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.core import epilogue, metadata
+from gmm_jax._src.core.config import GmmConfig, Tiling, is_gated, out_columns
+from gmm_jax._src.tiling.cost_models import (DEQUANT_ROWS, LANE, fit_tile, k_items, m_items,
                                       modelled_seconds, mxu_rows, vmem_bytes, vmem_capacity,
                                       vmem_limit)
-from gmm_jax._src.epilogue import NO_ROWS, Rows, apply_epilogue, resolve_activation
-from gmm_jax._src.qarray import QArray
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, apply_epilogue, resolve_activation
+from gmm_jax._src.core.qarray import QArray
 from gmm_jax.pallas import common
 
 ALIGN = cost_models.TPU_ALIGN  # BlockSpec index maps address whole tiles

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.interpreters import batching
 
-from gmm_jax._src import group_list
+from gmm_jax._src.core import group_list
 from gmm_jax._src.op.primitive import PRIMITIVES, current_primitive, gmm, is_plain, unpack
 
 

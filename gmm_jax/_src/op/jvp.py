@@ -17,12 +17,12 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import ad
 
-from gmm_jax._src.config import GmmConfig, is_gated, saved_preactivation_dtype
-from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gated_f32, resolve_activation
+from gmm_jax._src.core.config import GmmConfig, is_gated, saved_preactivation_dtype
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gated_f32, resolve_activation
 from gmm_jax._src.op.primitive import (PREACTIVATION, PRIMITIVES, as_float, composed, gmm,
                                        grouped_rows, row_ids, row_operands, unpack)
 from gmm_jax._src.op.prologue_tangent import prologue_tangent
-from gmm_jax._src.qarray import QArray, dequantize
+from gmm_jax._src.core.qarray import QArray, dequantize
 
 
 def _is_zero(tangent) -> bool:

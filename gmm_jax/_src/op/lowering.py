@@ -20,12 +20,13 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gmm_jax._src import dispatch, strategy
-from gmm_jax._src.epilogue import NO_ROWS
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.sharding import strategy
+from gmm_jax._src.core.epilogue import NO_ROWS
 from gmm_jax._src.op import primitive
 from gmm_jax._src.op.primitive import (PRIMITIVES, concrete_mesh, as_float, gmm_deviceless_p,
                                        gmm_p, row_operands, unpack)
-from gmm_jax._src.qarray import quant_mode
+from gmm_jax._src.core.qarray import quant_mode
 
 
 def _implementation(*operands, platform, cfg, trees, has_bias):

@@ -26,8 +26,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.epilogue import Rows
+from gmm_jax._src.core.config import GmmConfig
+from gmm_jax._src.core.epilogue import Rows
 from gmm_jax._src.op import transpose
 from gmm_jax._src.op.primitive import (abstract_eval, current_primitive, gmm, gmm_deviceless_p,
                                        gmm_p, row_operands, unpack)

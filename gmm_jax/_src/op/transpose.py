@@ -14,9 +14,10 @@ from jax import lax
 from jax.interpreters import ad
 from jax.sharding import PartitionSpec as P
 
-from gmm_jax._src import metadata, tuning
-from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.epilogue import Rows, gated_input, gather_rows, rows_sum
+from gmm_jax._src.core import metadata
+from gmm_jax._src.tiling import tuning
+from gmm_jax._src.core.config import GmmConfig
+from gmm_jax._src.core.epilogue import Rows, gated_input, gather_rows, rows_sum
 from gmm_jax._src.op.primitive import (PRIMITIVES, as_float, composed, gmm, grouped_rows,
                                        is_plain, row_operands, unpack)
 

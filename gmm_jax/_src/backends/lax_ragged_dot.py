@@ -32,9 +32,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gmm_jax._src import metadata
-from gmm_jax._src.config import GmmConfig, accumulator_dtype, out_columns, problem_dims
-from gmm_jax._src.epilogue import NO_ROWS, Rows, finish
+from gmm_jax._src.core import metadata
+from gmm_jax._src.core.config import GmmConfig, accumulator_dtype, out_columns, problem_dims
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish
 
 # Gated activations are finished here (after the whole product); row operations are not.
 FEATURES = ("gated",)

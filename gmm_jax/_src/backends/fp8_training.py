@@ -31,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import metadata
-from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.epilogue import NO_ROWS, Rows, finish, gather_rows, rows_sum
-from gmm_jax._src.qarray import Fp8Training
-from gmm_jax._src.quantized import gmm_quantized
+from gmm_jax._src.core import metadata
+from gmm_jax._src.core.config import GmmConfig
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gather_rows, rows_sum
+from gmm_jax._src.core.qarray import Fp8Training
+from gmm_jax._src.backends.quantized import gmm_quantized
 
 _F32 = np.dtype(jnp.float32)
 

@@ -19,9 +19,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from gmm_jax._src.api import gmm
-from gmm_jax._src.dispatch import mesh_platform, on_lowering_platform
-from gmm_jax._src.qarray import QArray
-from gmm_jax._src.sharding import axes_of, explicit_axes, operand_spec, reshard, token_layout
+from gmm_jax._src.backends.registry import mesh_platform, on_lowering_platform
+from gmm_jax._src.core.qarray import QArray
+from gmm_jax._src.sharding.spec import axes_of, explicit_axes, operand_spec, reshard, token_layout
 
 
 

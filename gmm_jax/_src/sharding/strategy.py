@@ -40,10 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from gmm_jax._src import metadata
-from gmm_jax._src.config import GmmConfig, accumulator_dtype, problem_dims
-from gmm_jax._src.epilogue import NO_ROWS, Rows, finish
-from gmm_jax._src.qarray import QArray
+from gmm_jax._src.core import metadata
+from gmm_jax._src.core.config import GmmConfig, accumulator_dtype, problem_dims
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish
+from gmm_jax._src.core.qarray import QArray
 
 Axes = tuple[str, ...]
 NAMES = ("m", "k", "n", "g")

@@ -16,9 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import api, dispatch, tuning
-from gmm_jax._src.config import Problem, Tiling, Tilings
-from gmm_jax._src.qarray import quantize
+from gmm_jax._src import api
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.tiling import tuning
+from gmm_jax._src.core.config import Problem, Tiling, Tilings
+from gmm_jax._src.core.qarray import quantize
 
 ROLES = ("fwd", "dlhs", "drhs")
 

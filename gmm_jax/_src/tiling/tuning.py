@@ -30,7 +30,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from gmm_jax._src.config import GmmConfig, Problem, Tiling, Tilings
+from gmm_jax._src.core.config import GmmConfig, Problem, Tiling, Tilings
 
 TABLE_PATH = pathlib.Path(__file__).with_name("tile_tables.json")
 CACHE_ENV = "GMM_JAX_AUTOTUNE_CACHE"

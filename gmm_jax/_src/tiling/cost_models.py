@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from gmm_jax._src import metadata
-from gmm_jax._src.config import GmmConfig, Tiling
+from gmm_jax._src.core import metadata
+from gmm_jax._src.core.config import GmmConfig, Tiling
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -39,17 +39,17 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src.api import gmm
-from gmm_jax._src import dispatch
-from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.dispatch import mesh_platform, on_lowering_platform
-from gmm_jax._src.grouped_array import from_ragged, to_ragged
-from gmm_jax._src.epilogue import (GATED_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gather_rows,
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.core.config import GmmConfig
+from gmm_jax._src.backends.registry import mesh_platform, on_lowering_platform
+from gmm_jax._src.core.grouped_array import from_ragged, to_ragged
+from gmm_jax._src.core.epilogue import (GATED_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT, gather_rows,
                                     swiglu_clamped)
 from gmm_jax._src.op.primitive import (PREACTIVATION, explicit_axes, explicit_mesh,
                                        typed_spec)
-from gmm_jax._src.sharding import reshard
-from gmm_jax._src import routing
-from gmm_jax._src.routing import route
+from gmm_jax._src.sharding.spec import reshard
+from gmm_jax._src.moe import routing
+from gmm_jax._src.moe.routing import route
 
 # The gated activation of each plain one: ``act(gate) * up`` on a [.., 2F] product.
 GATED_NAMES = {"silu": "swiglu", "gelu": "geglu", "gelu_tanh": "geglu_tanh",

@@ -22,11 +22,11 @@ from typing import Callable
 import jax
 import numpy as np
 
-from gmm_jax._src import metadata
-from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.epilogue import (NO_ROWS, Rows, finish, gated_cotangent, gated_input,
+from gmm_jax._src.core import metadata
+from gmm_jax._src.core.config import GmmConfig
+from gmm_jax._src.core.epilogue import (NO_ROWS, Rows, finish, gated_cotangent, gated_input,
                                    gather_rows, scatter_rows)
-from gmm_jax._src.qarray import quant_mode as _quant_mode
+from gmm_jax._src.core.qarray import quant_mode as _quant_mode
 
 # What an implementation may do natively beyond the plain gmm (`Backend.features`):
 # "gather" of m-grouped lhs rows, "gather_k" of the grouped (contraction) rows of a

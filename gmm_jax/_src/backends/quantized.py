@@ -25,11 +25,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import cost_models, dispatch, metadata, op
-from gmm_jax._src.config import PLATFORMS, GmmConfig, problem_dims
-from gmm_jax._src.epilogue import NO_ROWS, Rows
-from gmm_jax._src.epilogue import finish
-from gmm_jax._src.qarray import (QArray, QuantSpec, as_qarray, broadcast_scale, compute_dtype,
+from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.core import metadata
+from gmm_jax._src import op
+from gmm_jax._src.core.config import PLATFORMS, GmmConfig, problem_dims
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows
+from gmm_jax._src.core.epilogue import finish
+from gmm_jax._src.core.qarray import (QArray, QuantSpec, as_qarray, broadcast_scale, compute_dtype,
                                  dequantize, quant_mode)
 
 _F32 = np.dtype(jnp.float32)

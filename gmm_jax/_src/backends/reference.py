@@ -9,9 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gmm_jax._src import metadata
-from gmm_jax._src.config import GmmConfig, accumulator_dtype
-from gmm_jax._src.epilogue import NO_ROWS, Rows, apply_epilogue, gather_rows, scatter_rows
+from gmm_jax._src.core import metadata
+from gmm_jax._src.core.config import GmmConfig, accumulator_dtype
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, apply_epilogue, gather_rows, scatter_rows
 
 
 def _dot(spec: str, a, b, cfg, acc_dtype):

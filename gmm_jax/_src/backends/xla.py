@@ -33,10 +33,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from gmm_jax._src import metadata, tuning
-from gmm_jax._src.config import (GmmConfig, Tiling, accumulator_dtype, out_columns,
+from gmm_jax._src.core import metadata
+from gmm_jax._src.tiling import tuning
+from gmm_jax._src.core.config import (GmmConfig, Tiling, accumulator_dtype, out_columns,
                                   problem_dims)
-from gmm_jax._src.epilogue import NO_ROWS, Rows, apply_epilogue, gather_rows, scatter_targets
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, apply_epilogue, gather_rows, scatter_targets
 
 # The row operations it does inside its loops (no gathered copy of lhs, no scattered copy
 # of the result).

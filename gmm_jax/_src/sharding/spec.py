@@ -15,9 +15,10 @@ import dataclasses
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from gmm_jax._src import quantized, strategy
-from gmm_jax._src.config import GmmConfig
-from gmm_jax._src.qarray import QArray
+from gmm_jax._src.backends import quantized
+from gmm_jax._src.sharding import strategy
+from gmm_jax._src.core.config import GmmConfig
+from gmm_jax._src.core.qarray import QArray
 
 
 @dataclasses.dataclass(frozen=True)

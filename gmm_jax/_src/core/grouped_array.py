@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src import group_list, metadata
+from gmm_jax._src.core import group_list, metadata
 
 
 def _is_int(value) -> bool:

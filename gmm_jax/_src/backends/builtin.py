@@ -12,9 +12,10 @@ import importlib
 
 import jax.numpy as jnp
 
-from gmm_jax._src import cost_models, dispatch
-from gmm_jax._src import lax_ragged, reference, xla
-from gmm_jax._src.qarray import QArray
+from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import lax_ragged_dot as lax_ragged, reference, xla
+from gmm_jax._src.core.qarray import QArray
 
 # Preference order per platform; names that did not register are skipped.
 CHAINS = {

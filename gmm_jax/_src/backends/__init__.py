@@ -1,0 +1,1 @@
+"""The implementations of a gmm and the one dispatcher that picks them: the registry, the jax.numpy reference, the XLA loops, the lax.ragged_dot fallback, the kernel registrations, and the quantized and fp8 compositions."""
