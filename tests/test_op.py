@@ -10,6 +10,8 @@ Derivatives are checked numerically (`check_grads`, order 2, both modes) and aga
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 
 import gmm_jax
 import jax
@@ -403,6 +405,40 @@ def test_invalid_traced_lists_differentiate_as_the_clamped_list(group_type, impl
 
 
 # ------------------------------------------------------------ implementation sequences
+
+# A fresh interpreter in which the TPU kernel package fails to import: the dispatcher keeps
+# pallas_tpu in the TPU chain as unavailable, `explain` says why it was skipped, a warning
+# says so once, and a call naming it gets the reason.
+_BROKEN_KERNELS = """
+import sys, warnings
+sys.modules["gmm_jax.pallas.tpu"] = None  # importing it raises ImportError
+import gmm_jax, jax.numpy as jnp
+from gmm_jax._src.backends import registry
+assert "pallas_tpu" in registry.unavailable(), registry.unavailable()
+x, w, sizes = jnp.ones((8, 16)), jnp.ones((2, 16, 4)), jnp.array([3, 5])
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  text = gmm_jax.explain(x, w, sizes, platform="tpu")
+  gmm_jax.explain(x, w, sizes, platform="tpu")
+print(text)
+print("WARNINGS", [str(c.message) for c in caught])
+try:
+  gmm_jax.gmm(x, w, sizes, implementation="pallas_tpu", interpret=True)
+except NotImplementedError as err:
+  print("REFUSED", err)
+"""
+
+
+def test_a_kernel_package_that_fails_to_import_is_reported_not_silently_replaced():
+  result = subprocess.run([sys.executable, "-c", _BROKEN_KERNELS], capture_output=True,
+                          text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert "skipped pallas_tpu: could not be loaded (ModuleNotFoundError" in out, out
+  assert ": lax_ragged_dot" in out, out  # the next of the TPU chain serves
+  warned = [line for line in out.splitlines() if line.startswith("WARNINGS")]
+  assert warned and warned[0].count("pallas_tpu implementation could not be loaded") == 1, out
+  assert "REFUSED" in out and "pallas_tpu: could not be loaded (" in out, out
 
 
 def test_implementation_sequence_tries_in_order():

@@ -1,7 +1,8 @@
 """Registers the gmm implementations with the dispatcher, and each platform's chain.
 
-Floor 3. The Pallas kernels register where this jax can import their backend (else the
-chains fall through to "xla"), each behind a check of the target chip: a GPU kernel only for
+Floor 3. The Pallas kernels register where this jax can import their backend; one that
+fails to import stays in its chain as unavailable (a call for its platform records why it
+was skipped, `explain` shows it, and a warning says so once), each registered one behind a check of the target chip: a GPU kernel only for
 the compute capabilities it compiles for (`GPU_ARCHS`: Mosaic GPU is Hopper's), the TPU
 kernel's integer products only on chips with an int8 MXU (not TPU7x).
 """
@@ -123,7 +124,8 @@ def _register() -> None:
   for name, module_name, function, platform in KERNELS:
     try:  # an optional dependency: this jax's Pallas backend for the platform
       module = importlib.import_module(module_name)
-    except ImportError:
+    except ImportError as err:  # skipped with its reason (`explain`), warned about once
+      dispatch.mark_unavailable(name, (platform,), f"{type(err).__name__}: {err}")
       continue
     fn, check = _guarded(name, module, function, platform)
     dispatch.register(dispatch.Backend(name, fn, platforms=(platform,),

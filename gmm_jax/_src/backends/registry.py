@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import warnings
 from typing import Callable
 
 import jax
@@ -65,6 +66,11 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
+# Implementations that could not be registered (a kernel package that failed to import):
+# name -> (platforms, why). They stay in the chains: a call that would try one records why
+# it was skipped (`explain`) and warns once, instead of silently running the next one.
+_UNAVAILABLE: dict[str, tuple[tuple[str, ...], str]] = {}
+_WARNED_UNAVAILABLE: set[str] = set()
 # Preference order per platform (set by the backends module); unregistered names are skipped.
 _CHAINS: dict[str, tuple[str, ...]] = {}
 # The chains for calls that gather, weight or scatter rows or use a gated activation
@@ -138,6 +144,28 @@ def register(backend: Backend) -> None:
   _REGISTRY[backend.name] = backend
 
 
+def mark_unavailable(name: str, platforms: tuple[str, ...], why: str) -> None:
+  """Records that implementation `name` (for `platforms`) could not be registered, and why."""
+  _UNAVAILABLE[name] = (tuple(platforms), why)
+
+
+def unavailable() -> dict[str, str]:
+  """The implementations that could not be registered: name -> why."""
+  return {name: why for name, (_, why) in _UNAVAILABLE.items()}
+
+
+def _skip_unavailable(name: str, platform: str, cfg: GmmConfig) -> str:
+  """The refusal of an implementation that could not be registered; warns once per name
+  when the call is for its platform (a chain would otherwise fall through unseen)."""
+  platforms, why = _UNAVAILABLE[name]
+  if (platform in platforms or cfg.implementation) and name not in _WARNED_UNAVAILABLE:
+    _WARNED_UNAVAILABLE.add(name)
+    warnings.warn(f"gmm_jax: the {name} implementation could not be loaded ({why}); calls "
+                  f"on {platform!r} run the next implementation of the chain instead",
+                  stacklevel=3)
+  return f"{name}: could not be loaded ({why})"
+
+
 def set_chain(platform: str, names: tuple[str, ...],
               fused: tuple[str, ...] | None = None) -> None:
   """The implementations `implementation=None` tries on `platform`, in order (`fused`: for
@@ -186,7 +214,7 @@ def trace_platform() -> str:
 def native_features(cfg: GmmConfig, platform: str) -> tuple[str, ...]:
   """The `FEATURES` the first implementation a call with `cfg` tries on `platform` does
   natively (the others are done around it: `_around`)."""
-  names = candidates(cfg, platform)
+  names = [name for name in candidates(cfg, platform) if name in _REGISTRY]
   return _REGISTRY[names[0]].features if names else ()
 
 
@@ -223,7 +251,7 @@ def check_implementation(implementation) -> tuple[str, ...] | None:
         f"implementation must be None, 'auto', a name or a sequence of names of "
         f"{implementations()}, got {implementation!r}")
   for name in names:
-    if name not in _REGISTRY:
+    if name not in _REGISTRY and name not in _UNAVAILABLE:
       raise ValueError(
           f"unknown implementation {name!r}; registered: {implementations()} (or "
           "None/'auto', or a sequence of names tried in order)")
@@ -243,13 +271,15 @@ def _check_support(backend: Backend, cfg: GmmConfig, quant_mode: str, platform: 
 
 
 def candidates(cfg: GmmConfig, platform: str) -> tuple[str, ...]:
-  """The registered implementations a call would try, in order."""
+  """The implementations a call would try, in order: registered ones, and those that could
+  not be registered (`unavailable`), which `run` skips with their reason."""
   if cfg.implementation is not None:
-    return tuple(name for name in cfg.implementation if name in _REGISTRY)
-  chain = _CHAINS.get(platform, _CHAINS.get(_DEFAULT_CHAIN_PLATFORM, ()))
-  if needed_features(cfg) and platform in _FUSED_CHAINS:
-    chain = _FUSED_CHAINS[platform]
-  return tuple(name for name in chain if name in _REGISTRY)
+    chain = cfg.implementation
+  else:
+    chain = _CHAINS.get(platform, _CHAINS.get(_DEFAULT_CHAIN_PLATFORM, ()))
+    if needed_features(cfg) and platform in _FUSED_CHAINS:
+      chain = _FUSED_CHAINS[platform]
+  return tuple(name for name in chain if name in _REGISTRY or name in _UNAVAILABLE)
 
 
 def serves(lhs, rhs, cfg: GmmConfig, platform: str) -> bool:
@@ -257,6 +287,8 @@ def serves(lhs, rhs, cfg: GmmConfig, platform: str) -> bool:
   mode (declared support, and its static `check` of shapes and dtypes)."""
   mode = _quant_mode(lhs, rhs, cfg)
   for name in candidates(cfg, platform):
+    if name not in _REGISTRY:
+      continue
     backend = _REGISTRY[name]
     try:
       _check_support(backend, cfg, mode, platform)
@@ -354,6 +386,9 @@ def run(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, platform: str,
   needed = needed_features(cfg)
   reasons = []
   for name in candidates(cfg, platform):
+    if name not in _REGISTRY:
+      reasons.append(_skip_unavailable(name, platform, cfg))
+      continue
     backend = _REGISTRY[name]
     missing = tuple(f for f in needed if f not in backend.features)
     try:
