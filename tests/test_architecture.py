@@ -25,7 +25,7 @@ FLOORS = {
     "gmm_jax._src.core.qarray": 0,
     "gmm_jax._src.core.group_list": 0,
     "gmm_jax._src.core.metadata": 0,
-    "gmm_jax._src.core.errors": 0,  # GmmShapeError
+    "gmm_jax._src.core.errors": 0,  # GmmShapeError, describe, is_index: imports nothing
     "gmm_jax._src.cli": 0,  # absl flags and the progress bar of the console scripts
     "gmm_jax._src.core.grouped_array": 1,
     "gmm_jax._src.backends.registry": 1,
@@ -87,6 +87,9 @@ PUBLIC_PACKAGE = "gmm_jax"
 # Imports between modules of one floor that are part of one unit: a kernel package and its
 # shared preamble, a package and its modules, a facade and its helper modules.
 SAME_FLOOR = {
+    # The error type and how messages name values: a leaf that imports nothing, which the
+    # floor-0 data modules use for their messages.
+    ("gmm_jax._src.core.qarray", "gmm_jax._src.core.errors"),
     # The op package: its rules are built on its primitive module.
     *((f"gmm_jax._src.op{suffix}", "gmm_jax._src.op.primitive")
       for suffix in ("", ".lowering", ".jvp", ".transpose", ".batching", ".prologue_tangent")),
@@ -195,7 +198,7 @@ def test_imports_go_down_a_floor(graph):
 def test_floor_0_imports_nothing_from_gmm_jax(graph):
   _, edges = graph
   offenders = [(m, t) for m, targets in edges.items() if FLOORS[m] == 0
-               for t, _, _ in targets]
+               for t, _, _ in targets if (m, t) not in SAME_FLOOR]
   assert not offenders
 
 

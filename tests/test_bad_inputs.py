@@ -61,7 +61,7 @@ BAD_INPUTS = [
     ("quant_spec_dtype", lambda: gmm_jax.QuantSpec(jnp.float32),
      "QuantSpec dtype must be one of"),
     ("dequantize_plain_array", lambda: gmm_jax.dequantize(jnp.ones((2, 2))),
-     r"dequantize needs a gmm_jax.QArray \(or a qwix QArray\), got float32\[2, 2\]"),
+     r"dequantize needs a gmm_jax.QArray \(or a qwix QArray\), got float32\[2,2\]"),
     ("qarray_float_values", lambda: gmm_jax.QArray(jnp.ones((4, 8)), jnp.ones((4, 1))),
      r"qvalue must hold quantized values: an integer dtype .* got float32"),
     ("qarray_int_scale", lambda: gmm_jax.QArray(jnp.ones((4, 8), jnp.int8),

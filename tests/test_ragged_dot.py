@@ -178,4 +178,5 @@ def test_ragged_dot_general_errors(lhs_shape, rhs_shape, sizes_shape, numbers, m
   with pytest.raises(ValueError, match=match) as error:
     gmm_jax.ragged_dot_general(jnp.ones(lhs_shape), jnp.ones(rhs_shape),
                                jnp.ones(sizes_shape, jnp.int32), numbers)
-  assert f"lhs float32{list(lhs_shape)}, rhs float32{list(rhs_shape)}" in str(error.value)
+  shapes = [",".join(map(str, shape)) for shape in (lhs_shape, rhs_shape)]
+  assert f"lhs float32[{shapes[0]}], rhs float32[{shapes[1]}]" in str(error.value)

@@ -23,25 +23,13 @@ from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import (GATED_ACTIVATIONS, GROUP_TYPES, PLATFORMS, GmmConfig, Tiling,
                                  Tilings, is_gated)
 from gmm_jax._src.core.epilogue import NO_ROWS, Rows, resolve_activation
-from gmm_jax._src.core.errors import GmmShapeError
+from gmm_jax._src.core.errors import GmmShapeError, describe, is_index
 from gmm_jax._src.core import grouped_array
 from gmm_jax._src.core.grouped_array import GroupedArray, MaskedArray
 from gmm_jax._src.core.qarray import (Fp8Training, QArray, QuantSpec, as_qarray, as_quantization,
                                  check_fits, quant_mode)
 
 Array = jax.Array
-
-
-def _describe(x) -> str:
-  if isinstance(x, QArray):
-    return repr(x)
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return str(jax.typeof(x))
-  return repr(x)
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 # ------------------------------------------------------------------------------ validate
@@ -79,7 +67,7 @@ def _check_quant_specs(lhs, rhs, quantize_lhs, quantize_rhs) -> None:
     if not isinstance(spec, QuantSpec):
       raise ValueError(f"quantize_{name} must be a gmm_jax.QuantSpec or None, got {spec!r}")
     if isinstance(operand, QArray) or not jnp.issubdtype(operand.dtype, jnp.floating):
-      raise ValueError(f"quantize_{name} needs a float {name}, got {_describe(operand)}")
+      raise ValueError(f"quantize_{name} needs a float {name}, got {describe(operand)}")
 
 
 def _narrow(dtype) -> bool:
@@ -110,7 +98,7 @@ def _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs, gated_lhs=
   if lhs.ndim != 2 or rhs.ndim != rhs_rank:
     raise GmmShapeError(
         f"group_type={group_type!r} needs a 2-D lhs and a {rhs_rank}-D rhs, got lhs "
-        f"{_describe(lhs)} and rhs {_describe(rhs)}")
+        f"{describe(lhs)} and rhs {describe(rhs)}")
   m, k = (lhs.shape[1], lhs.shape[0]) if transpose_lhs else lhs.shape
   rhs_k, n = (rhs.shape[-1], rhs.shape[-2]) if transpose_rhs else rhs.shape[-2:]
   if gated_lhs:
@@ -146,8 +134,8 @@ def _lhs_activation(lhs_activation, *, group_type, transpose_lhs, lhs, rhs, quan
         f"out_indices; got {', '.join(given)}")
   if not jnp.issubdtype(lhs.dtype, jnp.floating) or not jnp.issubdtype(rhs.dtype,
                                                                        jnp.floating):
-    raise ValueError(f"lhs_activation needs float operands, got lhs {_describe(lhs)} and "
-                     f"rhs {_describe(rhs)}")
+    raise ValueError(f"lhs_activation needs float operands, got lhs {describe(lhs)} and "
+                     f"rhs {describe(rhs)}")
   return lhs_activation
 
 
@@ -159,7 +147,7 @@ def _check_static(**operands) -> None:
     if any(jax.export.is_symbolic_dim(d) for d in shape):
       raise NotImplementedError(
           f"gmm needs static shapes (its work lists and kernel grids are sized while "
-          f"tracing), got {name} {_describe(x)} with symbolic dimensions; "
+          f"tracing), got {name} {describe(x)} with symbolic dimensions; "
           "gmm_jax.ragged_dot and ragged_dot_general call jax.lax.ragged_dot_general when "
           "a size is symbolic")
 
@@ -167,7 +155,7 @@ def _check_static(**operands) -> None:
 def _num_groups(num_groups):
   if num_groups is None:
     return None
-  if not _is_int(num_groups) or num_groups < 0:
+  if not is_index(num_groups) or num_groups < 0:
     raise ValueError(f"num_groups must be a non-negative int, got {num_groups!r}")
   return int(num_groups)
 
@@ -230,7 +218,7 @@ def _bias(bias, num_local: int, n: int):
     return None
   bias = _as_operand(bias, "bias")
   if isinstance(bias, QArray):
-    raise ValueError(f"bias must be a plain array, got {_describe(bias)}")
+    raise ValueError(f"bias must be a plain array, got {describe(bias)}")
   if bias.shape != (num_local, n):
     raise ValueError(f"bias must have shape [G_local, N] = {(num_local, n)}, got {bias.shape}")
   return bias
@@ -268,7 +256,7 @@ def _activation(activation, n: int):
     raise ValueError(
         f"activation {activation!r} must keep the shape of its input (it is applied to the "
         f"[rows, N] accumulator): it maps float32{list(probe.shape)} to "
-        f"{_describe(out) if hasattr(out, 'shape') else repr(out)}")
+        f"{describe(out) if hasattr(out, 'shape') else repr(out)}")
   return activation
 
 
@@ -409,7 +397,7 @@ def _row_operands(lhs, lhs_indices, row_weights, out_indices, out_rows, *, group
   gather_rows = None
   if lhs_indices is not None:
     if transpose_lhs or isinstance(lhs, QArray):
-      raise NotImplementedError(f"{supported}; got lhs {_describe(lhs)} with transpose_lhs="
+      raise NotImplementedError(f"{supported}; got lhs {describe(lhs)} with transpose_lhs="
                                 f"{transpose_lhs}")
     lhs_indices = _index_vector(lhs_indices, "lhs_indices", None)
     gather_rows = lhs_indices.shape[0]
@@ -425,7 +413,7 @@ def _row_operands(lhs, lhs_indices, row_weights, out_indices, out_rows, *, group
   if out_indices is not None:
     out_indices = _index_vector(out_indices, "out_indices", num_rows)
     out_rows = num_rows if out_rows is None else out_rows
-    if not _is_int(out_rows) or out_rows < 0:
+    if not is_index(out_rows) or out_rows < 0:
       raise ValueError(f"out_rows must be a non-negative int, got {out_rows!r}")
     out_rows = int(out_rows)
   return Rows(lhs_indices, row_weights, out_indices), gather_rows, out_rows, num_rows
@@ -501,7 +489,7 @@ def _validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias
     lhs, rhs = _promote_plain(lhs, rhs)
   elif not lhs_q and not jnp.issubdtype(lhs.dtype, jnp.floating):
     raise ValueError(f"with a quantized rhs, lhs must be a float array or a QArray, got "
-                     f"{_describe(lhs)}")
+                     f"{describe(lhs)}")
   lhs_activation = _lhs_activation(
       lhs_activation, group_type=group_type, transpose_lhs=transpose_lhs, lhs=lhs, rhs=rhs,
       quantized=quantized_call, lhs_indices=lhs_indices, quantization=quantization)
@@ -609,7 +597,7 @@ def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray
     raise NotImplementedError(f"{supported}; got {', '.join(given)}")
   values = lhs.values
   if isinstance(values, QArray) or as_qarray(values) is not None:
-    raise NotImplementedError(f"{supported}; got a quantized lhs {_describe(values)}")
+    raise NotImplementedError(f"{supported}; got a quantized lhs {describe(values)}")
   g, max_rows, k = lhs.shape
   rhs_q = as_qarray(rhs)
   rhs_shape = tuple(np.shape(rhs if rhs_q is None else rhs_q.qvalue))
@@ -617,7 +605,7 @@ def _masked_gmm(lhs: MaskedArray, rhs, group_list, options: dict) -> MaskedArray
   if rhs_k is None or rhs_shape[0] != g or rhs_k != k:
     raise GmmShapeError(
         f"a MaskedArray lhs {lhs.shape} ([G, max_rows, K]) needs rhs [G, K, N] with G={g}, "
-        f"K={k} ([G, N, K] with transpose_rhs), got rhs {_describe(rhs)} (transpose_rhs="
+        f"K={k} ([G, N, K] with transpose_rhs), got rhs {describe(rhs)} (transpose_rhs="
         f"{options['transpose_rhs']})")
   total, num_rows = g * max_rows, lhs.num_rows
   counts = metadata.counts_in_range(jnp.clip(lhs.counts, 0, max_rows), 0, num_rows)

@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 
 from gmm_jax._src.api import gmm
-from gmm_jax._src.core.errors import GmmShapeError
+from gmm_jax._src.core.errors import GmmShapeError, describe
 from gmm_jax._src.core.qarray import as_qarray
 
 # jax.lax.ragged_dot's dimension numbers: lhs [m, k], rhs [g, k, n].
@@ -60,8 +60,7 @@ def _abstract(x):
 
 
 def _describe(x) -> str:
-  spec = _abstract(x)
-  return f"{np.dtype(spec.dtype).name}{list(spec.shape)}"
+  return describe(_abstract(x))
 
 
 def _check_as_jax(lhs, rhs, group_sizes, numbers, preferred_element_type, group_offset):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gmm_jax._src.core.errors import is_index
 from gmm_jax._src.core import group_list, metadata
 from gmm_jax._src.api import gmm
 from gmm_jax._src.core.grouped_array import GroupedDesc, grouped_desc
@@ -75,10 +76,6 @@ class MemoryDesc:
     return 0 if self.desc is None else self.desc.size(index)
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def memory_desc_grouped(dims: Sequence[int], dtype, variable_dim_idx: int, num_groups: int,
                         offsets_dtype="s32", allow_empty: bool = False) -> MemoryDesc:
   """oneDNN's ``memory::desc::grouped(dims, dt, variable_dim_idx, group_count, offsets_dt,
@@ -119,16 +116,16 @@ def _memory_desc_grouped(dims, dtype, variable_dim_idx, num_groups, offsets_dtyp
   if len(dims) != 2:
     raise NotImplementedError(f"grouped memory is 2-D only (oneDNN: unimplemented), got "
                               f"dims {dims}")
-  if not _is_int(num_groups) or num_groups <= 0:
+  if not is_index(num_groups) or num_groups <= 0:
     raise ValueError(f"num_groups (group_count) must be a positive int (oneDNN: "
                      f"invalid_arguments), got {num_groups!r}")
   if data_type(offsets_dtype) != np.dtype(np.int32):
     raise ValueError(f"grouped offsets must be s32 (oneDNN: invalid_arguments), got "
                      f"{offsets_dtype!r}")
-  if not _is_int(variable_dim_idx) or not 0 <= variable_dim_idx < 2:
+  if not is_index(variable_dim_idx) or not 0 <= variable_dim_idx < 2:
     raise ValueError(f"variable_dim_idx must be 0 or 1 (oneDNN: invalid_arguments), got "
                      f"{variable_dim_idx!r}")
-  if not all(_is_int(d) and d > 0 for d in dims):
+  if not all(is_index(d) and d > 0 for d in dims):
     raise ValueError(f"grouped memory dims must be positive ints: a grouped tensor cannot "
                      f"have total size 0, and runtime placeholders are not accepted "
                      f"(oneDNN: invalid_arguments), got {dims!r}")

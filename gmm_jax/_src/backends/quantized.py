@@ -32,14 +32,10 @@ from gmm_jax._src import op
 from gmm_jax._src.core.config import PLATFORMS, GmmConfig, problem_dims
 from gmm_jax._src.core.epilogue import NO_ROWS, Rows
 from gmm_jax._src.core.epilogue import finish
-from gmm_jax._src.core.qarray import (QArray, QuantSpec, as_qarray, broadcast_scale, compute_dtype,
-                                 dequantize, quant_mode)
+from gmm_jax._src.core.qarray import (QArray, is_integer_dtype, QuantSpec, as_qarray,
+                                        broadcast_scale, compute_dtype, dequantize, quant_mode)
 
 _F32 = np.dtype(jnp.float32)
-
-
-def _is_int(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.integer)
 
 
 def _row_scale(q: QArray, cfg: GmmConfig, m: int) -> jax.Array:
@@ -111,7 +107,7 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
     float_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
     return op.gmm(lhs, dequantize(rhs, float_dtype), counts, group_offset, bias, cfg,
                   rows=rows)
-  int_bias = bias is not None and _is_int(bias.dtype)
+  int_bias = bias is not None and is_integer_dtype(bias.dtype)
   platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
   served = {p: not int_bias and dispatch.serves(lhs, rhs, cfg, p) for p in platforms}
   # A TPU without an int8 MXU path (TPU7x) multiplies integer values in bf16 (exact).
@@ -134,7 +130,7 @@ def _in_kernel(lhs, rhs, counts, group_offset, bias, output_scale, output_offset
                cfg: GmmConfig):
   """The QArrays handed to the op (an implementation dequantizes them in-kernel); for
   requantization it leaves the activation and output scale to the f32 epilogue here."""
-  if output_scale is None and output_offset is None and not _is_int(cfg.out_dtype):
+  if output_scale is None and output_offset is None and not is_integer_dtype(cfg.out_dtype):
     return op.gmm(lhs, rhs, counts, group_offset, bias, cfg)
   z = op.gmm(lhs, rhs, counts, group_offset, bias, cfg.replace(activation=None, out_dtype=_F32))
   return finish_quantized(z, counts, group_offset, cfg, output_scale, output_offset)
@@ -148,8 +144,8 @@ def _composed(lhs, rhs, counts, group_offset, bias, output_scale, output_offset,
   int8 MXU path (TPU7x); the sums are exact up to 2**24 (K * 127 * 127 below it)."""
   mode = quant_mode(lhs, rhs, cfg)
   m, _, n = problem_dims(lhs.shape, rhs.shape, cfg)
-  int_bias = bias is not None and _is_int(bias.dtype)
-  direct = output_scale is None and output_offset is None and not _is_int(cfg.out_dtype)
+  int_bias = bias is not None and is_integer_dtype(bias.dtype)
+  direct = output_scale is None and output_offset is None and not is_integer_dtype(cfg.out_dtype)
   if mode == "weight_only":
     if int_bias:
       raise NotImplementedError("an int32 bias needs integer operands (scaled mode); "
@@ -172,8 +168,8 @@ def _composed(lhs, rhs, counts, group_offset, bias, output_scale, output_offset,
     return finish_quantized(z, counts, group_offset, cfg, output_scale, output_offset)
 
   # scaled: exact product of the values, then lhs row scale x rhs (group, column) scale.
-  integer = _is_int(lhs.qtype) and _is_int(rhs.qtype)
-  if not integer and (_is_int(lhs.qtype) or _is_int(rhs.qtype)):
+  integer = is_integer_dtype(lhs.qtype) and is_integer_dtype(rhs.qtype)
+  if not integer and (is_integer_dtype(lhs.qtype) or is_integer_dtype(rhs.qtype)):
     raise NotImplementedError(
         f"mixed integer and float quantized values ({lhs.qtype} x {rhs.qtype}); supported: "
         "both integer (int8/int4) or both float (fp8/fp4)")
@@ -223,7 +219,7 @@ def _bias_term(bias, lhs_q, rhs_q, counts, group_offset, cfg: GmmConfig, m: int,
   """The bias as the quantized formula adds it to the f32 pre-activation (an int32 bias is
   in accumulator units: times both scales)."""
   value = bias.astype(jnp.float32)
-  if _is_int(bias.dtype):
+  if is_integer_dtype(bias.dtype):
     row = _row_scale(lhs_q, cfg, m) if isinstance(lhs_q, QArray) else 1.0
     col = _col_scale(rhs_q, cfg, n) if isinstance(rhs_q, QArray) else 1.0
     row, col = jax.lax.stop_gradient(row), jax.lax.stop_gradient(col)
@@ -274,7 +270,7 @@ def _ste_backward(static, residuals, cotangent):
   # passed to the float inputs as if quantization were the identity.
   at_lhs = dequantize(lhs_q) if isinstance(lhs_q, QArray) else lhs
   at_rhs = dequantize(rhs_q) if isinstance(rhs_q, QArray) else rhs
-  float_bias = bias if bias is not None and not _is_int(bias.dtype) else None
+  float_bias = bias if bias is not None and not is_integer_dtype(bias.dtype) else None
 
   def surrogate(a, b, fb, scale, offset):
     z = op.gmm(a.astype(jnp.float32), b.astype(jnp.float32), counts, group_offset, None,
@@ -314,7 +310,7 @@ def dynamic_gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, lhs_spec, 
   gmm's gradient at the dequantized operands) or, without it, none (rounding has zero
   derivative)."""
   static = (cfg, lhs_spec, rhs_spec)
-  if not straight_through or _is_int(cfg.out_dtype):
+  if not straight_through or is_integer_dtype(cfg.out_dtype):
     lhs = jax.lax.stop_gradient(lhs) if lhs_spec is not None else lhs
     rhs = jax.lax.stop_gradient(rhs) if rhs_spec is not None else rhs
     return _dynamic_forward(static, lhs, rhs, bias, counts, group_offset, output_scale,

@@ -22,15 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gmm_jax._src.core.errors import is_index
 from gmm_jax._src.core import group_list, metadata
 
 
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-
-
 def _check_variable_dim(value, name: str) -> None:
-  if not _is_int(value) or value not in (0, 1):
+  if not is_index(value) or value not in (0, 1):
     raise ValueError(f"{name} must be 0 or 1, got {value!r}")
 
 
@@ -155,10 +152,10 @@ def grouped_desc(dims, dtype, variable_dim_idx: int, num_groups: int) -> Grouped
     raise ValueError(f"grouped memory dims must be a pair of ints, got {dims!r}") from None
   if len(dims) != 2:
     raise ValueError(f"grouped memory is 2-D only, got dims {dims}")
-  if not all(_is_int(d) for d in dims) or any(d < 0 for d in dims):
+  if not all(is_index(d) for d in dims) or any(d < 0 for d in dims):
     raise ValueError(f"grouped memory dims must be non-negative ints, got {dims!r}")
   dims = tuple(int(d) for d in dims)
-  if not _is_int(num_groups) or num_groups <= 0:
+  if not is_index(num_groups) or num_groups <= 0:
     raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
   _check_variable_dim(variable_dim_idx, "variable_dim_idx")
   try:
@@ -218,7 +215,7 @@ class MaskedArray:
     groups, max_rows = (int(d) for d in np.shape(values)[:2])
     check_counts(counts, max_rows)
     if num_rows is not None:
-      if not _is_int(num_rows) or not 0 <= num_rows <= groups * max_rows:
+      if not is_index(num_rows) or not 0 <= num_rows <= groups * max_rows:
         raise ValueError(f"num_rows must be an int in [0, G * max_rows = {groups * max_rows}] "
                          f"for values {np.shape(values)}, got {num_rows!r}")
       num_rows = int(num_rows)
@@ -305,7 +302,7 @@ def to_ragged(masked: MaskedArray, num_rows: int | None = None):
   g, max_rows, k = masked.shape
   total = g * max_rows
   num_rows = masked.num_rows if num_rows is None else num_rows
-  if not _is_int(num_rows) or num_rows < 0:
+  if not is_index(num_rows) or num_rows < 0:
     raise ValueError(f"num_rows must be a non-negative int, got {num_rows!r}")
   counts = _clipped(masked.counts, max_rows)
   slots = ragged_slots(counts, max_rows, int(num_rows))
@@ -333,7 +330,7 @@ def from_ragged(rows, group_sizes=None, max_rows: int | None = None) -> MaskedAr
     rows, group_sizes = rows.values, rows.group_sizes
   if group_sizes is None:
     raise ValueError("from_ragged needs group_sizes (or a GroupedArray)")
-  if not _is_int(max_rows) or max_rows < 0:
+  if not is_index(max_rows) or max_rows < 0:
     raise ValueError(f"max_rows must be a non-negative int, got {max_rows!r}")
   if np.ndim(rows) != 2:
     raise ValueError(f"from_ragged rows must be 2-D [M, K], got shape {np.shape(rows)}")

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gmm_jax._src.core.errors import describe, is_index
+
 # The fnuz fp8 types (no negative zero, no infinities; largest finite 240 and 57344) are
 # what AMD MI300-class chips multiply natively, and what MaxText's "nanoo_fp8" quantizes to.
 QTYPES = tuple(np.dtype(t) for t in (jnp.int8, jnp.int4, jnp.float8_e4m3fn, jnp.float8_e5m2,
@@ -43,7 +45,7 @@ SCALE_DTYPES = tuple(np.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float1
 E8M0 = np.dtype(jnp.float8_e8m0fnu)
 
 
-def _is_int(dtype) -> bool:
+def is_integer_dtype(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.integer)
 
 
@@ -52,11 +54,11 @@ def _is_qtype(dtype) -> bool:
   dtype = np.dtype(dtype)
   if dtype == np.bool_:
     return False
-  return _is_int(dtype) or (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1)
+  return is_integer_dtype(dtype) or (jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1)
 
 
 def _qrange(dtype) -> tuple[float, float]:
-  if _is_int(dtype):
+  if is_integer_dtype(dtype):
     info = jnp.iinfo(dtype)
     return float(info.min), float(info.max)
   top = float(jnp.finfo(dtype).max)
@@ -196,7 +198,7 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   quantized = as_qarray(q)
   if quantized is None:
     raise ValueError(f"dequantize needs a gmm_jax.QArray (or a qwix QArray), got "
-                     f"{_describe(q)}")
+                     f"{describe(q)}")
   q = quantized
   value = q.qvalue.astype(jnp.float32)
   if q.zero_point is not None:
@@ -204,18 +206,10 @@ def dequantize(q: QArray, dtype=jnp.float32) -> jax.Array:
   return (value * broadcast_scale(q.scale.astype(jnp.float32), q.shape, q.tile)).astype(dtype)
 
 
-def _describe(x) -> str:
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return f"{np.dtype(x.dtype).name}{list(np.shape(x))}"
-  return repr(x)
-
-
-def _is_index(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _normalize_axes(axes, ndim, name):
-  if _is_index(axes):
+  if is_index(axes):
     axes = (axes,)
   try:
     axes = tuple(axes)
@@ -223,7 +217,7 @@ def _normalize_axes(axes, ndim, name):
     raise ValueError(f"{name} must be an int or a sequence of ints, got {axes!r}") from None
   out = []
   for axis in axes:
-    if not _is_index(axis):
+    if not is_index(axis):
       raise ValueError(f"{name} axes must be ints, got {axis!r} in {axes!r}")
     if not -ndim <= axis < ndim:
       raise ValueError(f"{name} axis {axis} out of range for rank {ndim}")
@@ -277,14 +271,14 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
   if scale_dtype not in SCALE_DTYPES:
     raise ValueError(
         f"scale_dtype must be one of {[str(t) for t in SCALE_DTYPES]}, got {scale_dtype}")
-  if zero_point and not _is_int(dtype):
+  if zero_point and not is_integer_dtype(dtype):
     raise ValueError(f"zero_point=True needs an integer dtype, got {dtype}")
   bound = _check_bound(bound, zero_point)
   if not hasattr(x, "dtype") and not isinstance(x, (list, tuple, float, int)):
     raise ValueError(f"quantize needs a float array, got {x!r}")
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"quantize needs a float array, got {_describe(x)}")
+    raise ValueError(f"quantize needs a float array, got {describe(x)}")
   ndim = x.ndim
   channelwise = _normalize_axes(channelwise_axes, ndim, "channelwise_axes")
   if tiled_axes is None:
@@ -297,7 +291,7 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
     raise ValueError(f"an axis cannot be both channelwise and tiled: {channelwise} and "
                      f"{sorted(tiled)}")
   for axis, t in tiled.items():
-    if not _is_index(t) or t <= 0:
+    if not is_index(t) or t <= 0:
       raise ValueError(f"tiled_axes tile sizes must be positive ints, got {t!r} for axis "
                        f"{axis}")
 
@@ -332,7 +326,7 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
     zp_f32 = jnp.clip(jnp.round(qmin - low / scale_f32), qmin, qmax)
     zp = zp_f32.astype(dtype)
     q = jnp.round(xf / full_scale) + broadcast_scale(zp_f32, x.shape, tile)
-  elif _is_int(dtype):
+  elif is_integer_dtype(dtype):
     q = jnp.round(xf / full_scale)
   else:
     q = xf / full_scale  # the cast rounds to nearest even
@@ -388,15 +382,15 @@ class QuantSpec:
       raise ValueError(f"QuantSpec dtype must be one of {[str(t) for t in QTYPES]}, got "
                        f"{self.dtype!r}")
     axes = self.channelwise_axes
-    axes = (axes,) if _is_index(axes) else axes
-    if not isinstance(axes, (tuple, list)) or not all(_is_index(a) for a in axes):
+    axes = (axes,) if is_index(axes) else axes
+    if not isinstance(axes, (tuple, list)) or not all(is_index(a) for a in axes):
       raise ValueError(f"QuantSpec channelwise_axes must be an int or a sequence of ints, got "
                        f"{self.channelwise_axes!r}")
     object.__setattr__(self, "channelwise_axes", tuple(int(a) for a in axes))
     tiled = self.tiled_axes.items() if isinstance(self.tiled_axes, Mapping) else self.tiled_axes
     try:
       tiled = tuple(tiled)
-      ok = all(len(pair) == 2 and _is_index(pair[0]) and _is_index(pair[1]) and pair[1] > 0
+      ok = all(len(pair) == 2 and is_index(pair[0]) and is_index(pair[1]) and pair[1] > 0
                for pair in tiled)
     except TypeError:
       ok = False
@@ -416,7 +410,7 @@ def compute_dtype(q: QArray):
   """The dtype gmm multiplies `q`'s values in: int8 for integers (exact int32 accumulation),
   bf16 for 8- and 4-bit floats (every fp8/fp4 value is exact in bf16; XLA:CPU has no fast
   fp8 dot)."""
-  if _is_int(q.qtype):  # unsigned 8/4-bit values do not fit int8
+  if is_integer_dtype(q.qtype):  # unsigned 8/4-bit values do not fit int8
     signed = jnp.iinfo(q.qtype).min < 0
     return np.dtype(jnp.int8) if signed and q.qtype.itemsize == 1 or q.qtype == np.dtype(
         jnp.int4) else np.dtype(jnp.int32)
@@ -500,7 +494,7 @@ class Fp8Training:
         raise ValueError(f"Fp8Training {name} must be float8_e4m3fn or float8_e5m2, got "
                          f"{value!r}")
       object.__setattr__(self, name, dtype)
-    if not _is_index(self.block) or self.block <= 0:
+    if not is_index(self.block) or self.block <= 0:
       raise ValueError(f"Fp8Training block must be a positive int, got {self.block!r}")
     if self.scale_dtype is not None:
       scale = np.dtype(self.scale_dtype)
