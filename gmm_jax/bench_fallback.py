@@ -12,7 +12,7 @@ ragged dot shows G times the grouped work) and XLA's own flop estimate where it 
 (TPU). Plain ``jax.lax.ragged_dot`` is measured beside
 them (``implementation="jax.lax.ragged_dot"``: no epilogue, no gmm op).
 
-Needs jax >= 0.12 with the CUDA plugin and libtpu (see README.md, "Kernels compiled for real
+Needs jax >= 0.12 with the CUDA plugin and libtpu (see docs/kernels.md, "Compiled for real
 targets"); run with ``JAX_PLATFORMS=cpu``::
 
   python -m gmm_jax.bench_fallback                    # every target, case, dtype, mode
