@@ -18,7 +18,7 @@ FFN as a custom_vjp) compiled twice,
   JAX_PLATFORMS=cpu python benchmarks/emulate_dz_epilogue.py v5e kernel
 
 (targets: h100, h200, v5e, v6e; in the deviceless environment of .ci/aot_env.sh.) Results:
-BENCHMARKS.md, "The MoE backward's last copy: what a dz-writing kernel would save".
+benchmarks/log.md, "The MoE backward's last copy: what a dz-writing kernel would save".
 """
 import functools
 import sys

@@ -150,7 +150,7 @@ def test_routed_apply_with_a_user_ffn_compiles_with_kernels():
 def test_routed_apply_on_accelerators_traces_their_branch_alone():
   # On a mesh of GPU (or TPU) devices the transport is that platform's, chosen at trace
   # time: no `lax.platform_dependent` conditional around the routed forward and backward
-  # (XLA:TPU keeps such a conditional and fuses nothing across it; BENCHMARKS.md).
+  # (XLA:TPU keeps such a conditional and fuses nothing across it; benchmarks/log.md).
   mesh = Mesh(np.array(_gpu_pod().devices).reshape(8), ("e",))
   t, d, f, e = 512, 128, 256, 16
 

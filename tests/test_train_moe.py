@@ -59,7 +59,7 @@ def test_tiny_run_learns_and_reports(tmp_path, capsys):
 def test_fp8_training_follows_the_bf16_run():
   """--quantization fp8: the experts' gmms train in fp8 (a model width of 128 and an
   expert width of 256: one and two 128-blocks along the contractions) and the losses stay
-  within 0.1 of the bf16 run's, step by step (BENCHMARKS.md has the 300-step runs)."""
+  within 0.1 of the bf16 run's, step by step (benchmarks/log.md has the 300-step runs)."""
   args = ["--layers", "1", "--experts", "4", "--batch", "4", "--seq", "32", "--embed", "128",
           "--heads", "2", "--mlp", "256", "--lr", "1e-2", "--sample", "0", "--no-plot",
           "--steps", "12", "--dtype", "bfloat16"]
