@@ -5,7 +5,7 @@ partitioning rule, and the compiled program gathers no weights. The same for the
 `gmm_jax.routed_apply` (per device in its shard_map).
 
 Runs where the CUDA plugin is importable (the aot environment of `.ci/run`); skipped with the
-reason elsewhere. (../shared/notes/deviceless-compile.md, "Many chips".)
+reason elsewhere.
 """
 
 from __future__ import annotations

@@ -377,9 +377,9 @@ class Static:
   # (mesh, Layout) of a call split at trace time (operands typed on Explicit axes: a
   # shard_map per direction), None for the partitionable ops.
   split: Any = None
-  # No mesh in sight on TPU, where no partitioner runs the partitionable ops (jax-ml/jax
-  # #38196): the per-device computation inline, each gmm then split as the op's lowering
-  # splits a gmm XLA partitions there (the dense reference).
+  # No mesh in sight on TPU, where no partitioner runs the partitionable ops
+  # (jax-ml/jax#38196): the per-device computation inline, each gmm then split as the op's
+  # lowering splits a gmm XLA partitions there (the dense reference).
   inline: bool = False
 
 
