@@ -1,6 +1,6 @@
 """What a dlhs gmm that writes the gated activation's input cotangent itself would save.
 
-Issue 27 part 2 (the TPU step within 1.2x of the H200's temporaries) needs dz, the
+The memory target of the TPU step (within 1.2x of the H200's temporaries) needs dz, the
 ``[R, 2F]`` cotangent of the up projection's output, written by the down projection's dlhs
 gmm (an epilogue that reads z's gate and up tiles beside its dh tile) instead of by XLA
 fusions after it. Before building that kernel this measures what it would save, deviceless:
@@ -18,7 +18,7 @@ FFN as a custom_vjp) compiled twice,
   JAX_PLATFORMS=cpu python benchmarks/emulate_dz_epilogue.py v5e kernel
 
 (targets: h100, h200, v5e, v6e; in the deviceless environment of .ci/aot_env.sh.) Results:
-BENCHMARKS.md, "The MoE backward's last copy: what a dz-writing kernel would save".
+benchmarks/log.md, "The MoE backward's last copy: what a dz-writing kernel would save".
 """
 import functools
 import sys

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared run for a lent GPU (one H200, python3 3.12 + jax 0.11.2 + CUDA 13, no
+# The prepared run for a machine with one GPU (an H200, python3 3.12 + jax 0.11.2 + CUDA 13, no
 # network), in under 10 minutes, every result under $OUT as it goes (a step that runs out of
 # time keeps what the others wrote):
 #   1. the kernel suites compiled on the GPU against the float64 oracle,
@@ -10,11 +10,12 @@
 #   4. the fused MoE layer's training step against the unfused block and the copy-free
 #      floor (bf16; on a GPU the row copies are memory-bound passes next to the gmms).
 #
-#   run(command="bash benchmarks/gpu.sh", carry=[".whl"], timeout_s=590)
+#   bash benchmarks/gpu.sh        (from the repository root; results under $OUT)
 #
-# .whl holds the wheels the device image lacks (tokamax and its needs; README "Performance
-# on a GPU" says how to fetch them); without it the tokamax column stays empty. gmm_jax goes
-# on PYTHONPATH from this tree (pallas/ copied in as gmm_jax/pallas, as the wheel installs it).
+# .whl holds the wheels such a machine lacks (tokamax and its needs, fetched with `pip
+# download`; benchmarks/log.md, "GPU", lists them); without it the tokamax column stays
+# empty. gmm_jax goes on PYTHONPATH from this tree (pallas/ copied in as gmm_jax/pallas, as
+# the wheel installs it).
 set -uo pipefail
 OUT="${OUT:-/tmp/gmm_gpu_out}"
 mkdir -p "$OUT"
@@ -53,7 +54,7 @@ step bench 220 "$PY" -m gmm_jax.bench --platform gpu --repeats 20
 # 3. The autotuner (forward gmms of the two training shapes).
 step autotune 100 "$PY" -m gmm_jax.bench --platform gpu --autotune --shapes mixtral deepseek \
   --modes fwd --repeats 5
-# 4. The fused MoE layer (issue 15's time target: fused <= 0.9x the unfused block).
+# 4. The fused MoE layer (its time target: fused <= 0.9x the unfused block).
 step moe 70 "$PY" -m gmm_jax.bench_moe --dtypes bfloat16 --blocks fused unfused \
   copy_free_floor --repeats 5
 echo "total $(( $(date +%s) - start )) s" >> "$OUT/env.txt"

@@ -10,7 +10,7 @@ shows what the per-layer figures do as the step grows. Each layer is `bench_moe`
 
 TARGET: h100, h200, v5e or v6e; PROLOGUE: 1 (gated prologue), 0 (the epilogue activation)
 or auto (the default: the prologue on TPU); in the environment of
-.ci/aot_env.sh. Results: BENCHMARKS.md, "The gated prologue".
+.ci/aot_env.sh. Results: benchmarks/log.md, "The gated prologue".
 """
 
 import sys

@@ -14,7 +14,7 @@ that falls back to the XLA path on an accelerator, or (cases marked ``fp8_mma``)
 kernel without fp8 MMA instructions is a failure (exit status 1).
 
 Needs jax >= 0.12 with the CUDA plugin (GPU targets) and libtpu (TPU targets); see
-README.md ("Kernels compiled for real targets"). ``--setup DIR`` creates such a virtual
+docs/kernels.md ("Compiled for real targets"). ``--setup DIR`` creates such a virtual
 environment. Targets whose compiler this jax lacks are reported as skipped (or fail with
 ``--require``).
 

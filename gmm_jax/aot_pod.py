@@ -261,10 +261,9 @@ def register_tpu_partitioner():
   """Registers `custom_partitioning`'s partitioner with libtpu, as jax does when a TPU
   backend starts: describing a topology loads libtpu without running the plugin callbacks,
   and a deviceless compile of a program with a custom partitioning then fails with "Custom
-  emitter for CustomSPMDPartitioning not found" (an artifact of compiling deviceless, see
-  ../shared/notes/deviceless-compile.md). Call it before the first TPU topology is
-  described (the plugin's C API is only handed out by the load). Only that callback runs:
-  the others register CPU and CUDA handlers."""
+  emitter for CustomSPMDPartitioning not found" (an artifact of compiling deviceless).
+  Call it before the first TPU topology is described (the plugin's C API is only handed
+  out by the load). Only that callback runs: the others register CPU and CUDA handlers."""
   if xla_client.pjrt_plugin_loaded("tpu"):
     raise RuntimeError("libtpu is loaded already: register the partitioner before describing "
                        "a TPU topology")

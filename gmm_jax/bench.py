@@ -1,6 +1,6 @@
 """Side-by-side benchmark of gmm against jax.lax.ragged_dot, a dense matmul and a batched matmul.
 
-    python -m gmm_jax.bench                      # the full CPU table of BENCHMARKS.md
+    python -m gmm_jax.bench                      # the full CPU table of benchmarks/log.md
     python -m gmm_jax.bench --m 2048 --kn 1024 --groups 8 64 --dtypes float32
     python -m gmm_jax.bench --platform gpu       # the GPU table: MoE shapes, TFLOP/s
 

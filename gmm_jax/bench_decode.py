@@ -20,7 +20,7 @@ that a noisy machine slows them alike; a method slower than 10 ms per call runs 
 at least once) of the mean per call.
 
 ``--deviceless`` compiles instead, on this host, for a TPU v5e and an H200 (no device
-needed: libtpu and jax's CUDA plugin, ``../shared/notes/deviceless-compile.md``) and
+needed: libtpu and jax's CUDA plugin) and
 prints, per target, the compiled ENTRY computation's ops (`entry_ops`: every top-level
 instruction but parameters, constants, tuples and their elements, bitcasts) and kernel
 launches of: a decode-shaped gmm (`DECODE_GMM`: 64 rows, 64 groups, K=2048, N=1024, bf16)

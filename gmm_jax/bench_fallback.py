@@ -12,11 +12,11 @@ ragged dot shows G times the grouped work) and XLA's own flop estimate where it 
 (TPU). Plain ``jax.lax.ragged_dot`` is measured beside
 them (``implementation="jax.lax.ragged_dot"``: no epilogue, no gmm op).
 
-Needs jax >= 0.12 with the CUDA plugin and libtpu (see README.md, "Kernels compiled for real
+Needs jax >= 0.12 with the CUDA plugin and libtpu (see docs/kernels.md, "Compiled for real
 targets"); run with ``JAX_PLATFORMS=cpu``::
 
   python -m gmm_jax.bench_fallback                    # every target, case, dtype, mode
-  python -m gmm_jax.bench_fallback --targets h200 --cases issue --dtypes bfloat16
+  python -m gmm_jax.bench_fallback --targets h200 --cases g8 --dtypes bfloat16
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from gmm_jax._src.backends import registry as dispatch
 TARGETS = {name: aot.TARGETS[name] for name in ("h200", "v5e")}
 # (M, K, N, G): rows grouped, contraction, columns, groups (balanced sizes).
 CASES = {
-    "issue": (4096, 1024, 2048, 8),     # the measurement of issue 24
+    "g8": (4096, 1024, 2048, 8),        # eight groups of 512 rows
     "moe": (8192, 2048, 1408, 64),      # DeepSeek-MoE-like: 4096 tokens x top-2, 64 experts
     "small-g": (2048, 1024, 1024, 2),   # few groups
 }

@@ -234,7 +234,7 @@ TARGET_DIR = pathlib.Path(__file__).with_name("targets")
 def _register_tpu_partitioner():
   """`custom_partitioning`'s partitioner registered with libtpu, as jax does when a TPU
   backend starts (a deviceless TPU compile of the moe blocks needs it; the same steps as
-  `gmm_jax.aot_pod.register_tpu_partitioner`, see ../shared/notes/deviceless-compile.md).
+  `gmm_jax.aot_pod.register_tpu_partitioner`).
   """
   if xla_client.pjrt_plugin_loaded("tpu"):
     return
@@ -253,7 +253,7 @@ def deviceless_device(target: str):
     raise ValueError(f"unknown deviceless target {target!r}; use one of {sorted(DEVICELESS)}")
   platform, topology, config = DEVICELESS[target]
   if platform == "tpu":
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other compiles may hold it
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold it
     _register_tpu_partitioner()
     return topologies.get_topology_desc(topology, platform="tpu").devices[0]
   return topologies.get_topology_desc(

@@ -128,8 +128,7 @@ SAME_FLOOR = {
 }
 # Function-level (or try-guarded) imports are for optional dependencies only: Pallas, flax,
 # the comparison libraries, and jax's private table of primitives that need devices while
-# lowering and its concrete-mesh context (op.py; see
-# ../shared/notes/jax-primitive-and-partitioning.md).
+# lowering and its concrete-mesh context (op.py).
 OPTIONAL = ("jax._src.pallas.", "jax._src.dispatch", "jax._src.mesh", "flax", "tokamax",
             "qwix")
 

@@ -1,6 +1,6 @@
 """Every bad input gets a clear error at the door: a ValueError that names the argument and
-the offending value or shape (the probe of issue 12's list), and what was wrongly refused or
-wrongly accepted before now behaves as documented."""
+the offending value or shape, and what was wrongly refused or wrongly accepted before now
+behaves as documented."""
 
 from __future__ import annotations
 

@@ -16,8 +16,8 @@ blockwise formula as definition).
 
 The default run is deterministic (the "gmm" profile derandomizes) with a few examples per
 property and tiny shapes; each ``*_slow`` twin (``-m slow``) draws SLOW times as many.
-`test_reported_combinations` keeps the wrong results issue 24 reported, and those the draws
-found, as fixed cases.
+`test_reported_combinations` keeps the wrong results reported against earlier versions, and
+those the draws found, as fixed cases.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ def _with_float_operands(strategy):
       drawn[0] if isinstance(drawn, tuple) else drawn))
 
 
-# The wrong results issue 24 reported and those the draws found, kept as fixed cases (a
-# given run of the drawn tests below may not meet them).
+# The wrong results reported against earlier versions and those the draws found, kept as
+# fixed cases (a given run of the drawn tests below may not meet them).
 _M_CASE = comb.Case(m=16, k=8, n=8, sizes=(4, 0, 5, 3))
 _K_CASE = comb.Case(group_type="k", m=8, k=16, n=8, sizes=(3, 0, 6, 2))
 _M_WIDE = _M_CASE.replace(n=128, implementation="pallas_tpu")

@@ -63,7 +63,7 @@ DESC_RULES = {
     "offsets_f32": (((8, 4), "f32", 0, 2, "f32"), ValueError, "s32"),
     "variable_dim_2": (((8, 4), "f32", 2, 2, "s32"), ValueError, "variable_dim_idx"),
     "variable_dim_negative": (((8, 4), "f32", -1, 2, "s32"), ValueError, "variable_dim_idx"),
-    # issue 26: a grouped tensor cannot have total size 0.
+    # A grouped tensor cannot have total size 0.
     "rows_0": (((0, 512), "f32", 0, 2, "s32"), ValueError, r"total size 0.*\(0, 512\)"),
     "columns_0": (((512, 0), "f32", 1, 2, "s32"), ValueError, r"total size 0.*\(512, 0\)"),
     "negative_dim": (((-1, 4), "f32", 0, 2, "s32"), ValueError, r"positive ints.*\(-1, 4\)"),

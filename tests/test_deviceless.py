@@ -1,6 +1,6 @@
 """The platform of a call is the platform of the devices it is compiled for: a deviceless
 compile for a TPU v5e or an H200 topology, from this CPU host, picks their kernels with no
-other hint (`../shared/notes/deviceless-compile.md`).
+other hint.
 
 Needs libtpu (TPU) or the CUDA plugin (GPU) in this Python; skipped, with the reason, only
 where they are not importable (the default CPU install of jax has neither). Where they are,

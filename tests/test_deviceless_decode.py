@@ -20,7 +20,7 @@ from lowering import has_module
 COMPILER_MODULE = {"v5e": "libtpu", "h200": "jax_plugins.xla_cuda12"}
 # At most this many top-level ops that do work (the kernel included) per target, with the
 # pinned compilers of .ci/aot_env.sh. v5e: the kernel and six fused ops of its tile walk
-# (BENCHMARKS.md). H200: the kernel, the zeroed output it writes into, and four fused ops
+# (benchmarks/log.md). H200: the kernel, the zeroed output it writes into, and four fused ops
 # of metadata (the groups' bounds, items per group, each item's group, its rows).
 MAX_ENTRY_OPS = {"v5e": 7, "h200": 6}
 

@@ -5,7 +5,7 @@ partitioning rule, and the compiled program gathers no weights. The same for the
 `gmm_jax.routed_apply` (per device in its shard_map).
 
 Runs where the CUDA plugin is importable (the aot environment of `.ci/run`); skipped with the
-reason elsewhere. (../shared/notes/deviceless-compile.md, "Many chips".)
+reason elsewhere.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def test_routed_apply_with_a_user_ffn_compiles_with_kernels():
 def test_routed_apply_on_accelerators_traces_their_branch_alone():
   # On a mesh of GPU (or TPU) devices the transport is that platform's, chosen at trace
   # time: no `lax.platform_dependent` conditional around the routed forward and backward
-  # (XLA:TPU keeps such a conditional and fuses nothing across it; BENCHMARKS.md).
+  # (XLA:TPU keeps such a conditional and fuses nothing across it; benchmarks/log.md).
   mesh = Mesh(np.array(_gpu_pod().devices).reshape(8), ("e",))
   t, d, f, e = 512, 128, 256, 16
 

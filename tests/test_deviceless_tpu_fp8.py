@@ -6,8 +6,7 @@ training (1 x 128 activation blocks, 128 x 128 weight blocks, 128 x 1 blocks of 
 gradient's operands), are lowered through `gmm_tpu` for a TPU topology and compiled by
 Mosaic: the kernel itself takes the fp8 values and the block scales (no dequantized copy is
 made before it), one dot per 128-block. v5e has no fp8 MXU path (the kernel converts the
-values to bf16 in-kernel); TPU7x has one (the values go to the dot as they are). See
-`../shared/notes/deviceless-compile.md`.
+values to bf16 in-kernel); TPU7x has one (the values go to the dot as they are).
 
 Needs libtpu in this Python (the deviceless-compile environment of `.ci/aot_env.sh`);
 skipped, with the reason, only where it is not importable.

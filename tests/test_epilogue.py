@@ -154,8 +154,8 @@ def test_gated_column_pairs_give_each_device_its_gate_and_up_blocks(shape, axes)
 @pytest.mark.parametrize("group_type", ["m", "k"])
 def test_gated_with_explicitly_sharded_columns_equals_the_oracle(group_type):
   # Tensor parallelism over N with GmmSharding (shard_map): each device's output columns
-  # need their own gate and up halves (issue 24: max error 49.8 when each device gated its
-  # own column slice).
+  # need their own gate and up halves (max error 49.8 when each device gated its own column
+  # slice).
   mesh = meshes.mesh((4,), ("x",))
   sizes = np.array([5, 0, 7], np.int32)
   n = 8  # output columns: 2 per device

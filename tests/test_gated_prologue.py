@@ -101,7 +101,7 @@ def test_the_tangent_along_both_operands_is_one_linear_op():
 def test_the_backward_computes_the_weight_gradient_before_the_input_gradient():
   # The transpose emits the weight gradient (k-grouped), then `after_on_tpu` ties the
   # cotangent to it, then the dlhs gmm that writes dz reads that cotangent: on a TPU, z's
-  # last reader is the dlhs gmm (the measured order, BENCHMARKS.md).
+  # last reader is the dlhs gmm (the measured order, benchmarks/log.md).
   z, w, sizes = _operands(m=32, k=8, n=8)
   grad = jax.grad(lambda z, w: jnp.sum(gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu")
                                        ** 2), argnums=(0, 1))
@@ -268,7 +268,7 @@ def _prologues_traced(prologue, options=()):
 def test_the_default_takes_the_prologue_where_the_kernels_fuse_it(monkeypatch, platform, native):
   # ExpertFFN(gated_prologue=None): the prologue where the platform's kernels apply act(z)
   # in the down gmm's prologue and write dz in the dlhs gmm's epilogue (Pallas TPU), the
-  # epilogue activation where they would be formed around the kernels (BENCHMARKS.md).
+  # epilogue activation where they would be formed around the kernels (benchmarks/log.md).
   from gmm_jax._src.moe import experts
   assert experts.prologue_is_native("swiglu", {"platform": platform}) is native
   monkeypatch.setattr(dispatch, "trace_platform", lambda: platform)

@@ -302,7 +302,7 @@ def test_vmap_equals_a_loop(group_type, axis):
 
 def test_chains_fall_back_to_ragged_dot_on_tpu_only():
   # TPU: its kernel, then ragged_dot_general (Mosaic kernels of XLA's own), then the XLA
-  # loops. GPU: ragged_dot_general densifies there (BENCHMARKS.md, "Fallbacks on
+  # loops. GPU: ragged_dot_general densifies there (benchmarks/log.md, "Fallbacks on
   # accelerators"), so the XLA loops stay its fallback. CPU: the XLA loops first.
   cfg = GmmConfig(group_type="m", num_local=1)
   tpu = dispatch.candidates(cfg, "tpu")

@@ -189,7 +189,7 @@ def test_data_parallel_capacity_is_per_shard():
 
 @pytest.mark.parametrize("kind", [pytest.param("auto", marks=pytest.mark.slow), "explicit"])
 def test_moe_expert_parallel_argument_on_make_mesh(kind):
-  # The case: nn.MoE(expert_parallel=(make_mesh(...), "e")) with unsharded tokens
+  # nn.MoE(expert_parallel=(make_mesh(...), "e")) with unsharded tokens
   # (replicated over "e": each device runs its experts, one psum) and sharded ones (routed).
   the_mesh = mesh((8,), ("e",), kind)
   model = nn.MoE(8, 16, 24, top_k=2, rngs=nnx.Rngs(5), expert_parallel=(the_mesh, "e"))

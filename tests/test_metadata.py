@@ -168,7 +168,7 @@ def test_granule_rejects_what_it_cannot_cut(align, granule, tile):
 @pytest.mark.parametrize("counts_dtype", ["int32", "int64"])
 def test_metadata_under_x64_strict_promotion(counts_dtype):
   # Everything is int32 whatever the counts' width: under jax_enable_x64 an untyped arange
-  # or sum is int64, which strict promotion will not mix with int32 (issue 26).
+  # or sum is int64, which strict promotion will not mix with int32.
   with jax.enable_x64(True), jax.numpy_dtype_promotion("strict"):
     counts = jnp.asarray([5, 0, 9], counts_dtype)
     meta = jax.jit(lambda c: metadata.make_tile_metadata(c, 16, 16, num_local=3,

@@ -1,5 +1,5 @@
 """The fused MoE layer's bf16 training step plans at most 0.3x the temporaries of the unfused
-one on one H200 and one TPU v5e, the v5e's within 1.2x of the H200's (issue 27; XLA's
+one on one H200 and one TPU v5e, the v5e's within 1.2x of the H200's (the memory targets; XLA's
 compiled ``temp_size_in_bytes``, compiled deviceless at the bench's shape). A regression
 guard for the backward's ordering (`op.transpose`'s gathered rows formed only beside their
 weight gradient: 0.32x before, 0.28x with it) and for the gated prologue the layer takes on
@@ -56,7 +56,7 @@ def test_gated_prologue_step_plans_fewer_temporaries_on_h200():
 @pytest.mark.skipif(not (_has("jax_plugins.xla_cuda12") and _has("libtpu")),
                     reason="needs the deviceless-compile environment (.ci/aot_env.sh)")
 def test_fused_moe_tpu_step_within_1_2x_of_the_h200_one():
-  # Issue 27's bound with the layer's defaults at the bench's shape: on one TPU v5e the
+  # The memory targets with the layer's defaults at the bench's shape: on one TPU v5e the
   # fused step plans <= 0.3x the unfused one's temporaries and <= 1.2x the H200's
   # (measured 90 / 712 MB and 90 / 119 MB on 2026-12-03). The default takes the gated
   # prologue on TPU (the kernels fuse it), whose backward computes dW_down before the dlhs

@@ -50,6 +50,13 @@ def test_every_pallas_folder_ships_under_gmm_jax(wheel):
     assert f"gmm_jax/pallas/{folder + '/' if folder else ''}__init__.py" in names, folder
 
 
+def test_training_text_ships_in_the_wheel(wheel):
+  # The example's corpus (the project's own docs) and its README, nothing else in data/.
+  names = zipfile.ZipFile(wheel).namelist()
+  data = sorted(n for n in names if n.startswith("gmm_jax/examples/data/"))
+  assert data == ["gmm_jax/examples/data/README.md", "gmm_jax/examples/data/gmm_jax_docs.txt"]
+
+
 def test_no_top_level_pallas_in_wheel(wheel):
   names = zipfile.ZipFile(wheel).namelist()
   assert not [n for n in names if n.startswith("pallas/") or n == "pallas.py"]

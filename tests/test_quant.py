@@ -3,7 +3,7 @@ float64 numpy oracle written from the Ascend GroupedMatmul formulas (spec sectio
 the QArray's raw fields decoded by numpy (independently of gmm_jax.dequantize).
 
 Accuracy against the unquantized f32 result is checked with a relative-error budget per
-mode (||y - y_f32|| / ||y_f32||, Frobenius norm), stated in `BUDGETS` and in the README."""
+mode (||y - y_f32|| / ||y_f32||, Frobenius norm), stated in `BUDGETS` and in docs/quantization.md."""
 
 from __future__ import annotations
 

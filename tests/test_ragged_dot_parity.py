@@ -48,7 +48,7 @@ BAD_GENERAL = {
     "contracting_with_group_dim": ((6, 8), (8, 5), (3,), "int32", Numbers((([1], [0]), ([], [])), [1], [0]), None, "float32"),
     "contracting_sizes_wrong_prefix": ((2, 6, 8), (2, 8, 5), (3, 3), "int32", Numbers((([2], [1]), ([0], [0])), [2], []), None, "float32"),
     "contracting_k_differs": ((6, 8), (7, 5), (3,), "int32", CONTRACTING, None, "float32"),
-    # issue 26: ragged batch dim 1 of batch dims (0, 1): group_sizes must be (17, g).
+    # Ragged batch dim 1 of batch dims (0, 1): group_sizes must be (17, g).
     "batch_sizes_wrong_prefix": ((17, 19, 11, 5), (17, 19, 5, 7), (19, 3), "int32", Numbers((([3], [2]), ([0, 1], [0, 1])), [1], []), None, "float32"),
     "batch_with_group_dim": ((3, 6, 4), (3, 4, 5), (2,), "int32", Numbers((([2], [1]), ([0], [0])), [0], [0]), None, "float32"),
     "batch_sizes_differ": ((3, 6, 4), (2, 4, 5), (2,), "int32", BATCH, None, "float32"),

@@ -1,22 +1,34 @@
-"""The README's Python examples run as written (with small operands predefined for the blocks
-that use `x`, `w` and `sizes`)."""
+"""The Python examples of the README and of the docs pages that hold the usage examples run as
+written (with small operands predefined for the blocks that use `x`, `w` and `sizes`)."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Each page, how many Python blocks it holds at least, and which.
+PAGES = {
+    "README.md": (1, "the jit'd gmm with traced group sizes"),
+    "docs/gmm.md": (3, "usage, checkify and fused MoE examples"),
+    "docs/quantization.md": (2, "quantization and fp8 training examples"),
+    "docs/sharding.md": (2, "plain-jit and explicit sharding examples"),
+    "docs/kernels.md": (1, "the tiling record example"),
+}
 
 
-def test_readme_python_blocks_run():
-  text = README.read_text()
-  blocks = [textwrap_dedent(b) for b in re.findall(r"```python\n(.*?)```", text, re.S)]
-  assert len(blocks) >= 3, "usage, checkify and quantization examples"
+def _blocks(page: str) -> list[str]:
+  text = (ROOT / page).read_text()
+  return [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", text, re.S)]
+
+
+def _namespace() -> dict:
   rng = np.random.default_rng(0)
   import gmm_jax
   from jax.sharding import Mesh
@@ -34,12 +46,16 @@ def test_readme_python_blocks_run():
       "w_down": jnp.asarray(rng.standard_normal((4, 32, 128)) / 6, jnp.float32),
   }
   namespace["x_bf16"] = namespace["x"].astype(jnp.bfloat16)
+  return namespace
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_python_blocks_run(page):
+  blocks = _blocks(page)
+  count, which = PAGES[page]
+  assert len(blocks) >= count, f"{page}: {which}"
+  namespace = _namespace()
   for block in blocks:  # each block on its own copy of the operands
     scope = dict(namespace)
-    exec(compile(block, str(README), "exec"), scope)  # noqa: S102
+    exec(compile(block, str(ROOT / page), "exec"), scope)  # noqa: S102
     assert "y" not in scope or isinstance(scope["y"], jax.Array)
-
-
-def textwrap_dedent(block: str) -> str:
-  import textwrap
-  return textwrap.dedent(block)

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
+from importlib import resources
 
 import jax
 import jax.numpy as jnp
@@ -25,11 +28,25 @@ TINY = ["--layers", "1", "--experts", "4", "--top-k", "2", "--batch", "8", "--se
         "--embed", "32", "--heads", "2", "--mlp", "64", "--lr", "1e-2", "--sample", "8"]
 
 
-def test_the_bundled_text_is_the_licence_files():
+def test_the_bundled_text_is_the_projects_docs():
   text = train_moe.load_text()
-  assert len(text) == 168_823
-  assert b"GNU GENERAL PUBLIC LICENSE" in text[:100]
-  assert text.count(b"Everyone is permitted to copy and distribute verbatim copies") == 8
+  assert len(text) == 117_417
+  assert text.startswith(b"# gmm_jax\n\nGrouped matrix multiplication (GroupedGEMM) for JAX")
+  assert train_moe.PROMPT in text
+  readme = (resources.files("gmm_jax.examples") / "data" / "README.md").read_text()
+  assert f"{hashlib.sha256(text).hexdigest()}  gmm_jax_docs.txt" in readme
+  assert b"```" not in text  # prose: the code blocks are left out
+  assert b"GNU GENERAL PUBLIC LICENSE" not in text and b"verbatim copies" not in text
+
+
+def test_the_corpus_builder_keeps_prose_and_drops_code():
+  spec = importlib.util.spec_from_file_location("make_corpus", ROOT / "tools" / "make_corpus.py")
+  make_corpus = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(make_corpus)
+  page = ("# Title\n\nProse.\n\n```python\nx = 1\n```\n\n```{important}\nKept.\n```\n\n"
+          "| a | b |\n|---|---|\n| 1 | 2 |\n\n\n\nEnd.\n")
+  assert make_corpus.page_text(page) == "# Title\n\nProse.\n\nKept.\n\n| a | b |\n| 1 | 2 |\n\nEnd.\n"
+  assert all((ROOT / p).is_file() for p in make_corpus.PAGES)
 
 
 def test_tiny_run_learns_and_reports(tmp_path, capsys):
@@ -59,7 +76,7 @@ def test_tiny_run_learns_and_reports(tmp_path, capsys):
 def test_fp8_training_follows_the_bf16_run():
   """--quantization fp8: the experts' gmms train in fp8 (a model width of 128 and an
   expert width of 256: one and two 128-blocks along the contractions) and the losses stay
-  within 0.1 of the bf16 run's, step by step (BENCHMARKS.md has the 300-step runs)."""
+  within 0.1 of the bf16 run's, step by step (benchmarks/log.md has the 300-step runs)."""
   args = ["--layers", "1", "--experts", "4", "--batch", "4", "--seq", "32", "--embed", "128",
           "--heads", "2", "--mlp", "256", "--lr", "1e-2", "--sample", "0", "--no-plot",
           "--steps", "12", "--dtype", "bfloat16"]

@@ -9,8 +9,10 @@ the tokens routed to it), a final RMSNorm and a linear head over the 256 byte va
 loss is the next-byte cross-entropy plus the MoE's load-balancing loss (x0.01) and router
 z-loss (x0.001); the optimizer is optax's AdamW with warmup and cosine decay.
 
-The text is bundled with the package (``gmm_jax/examples/data``): eight Free Software
-Foundation licence texts, verbatim (see ``data/README.md``); the last 10% is held out.
+The text is bundled with the package (``gmm_jax/examples/data/gmm_jax_docs.txt``): the
+project's own documentation, the README and the docs pages as plain text without their code
+blocks, 117 KB of English about grouped matmuls (built by ``tools/make_corpus.py`` in the
+repository; see ``data/README.md``); the last 10% is held out.
 
 It prints a progress bar with tokens/s, the held-out loss periodically, the initial and final
 loss and a sample of generated text, records every layer's expert load at every step, and
@@ -41,15 +43,14 @@ from matplotlib.figure import Figure
 from gmm_jax import nn
 
 VOCAB = 256  # bytes
-DATA_FILES = ("GPL-1", "GPL-2", "GPL-3", "LGPL-2", "LGPL-2.1", "LGPL-3", "GFDL-1.2",
-              "GFDL-1.3")
+DATA_FILES = ("gmm_jax_docs.txt",)
 LOAD_BALANCING_WEIGHT = 0.01
 ROUTER_Z_WEIGHT = 1e-3
-PROMPT = b"The GNU General Public License"
+PROMPT = b"Grouped matrix multiplication"
 
 
 def load_text() -> bytes:
-  """The bundled training text: the licence files concatenated, as bytes."""
+  """The bundled training text (the files of `DATA_FILES` concatenated), as bytes."""
   root = resources.files("gmm_jax.examples") / "data"
   return b"".join((root / name).read_bytes() for name in DATA_FILES)
 

@@ -144,7 +144,7 @@ class MoE(nnx.Module):
       GEMMs; `gmm_jax._src.moe.experts.ffn_masked`). Masked runs on one device's view (plain
       jit: its gmms partition by their rule) and not with `expert_parallel` /
       `data_parallel` / `partitionable=True`. On the CPU it is 1.0-4.4x slower than the
-      ragged path (BENCHMARKS.md, decode-shaped calls): it is for accelerators' fixed
+      ragged path (benchmarks/log.md, decode-shaped calls): it is for accelerators' fixed
       decode shapes.
     max_rows: the masked layout's slots per expert (default: T, exact when each token
       picks top_k distinct experts); an expert's assignments past it give 0 and count in

@@ -222,7 +222,7 @@ def window_granule(m: int, num_groups: int, tile_m: int) -> int:
   Per group, 8-row windows are never more than the tiles it touches (its first window
   starts at or after its first tile and both step by ``tile_m``), and fewer wherever its
   rows fit in fewer windows from its own start: static MMA rows drop by up to 18% at decode
-  shapes and 3-5% at prefill (BENCHMARKS.md). Tiles are kept only where the two give the
+  shapes and 3-5% at prefill (benchmarks/log.md). Tiles are kept only where the two give the
   same items: one group (it starts at row 0) or M within one tile (every group then fits
   one window of either kind, and tile windows all read the same rows).
   """

@@ -106,7 +106,7 @@ FEATURES = ("row_weights", "gated", "gated_lhs", "gated_cotangent")
 
 # How much more modelled run time `default_tiling` trades for less kernel code (compile
 # time): measured on the Mixtral-like training step for v5e, the chosen tiles cost at most
-# ~2% more modelled time and compile about twice as fast (BENCHMARKS.md).
+# ~2% more modelled time and compile about twice as fast (benchmarks/log.md).
 COMPILE_SLACK = 0.03
 # The m-grouping kernel multiplies a K block of more columns than this in chunks of this
 # many, in a loop (`k_chunks`); the k-grouping kernel computes an output tile of more rows

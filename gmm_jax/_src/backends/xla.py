@@ -48,7 +48,7 @@ ALIGN = "group"
 
 
 def default_tiling(m: int, k: int, n: int, num_groups: int) -> Tiling:
-  """Tile sizes for the XLA path (measured on a 2-core AVX-512 CPU, see BENCHMARKS.md)."""
+  """Tile sizes for the XLA path (measured on a 2-core AVX-512 CPU, see benchmarks/log.md)."""
   del k, n, num_groups
   return Tiling(tile_m=512 if m >= 8192 else 256, tile_k=512, tile_n=512)
 

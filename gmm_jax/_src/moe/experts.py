@@ -107,7 +107,7 @@ class ExpertFFN:
       TPU v5e the one-chip bench step's temporaries are 90 MB against 191 MB, Mixtral's
       expert-parallel step on 4 chips 1.55 against 2.24 GiB; on GPU and CPU, where
       act(z) and the cotangent are formed around the kernels, neither wins everywhere
-      (BENCHMARKS.md, "The gated prologue by default where the kernels fuse it").
+      (benchmarks/log.md, "The gated prologue by default where the kernels fuse it").
       Quantized down weights (or a quantization option) take the False path. Gradients
       are equal for an equal cotangent; the forward differs by one rounding (True rounds z
       to the output dtype before the activation, as every backward recomputes it).
@@ -181,7 +181,7 @@ def prologue_is_native(name: str, options: dict[str, Any]) -> bool:
   this is traced for: the kernel the forward's down gmm tries first applies act(z) in its
   prologue (``"gated_lhs"``) and the one its backward's dlhs gmm tries first writes z's
   cotangent in its epilogue (``"gated_cotangent"``). Pallas TPU does both; elsewhere
-  act(z) and the cotangent would be formed around the kernels (BENCHMARKS.md, "The gated
+  act(z) and the cotangent would be formed around the kernels (benchmarks/log.md, "The gated
   prologue by default where the kernels fuse it")."""
   platform = options.get("platform") or dispatch.trace_platform()
   platform = dispatch.normalize_platform(platform)
@@ -377,9 +377,9 @@ class Static:
   # (mesh, Layout) of a call split at trace time (operands typed on Explicit axes: a
   # shard_map per direction), None for the partitionable ops.
   split: Any = None
-  # No mesh in sight on TPU, where no partitioner runs the partitionable ops (jax-ml/jax
-  # #38196): the per-device computation inline, each gmm then split as the op's lowering
-  # splits a gmm XLA partitions there (the dense reference).
+  # No mesh in sight on TPU, where no partitioner runs the partitionable ops
+  # (jax-ml/jax#38196): the per-device computation inline, each gmm then split as the op's
+  # lowering splits a gmm XLA partitions there (the dense reference).
   inline: bool = False
 
 

@@ -77,7 +77,6 @@ def _bound_on(platform):
 # function: XLA's partitioner asks `_partition` how to split the gmm given the operands'
 # shardings, and every device runs `strategy.local_gmm` (local experts + psum, local group
 # sizes, ...). Without it the partitioner would see an opaque loop and gather the operands.
-# (../shared/notes/jax-primitive-and-partitioning.md, section 5.)
 #
 # A custom_partitioning call made inside another primitive's lowering gets the devices only
 # if the primitive is in jax's private set of primitives that need them while lowering.
