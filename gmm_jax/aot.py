@@ -1,9 +1,10 @@
 """Compiles every gmm kernel variant for real accelerators without the hardware.
 
 ``python -m gmm_jax.aot`` lowers and fully compiles (deviceless, ahead of time) the gmms of
-MoE-shaped forward and training-step programs for NVIDIA H100 and H200 (sm_90a) and TPU v5e
-and v6e, on a CPU host (and, when named with ``--targets``, NVIDIA B200 (sm_100a) and
-TPU7x). gmm picks its kernels itself: each program is traced under
+MoE-shaped forward and training-step programs for one chip of each family by default,
+NVIDIA H200 (sm_90a) and TPU v5e, on a CPU host; ``--targets all`` adds NVIDIA H100
+(sm_90a), B200 (sm_100a), TPU v6e and TPU7x: the full run, made before a kernel or a
+tile-table change lands. gmm picks its kernels itself: each program is traced under
 ``jax.default_device(<target device>)``, so the dispatcher serves the target's platform and
 the tile tables its device kind. It prints one row per kernel launch: the implementation,
 the operands it multiplies, the tiles and where they came from, the grid, and (GPU)
@@ -20,8 +21,9 @@ environment. Targets whose compiler this jax lacks are reported as skipped (or f
 
 Usage::
 
-  python -m gmm_jax.aot                       # the default targets, every case
-  python -m gmm_jax.aot --targets b200 tpu7x  # B200 and TPU7x (not in the default)
+  python -m gmm_jax.aot                       # H200 and v5e, every case
+  python -m gmm_jax.aot --targets all         # every target: the full run
+  python -m gmm_jax.aot --targets b200 tpu7x  # B200 and TPU7x
   python -m gmm_jax.aot --targets h200 v5e --cases mixtral-train
   python -m gmm_jax.aot --list                # the cases
   python -m gmm_jax.aot --json out.json --markdown table.md
@@ -66,13 +68,15 @@ TARGETS = {
     "h200": ("gpu", "1x1x1", "nvidia_h200.txtpb"),
     "v5e": ("tpu", "v5e:1x1", None),
     "v6e": ("tpu", "v6e:1x1", None),
-    # Compiled on request (``--targets b200 tpu7x``), not by default: B200 (sm_100a, Triton
-    # only: the Mosaic GPU kernel is Hopper's) and TPU7x (no int8 MXU) add minutes.
+    # B200: Triton only (the Mosaic GPU kernel is Hopper's); TPU7x: no int8 MXU.
     "b200": ("gpu", "1x1x1", "nvidia_b200.txtpb"),
     "tpu7x": ("tpu", "tpu7x:1x1x1", None),
 }
-# What ``--targets`` defaults to (and so what ``--require`` requires without it).
-DEFAULT_TARGETS = ("h100", "h200", "v5e", "v6e")
+# What ``--targets`` defaults to (and so what ``--require`` requires without it): one chip
+# of each family, what CI compiles. The others share its compilers (H100 with H200: sm_90a;
+# v6e with v5e: Mosaic TPU) or add a family member (B200, TPU7x); ``--targets all`` compiles
+# them too.
+DEFAULT_TARGETS = ("h200", "v5e")
 # MoE shapes: (M, K, N, G).
 SHAPES = {
     "mixtral": (16384, 4096, 14336, 8),   # Mixtral-8x7B-like expert FFN, 16k tokens
@@ -712,9 +716,9 @@ def _child_env() -> dict[str, str]:
 def _define_flags() -> flags.FlagValues:
   """This command's flags, in a FlagValues of their own (none are registered globally)."""
   fv = cli.flag_values()
-  flags.DEFINE_multi_enum("targets", list(DEFAULT_TARGETS), list(TARGETS),
-                          "the targets to compile for (b200, tpu7x: only when named)",
-                          flag_values=fv)
+  flags.DEFINE_multi_enum("targets", list(DEFAULT_TARGETS), [*TARGETS, "all"],
+                          "the targets to compile for (default: one chip per family; 'all': "
+                          "every target, the full run)", flag_values=fv)
   flags.DEFINE_multi_enum("cases", [c.name for c in CASES], [c.name for c in CASES],
                           "the programs to compile (--list describes them)", flag_values=fv)
   flags.DEFINE_integer("jobs", 2, "compile processes (targets are split between them)",
@@ -748,6 +752,8 @@ def main(argv=None) -> int:
   args = cli.parse_flags(_define_flags(), "gmm-jax-aot", argv,
                          __doc__)
   cases = [c for c in CASES if c.name in args.cases]
+  if "all" in args.targets:
+    args.targets = list(TARGETS)
   if args.list:
     for case in CASES:
       print(f"{case.name}: {case.describe()}")

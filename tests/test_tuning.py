@@ -15,6 +15,7 @@ import pytest
 from gmm_jax._src.tiling import tuning
 from gmm_jax._src.core.config import GmmConfig, Problem, Tiling, Tilings
 from gmm_jax.pallas.gpu import gmm as triton_gmm
+from gmm_jax.pallas.gpu import mosaic as mosaic_gpu
 from gmm_jax.pallas.tpu import gmm as tpu_gmm
 from oracle import f64, gmm_oracle, tolerances
 
@@ -54,6 +55,25 @@ def test_builtin_table_rows_are_unique_and_usable_by_their_kernels():
     if check is not None:  # the kernel accepts the tiles on a shape that needs them all
       cfg = GmmConfig(group_type=group_type, num_local=8)
       check(tiling, 1 << 16, 1 << 16, 1 << 16, cfg)
+
+
+def test_builtin_table_rows_fit_their_chips_shared_memory():
+  # Each GPU row's pipeline fits the chip: Triton's two stages (lhs tile and the weight tile,
+  # or both halves of a gated one) and Mosaic GPU's stages beside its output staging tile.
+  # The full deviceless compile of every target (`python -m gmm_jax.aot --targets all`) is
+  # the proof; this holds the rows to the same limits in every run.
+  table = tuning.builtin_table()
+  assert table
+  for (implementation, kind, group_type, dtype, _), tiling in table.items():
+    itemsize = np.dtype(dtype).itemsize
+    if implementation == "pallas_triton":
+      for halves in (1, 2):
+        per_stage = (tiling.tile_m * tiling.tile_k + halves * tiling.tile_k * tiling.tile_n)
+        assert 2 * per_stage * itemsize + 8192 <= triton_gmm.SMEM_BYTES, (kind, tiling, halves)
+    elif implementation == "pallas_mosaic_gpu":
+      assert mosaic_gpu._stages(tiling, 1 << 16, itemsize, 4) >= 2, (kind, tiling)
+    else:
+      raise AssertionError(f"a tile-table row of {implementation} has no limit checked here")
 
 
 def test_table_with_duplicate_rows_is_rejected():
