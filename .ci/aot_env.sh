@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Prints the path of a Python 3.12 virtual environment with jax 0.12 + the CUDA plugin
 # (without cuDNN/cuBLAS/NCCL: only the compiler side is used) + libtpu, for the deviceless
-# compile of the kernels (`python -m gmm_jax.aot`). The environment is cached under
+# compile of the kernels (`python -m gmm_jax.tools.aot`). The environment is cached under
 # ${GMM_JAX_AOT_VENV:-~/.cache/gmm_jax/venv-aot-<versions>} and reused while it imports;
 # gmm_jax itself is (re)installed into it from this checkout, editable, without deps.
-# flax is for `python -m gmm_jax.aot_pod` (whole nn.MoE training steps on multi-chip
+# flax is for `python -m gmm_jax.tools.aot_pod` (whole nn.MoE training steps on multi-chip
 # topologies); an environment cached before it was added gets it installed in place.
 set -euo pipefail
 cd "$(dirname "$0")/.."

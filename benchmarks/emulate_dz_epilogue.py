@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import gmm_jax
-from gmm_jax import bench_moe
+from gmm_jax.tools import bench_moe
 from gmm_jax._src.core import epilogue
 
 T, D, F, E, TOP_K = 4096, 1024, 2048, 64, 2

@@ -50,11 +50,11 @@ step tests 200 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -n 8 \
   tests/test_pallas_triton.py tests/test_pallas_mosaic_gpu.py tests/test_quant_kernels.py \
   -k "Compiled or compiled"
 # 2. The benchmark (every row also checked against jax.lax.ragged_dot).
-step bench 220 "$PY" -m gmm_jax.bench --platform gpu --repeats 20
+step bench 220 "$PY" -m gmm_jax.tools.bench --platform gpu --repeats 20
 # 3. The autotuner (forward gmms of the two training shapes).
-step autotune 100 "$PY" -m gmm_jax.bench --platform gpu --autotune --shapes mixtral deepseek \
+step autotune 100 "$PY" -m gmm_jax.tools.bench --platform gpu --autotune --shapes mixtral deepseek \
   --modes fwd --repeats 5
 # 4. The fused MoE layer (its time target: fused <= 0.9x the unfused block).
-step moe 70 "$PY" -m gmm_jax.bench_moe --dtypes bfloat16 --blocks fused unfused \
+step moe 70 "$PY" -m gmm_jax.tools.bench_moe --dtypes bfloat16 --blocks fused unfused \
   copy_free_floor --repeats 5
 echo "total $(( $(date +%s) - start )) s" >> "$OUT/env.txt"

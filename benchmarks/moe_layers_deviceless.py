@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import gmm_jax
-from gmm_jax import bench_moe
+from gmm_jax.tools import bench_moe
 
 T, D, F, E, TOP_K = 4096, 1024, 2048, 64, 2
 

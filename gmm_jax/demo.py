@@ -6,7 +6,7 @@
    ``down(silu(x @ gate[e]) * (x @ up[e]))`` with gmm under jit, takes gradients w.r.t. the
    tokens and all expert weights, and checks them against the reference implementation.
 2. Prints a small side-by-side speed table: gmm vs jax.lax.ragged_dot vs a dense matmul of the
-   same FLOPs vs a batched matmul over G equal groups (see `gmm_jax.bench`).
+   same FLOPs vs a batched matmul over G equal groups (see `gmm_jax.tools.bench`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gmm_jax
-from gmm_jax import bench
+from gmm_jax.tools import bench
 
 
 def route(tokens: jax.Array, router: jax.Array):

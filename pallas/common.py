@@ -385,7 +385,7 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
 
 def pallas_call(kernel, prepared: Prepared, *, name: str, tiles: tuple[int, ...], **options):
   """``pl.pallas_call(kernel, name=name, **options)``, noting the launch (`tuning.Launch`:
-  name, grid, tiles, VMEM limit) for `gmm_jax.aot` and the benchmarks."""
+  name, grid, tiles, VMEM limit) for `gmm_jax.tools.aot` and the benchmarks."""
   grid = options.get("grid")
   if grid is None and options.get("grid_spec") is not None:
     grid = options["grid_spec"].grid
@@ -397,7 +397,7 @@ def pallas_call(kernel, prepared: Prepared, *, name: str, tiles: tuple[int, ...]
 
 
 def note_launch(prepared: Prepared, name: str, grid: tuple[int, ...], tiles, vmem_limit=None):
-  """Notes a kernel launch (`tuning.Launch`) for `gmm_jax.aot` and the benchmarks."""
+  """Notes a kernel launch (`tuning.Launch`) for `gmm_jax.tools.aot` and the benchmarks."""
   problem = prepared.problem
   tuning.note_launch(tuning.Launch(
       name=name, implementation=None if problem is None else problem.implementation,

@@ -9,7 +9,7 @@ import pytest
 
 import gmm_jax
 
-H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
+H200 = pathlib.Path(gmm_jax.__file__).parent / "tools" / "targets" / "nvidia_h200.txtpb"
 
 
 def topology():

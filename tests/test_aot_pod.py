@@ -1,4 +1,4 @@
-"""What `gmm_jax.aot_pod` reads from a compiled training step (collective bytes per kind,
+"""What `gmm_jax.tools.aot_pod` reads from a compiled training step (collective bytes per kind,
 all-gathers of whole expert weights, kernel calls, errors), its mesh and parameter layouts,
 and that its ragged_dot baseline is the same MoE as `nn.MoE`. None of it needs libtpu or
 the CUDA plugin: the deviceless compiles are `test_aot_pod_deviceless.py`."""
@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
-from gmm_jax import aot_pod, nn  # noqa: E402
+from gmm_jax.tools import aot_pod, nn  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 # A compiled step's HLO as XLA prints it after optimization: synchronous and async

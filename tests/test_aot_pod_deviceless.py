@@ -1,4 +1,4 @@
-"""Whole training steps (small shapes) compiled deviceless by `gmm_jax.aot_pod` for TPU v5e
+"""Whole training steps (small shapes) compiled deviceless by `gmm_jax.tools.aot_pod` for TPU v5e
 2x2 and 8 x H200, as users write them: `nn.MoE` under plain jit, under `jax.set_mesh` (built
 by `nnx.eval_shape` inside it), on Explicit axes, unfused, with expert parallelism, and the
 gradients of `nn.GroupedLinear`. Each compiles with Pallas kernels and no expert-weight
@@ -20,7 +20,7 @@ import json
 import pytest
 
 pytest.importorskip("flax")
-from gmm_jax import aot_pod  # noqa: E402
+from gmm_jax.tools import aot_pod  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

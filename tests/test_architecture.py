@@ -61,14 +61,15 @@ FLOORS = {
     **{f"gmm_jax.nn.{name}": 6 for name in (
         "params", "grouped_linear", "router", "expert_ffn", "shared", "dispatch", "presets",
         "moe", "linen", "hf", "hf_unsupported")},
-    "gmm_jax.bench": 6,
-    "gmm_jax.bench_moe": 6,
-    "gmm_jax.bench_decode": 6,
-    "gmm_jax.bench_fallback": 6,
+    "gmm_jax.tools": 6,  # the tools' package face
+    "gmm_jax.tools.bench": 6,
+    "gmm_jax.tools.bench_moe": 6,
+    "gmm_jax.tools.bench_decode": 6,
+    "gmm_jax.tools.bench_fallback": 6,
     "gmm_jax.examples": 7,  # built on gmm_jax.nn (floor 6)
     "gmm_jax.examples.train_moe": 7,
-    "gmm_jax.aot": 6,
-    "gmm_jax.aot_pod": 7,  # compiles gmm_jax.nn (floor 6) training steps
+    "gmm_jax.tools.aot": 6,
+    "gmm_jax.tools.aot_pod": 7,  # compiles gmm_jax.nn (floor 6) training steps
     "gmm_jax._src.tiling.autotune": 6,
     "gmm_jax.demo": 6,
     "gmm_jax.compat": 6,
@@ -108,10 +109,10 @@ SAME_FLOOR = {
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_rules"),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_scales"),
     ("gmm_jax.compat._ascend_rules", "gmm_jax.compat._ascend_scales"),
-    ("gmm_jax.demo", "gmm_jax.bench"),  # the demo prints a benchmark table
-    ("gmm_jax.bench", "gmm_jax._src.tiling.autotune"),  # the benchmark times as the autotuner does
-    ("gmm_jax.bench_moe", "gmm_jax._src.tiling.autotune"),
-    ("gmm_jax.bench_fallback", "gmm_jax.aot"),  # the same deviceless targets
+    ("gmm_jax.demo", "gmm_jax.tools.bench"),  # the demo prints a benchmark table
+    ("gmm_jax.tools.bench", "gmm_jax._src.tiling.autotune"),  # the benchmark times as the autotuner does
+    ("gmm_jax.tools.bench_moe", "gmm_jax._src.tiling.autotune"),
+    ("gmm_jax.tools.bench_fallback", "gmm_jax.tools.aot"),  # the same deviceless targets
     # The routed-experts op moves rows with the routing transports; the layer composes it.
     ("gmm_jax._src.moe.experts", "gmm_jax._src.moe.routing"),
     ("gmm_jax.nn", "gmm_jax._src.moe.experts"),

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from lowering import has_module
 
-from gmm_jax import bench_moe
+from gmm_jax.tools import bench_moe
 
 SHAPE = ["--tokens", "32", "--embed", "16", "--mlp", "32", "--experts", "4", "--top-k", "2"]
 

@@ -29,7 +29,7 @@ from gmm_jax._src.backends import builtin as backends, registry as dispatch, qua
 from gmm_jax._src.tiling import cost_models
 from gmm_jax._src.core.config import GmmConfig, Tiling
 
-TARGETS = pathlib.Path(gmm_jax.__file__).with_name("targets")
+TARGETS = pathlib.Path(gmm_jax.__file__).parent / "tools" / "targets"
 GIB = 2**30
 
 

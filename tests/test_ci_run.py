@@ -52,7 +52,7 @@ STEPS = [
                   "tests/test_aot_pod_deviceless.py tests/test_pallas_mosaic_gpu.py "
                   "tests/test_chips.py tests/test_deviceless_mosaic_fp8.py "
                   "tests/test_deviceless_tpu_fp8.py tests/test_deviceless_decode.py"),
-    ("python -m gmm_jax.aot", "python -m gmm_jax.aot --require"),
+    ("python -m gmm_jax.tools.aot", "python -m gmm_jax.tools.aot --require"),
 ]
 
 

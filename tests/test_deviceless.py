@@ -25,7 +25,7 @@ from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from jax.experimental import topologies
 
-H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
+H200 = pathlib.Path(gmm_jax.__file__).parent / "tools" / "targets" / "nvidia_h200.txtpb"
 
 
 # The module that must be importable for jax to describe each kind of topology.
@@ -158,14 +158,14 @@ def test_triton_split_k_memory_deterministic_vs_atomic():
 
 def test_triton_fp8_training_gmms_use_fp8_wgmma(tmp_path):
   # fp8 training's three gmms (blockwise scales, "blocked" mode) on the Triton kernels,
-  # compiled for an H200 by `python -m gmm_jax.aot` (a process of its own: it reads the
+  # compiled for an H200 by `python -m gmm_jax.tools.aot` (a process of its own: it reads the
   # kernels' instructions from XLA's log, which must be switched on before XLA starts): the
   # forward, the dlhs (rhs^T) and the k-grouped drhs (lhs^T) each hold Hopper's fp8 wgmma,
   # e4m3 x e4m3 and, with e5m2 gradients, e5m2 x e4m3 (dlhs) and e4m3 x e5m2 (drhs).
   _require_compiler("gpu")
   out = tmp_path / "rows.json"
   cases = ["fp8-train-triton", "fp8-train-e5m2-triton"]
-  run = subprocess.run([sys.executable, "-m", "gmm_jax.aot", "--targets", "h200", "--cases",
+  run = subprocess.run([sys.executable, "-m", "gmm_jax.tools.aot", "--targets", "h200", "--cases",
                         *cases, "--jobs", "1", "--json", str(out), "--noprogress"],
                        capture_output=True, text=True, timeout=900)
   assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -1,6 +1,6 @@
 """A decode-shaped gmm is cheap to launch: compiled deviceless for a TPU v5e and an H200,
 its ENTRY computation holds one kernel and a few fused ops for the group metadata
-(`gmm_jax.bench_decode.entry_ops`; ``python -m gmm_jax.bench_decode --deviceless`` prints
+(`gmm_jax.tools.bench_decode.entry_ops`; ``python -m gmm_jax.tools.bench_decode --deviceless`` prints
 the comparison with megablox, tokamax and `jax.lax.ragged_dot`).
 
 Needs libtpu (TPU) or the CUDA plugin (GPU) in this Python; skipped where they are not
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax import bench_decode
+from gmm_jax.tools import bench_decode
 from lowering import has_module
 
 COMPILER_MODULE = {"v5e": "libtpu", "h200": "jax_plugins.xla_cuda12"}

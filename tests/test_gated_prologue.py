@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from oracle import GATED, f64, gmm_oracle
 
 import gmm_jax
-from gmm_jax import bench_moe
+from gmm_jax.tools import bench_moe
 from gmm_jax._src.backends import registry as dispatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")

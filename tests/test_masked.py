@@ -310,7 +310,7 @@ def test_bad_masked_inputs():
 
 @pytest.mark.slow
 def test_bench_decode_runs_and_counts_ops():
-  from gmm_jax import bench_decode
+  from gmm_jax.tools import bench_decode
 
   methods = ["gmm_masked", "ragged_dot"]
   rows = bench_decode.main(["--tokens", "2", "--experts", "8", "--top-k", "2", "--dim", "16",
@@ -323,7 +323,7 @@ def test_bench_decode_runs_and_counts_ops():
 
 @pytest.mark.parametrize("max_rows", [5, pytest.param(2, marks=pytest.mark.slow)])
 def test_moe_decode_masked_matches_dense_oracle(max_rows):
-  from gmm_jax import bench_decode
+  from gmm_jax.tools import bench_decode
 
   x, gate_up, down, top_e, top_p = bench_decode.moe_problem(5, 4, 2, 8, 4, seed=11)
   got = jax.jit(functools.partial(bench_decode.moe_decode_masked, max_rows=max_rows))(

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from lowering import has_module
 
-from gmm_jax import bench_moe
+from gmm_jax.tools import bench_moe
 
 # bench_moe's default shape: T, D, F, E, k.
 SHAPE = (4096, 1024, 2048, 64, 2)

@@ -15,7 +15,7 @@ import zipfile
 import gmm_jax
 import pytest
 from absl import flags
-from gmm_jax import bench
+from gmm_jax.tools import bench
 from gmm_jax._src import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def test_extras():
 
 # ------------------------------------------------------------------------ console scripts
 
-SCRIPTS = {"gmm-jax-bench": "gmm_jax.bench:run", "gmm-jax-aot": "gmm_jax.aot:run"}
+SCRIPTS = {"gmm-jax-bench": "gmm_jax.tools.bench:run", "gmm-jax-aot": "gmm_jax.tools.aot:run"}
 
 
 def test_console_scripts_declared_and_importable(wheel):
@@ -129,7 +129,7 @@ def test_console_scripts_declared_and_importable(wheel):
     assert callable(getattr(module, target.split(":")[1])) and callable(module.main)
 
 
-@pytest.mark.parametrize("module", ["gmm_jax.bench", "gmm_jax.aot"])
+@pytest.mark.parametrize("module", ["gmm_jax.tools.bench", "gmm_jax.tools.aot"])
 def test_help_and_bad_flags(module, capsys):
   main = importlib.import_module(module).main
   for _ in range(2):  # the flags live in a FlagValues per call: a second parse works

@@ -129,7 +129,7 @@ def _expected_windows(sizes, offset, num_local, tile_m, granule):
     (8192, 8, 128, 8),      # prefill: never more windows than tiles, so 8 rows too
     (130, 3, 128, 8),
     (4096, 1, 128, 128),    # one group starts at row 0: the same windows
-    (64, 8, 64, 64),        # M within one tile (gmm_jax.aot's decode case): the same items
+    (64, 8, 64, 64),        # M within one tile (gmm_jax.tools.aot's decode case): the same items
     (48, 3, 64, 64),
 ])
 def test_window_granule_is_a_function_of_static_shapes(m, num_groups, tile_m, granule):

@@ -341,7 +341,7 @@ def test_features_and_gated_tiles():
   assert set(triton_gmm.FEATURES) == {"gather", "row_weights", "scatter", "gated"}
   cfg = GmmConfig(group_type="m", num_local=8, activation="swiglu")
   # The heuristic sizes tile_n by the N output columns; the two accumulators keep a
-  # 128x256 footprint (no spills on sm_90a, see gmm_jax.aot).
+  # 128x256 footprint (no spills on sm_90a, see gmm_jax.tools.aot).
   for activation in ("swiglu", "geglu"):
     tiling = triton_gmm.default_tiling(8192, 4096, 2 * 14336, cfg.replace(activation=activation))
     assert (tiling.tile_m, tiling.tile_n) == (128, 128)

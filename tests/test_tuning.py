@@ -60,7 +60,7 @@ def test_builtin_table_rows_are_unique_and_usable_by_their_kernels():
 def test_builtin_table_rows_fit_their_chips_shared_memory():
   # Each GPU row's pipeline fits the chip: Triton's two stages (lhs tile and the weight tile,
   # or both halves of a gated one) and Mosaic GPU's stages beside its output staging tile.
-  # The full deviceless compile of every target (`python -m gmm_jax.aot --targets all`) is
+  # The full deviceless compile of every target (`python -m gmm_jax.tools.aot --targets all`) is
   # the proof; this holds the rows to the same limits in every run.
   table = tuning.builtin_table()
   assert table

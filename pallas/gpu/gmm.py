@@ -65,7 +65,7 @@ Hopper's 8-bit wgmma reads both operands K-major from shared memory. Tiles store
 stored (cp.async, pipelined); an N-major (or M-major) 8-bit tile, as fp8 training's forward
 weights ``[G, K, N]`` and both operands of its k-grouped drhs, goes through registers into a
 K-major shared layout (Triton: "Forcing a different order on SMEM"), which costs register
-traffic and pipeline depth (`python -m gmm_jax.aot`: 81,920 B of shared memory for the
+traffic and pipeline depth (`python -m gmm_jax.tools.aot`: 81,920 B of shared memory for the
 forward against 131,072 B for the K-major dlhs; triton-lang/triton#7629). Store 8-bit
 weights ``[G, N, K]`` (as `quantize` of a transposed weight) for the fast path.
 """
@@ -105,7 +105,7 @@ ALIGN = cost_models.TRITON_ALIGN  # work items may start at any row: loads are m
 SMALLEST_TILE = cost_models.SMALLEST_TILE  # tl.dot needs every dimension >= 16
 # H100 / H200 (SXM): the opt-in shared memory per block.
 SMEM_BYTES = 232448
-# Re-exported for gmm_jax.bench, which reads the model here (it lives in `cost_models`).
+# Re-exported for gmm_jax.tools.bench, which reads the model here (it lives in `cost_models`).
 static_cost = cost_models.triton_static_cost
 # The "scaled" dtype pairs these kernels multiply on the tensor cores.
 SCALED_TYPES = common.INT8_SCALED + common.FP8_SCALED
@@ -156,7 +156,7 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
 def fit_registers(tiling: Tiling, cfg: GmmConfig, step_product: bool = False) -> Tiling:
   """128 columns instead of 256 where the 128x256 accumulator spills registers on sm_90a:
   with a transposed lhs (its tile transposes through registers) or the exact GELU (the
-  rational erf); `python -m gmm_jax.aot` measured both spilling. A gated activation keeps
+  rational erf); `python -m gmm_jax.tools.aot` measured both spilling. A gated activation keeps
   two accumulators (gate and up columns): 128 columns each, a 128x256 footprint, which
   compiled without spills for swiglu, the exact-GELU geglu and a transposed lhs alike (the
   activation runs on the gate half only). `step_product`: each K step's product is held

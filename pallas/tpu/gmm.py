@@ -91,7 +91,7 @@ from gmm_jax._src.core.qarray import QArray
 from gmm_jax.pallas import common
 
 ALIGN = cost_models.TPU_ALIGN  # BlockSpec index maps address whole tiles
-# Re-exported for tests/test_pallas_tpu.py and gmm_jax.bench, which read them here (the
+# Re-exported for tests/test_pallas_tpu.py and gmm_jax.tools.bench, which read them here (the
 # model lives in `cost_models`).
 static_cost = cost_models.tpu_static_cost
 VMEM_RESERVE = cost_models.VMEM_RESERVE

@@ -4,7 +4,7 @@ Floor 2 (a backend). The accelerators' fallback where no Pallas kernel serves a 
 lowers ``ragged_dot_general`` to its own grouped kernels on TPU (Mosaic custom calls that
 visit only the grouped rows), where the XLA path's loops (`xla.py`, tuned for XLA:CPU) run
 one small dot per work item. Which of the two a GPU falls back to is measured in
-benchmarks/log.md ("Fallbacks on accelerators"), by `python -m gmm_jax.bench_fallback`.
+benchmarks/log.md ("Fallbacks on accelerators"), by `python -m gmm_jax.tools.bench_fallback`.
 
 One ``ragged_dot_general`` computes the f32 products of the local groups; bias, activation
 (plain or gated), row mask and cast follow in the one finishing step (`epilogue.finish`). Local groups (``group_offset``,

@@ -85,7 +85,7 @@ def gpu_sm_count(device=None) -> int:
 
 
 # Compute capability and SMs of the GPU kinds gmm_jax has target descriptions for
-# (`gmm_jax/targets`), for a target that names only its kind (an abstract device); a jax
+# (`gmm_jax/tools/targets`), for a target that names only its kind (an abstract device); a jax
 # Device says both itself (``compute_capability``, ``core_count``).
 GPU_KINDS = {
     "NVIDIA H100": ((9, 0), 132),

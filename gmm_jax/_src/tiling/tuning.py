@@ -314,7 +314,7 @@ def choose_with_source(problem: Problem, tiling,
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-  """One kernel launch as a backend built it (what `gmm_jax.aot` reports).
+  """One kernel launch as a backend built it (what `gmm_jax.tools.aot` reports).
 
   Fields:
     name: the kernel's name (the pallas_call's).

@@ -1,6 +1,6 @@
 """Compiles every gmm kernel variant for real accelerators without the hardware.
 
-``python -m gmm_jax.aot`` lowers and fully compiles (deviceless, ahead of time) the gmms of
+``python -m gmm_jax.tools.aot`` lowers and fully compiles (deviceless, ahead of time) the gmms of
 MoE-shaped forward and training-step programs for one chip of each family by default,
 NVIDIA H200 (sm_90a) and TPU v5e, on a CPU host; ``--targets all`` adds NVIDIA H100
 (sm_90a), B200 (sm_100a), TPU v6e and TPU7x: the full run, made before a kernel or a
@@ -21,12 +21,12 @@ environment. Targets whose compiler this jax lacks are reported as skipped (or f
 
 Usage::
 
-  python -m gmm_jax.aot                       # H200 and v5e, every case
-  python -m gmm_jax.aot --targets all         # every target: the full run
-  python -m gmm_jax.aot --targets b200 tpu7x  # B200 and TPU7x
-  python -m gmm_jax.aot --targets h200 v5e --cases mixtral-train
-  python -m gmm_jax.aot --list                # the cases
-  python -m gmm_jax.aot --json out.json --markdown table.md
+  python -m gmm_jax.tools.aot                       # H200 and v5e, every case
+  python -m gmm_jax.tools.aot --targets all         # every target: the full run
+  python -m gmm_jax.tools.aot --targets b200 tpu7x  # B200 and TPU7x
+  python -m gmm_jax.tools.aot --targets h200 v5e --cases mixtral-train
+  python -m gmm_jax.tools.aot --list                # the cases
+  python -m gmm_jax.tools.aot --json out.json --markdown table.md
 
 ``gmm-jax-aot`` is the same command. ``--targets`` and ``--cases`` take their values after
 one name, comma-separated, or by repeating the flag; ``--progress`` (default: when stderr is
@@ -745,9 +745,9 @@ def main(argv=None) -> int:
   name; None: sys.argv[1:]); prints one row per kernel launch and the Markdown table.
   Returns the exit status."""
   argv = sys.argv[1:] if argv is None else list(argv)
-  if "--pod" in argv:  # whole MoE training steps on multi-chip topologies: gmm_jax.aot_pod
+  if "--pod" in argv:  # whole MoE training steps on multi-chip topologies: gmm_jax.tools.aot_pod
     # (a command of its own: it needs flax and builds on gmm_jax.nn, a floor above this one)
-    return subprocess.call([sys.executable, "-m", "gmm_jax.aot_pod",
+    return subprocess.call([sys.executable, "-m", "gmm_jax.tools.aot_pod",
                             *(arg for arg in argv if arg != "--pod")])
   args = cli.parse_flags(_define_flags(), "gmm-jax-aot", argv,
                          __doc__)
@@ -771,7 +771,7 @@ def main(argv=None) -> int:
     procs, lines = [], queue.Queue()
     for i, shard in enumerate(shards):
       out = pathlib.Path(tmp) / f"{i}.json"
-      command = [sys.executable, "-m", "gmm_jax.aot", "--child_json", str(out), "--targets",
+      command = [sys.executable, "-m", "gmm_jax.tools.aot", "--child_json", str(out), "--targets",
                  *shard, "--cases", *[c.name for c in cases]]
       proc = subprocess.Popen(command, env=_child_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True)
@@ -818,7 +818,7 @@ def main(argv=None) -> int:
 
 
 def run():
-  """The `gmm-jax-aot` console script (and ``python -m gmm_jax.aot``)."""
+  """The `gmm-jax-aot` console script (and ``python -m gmm_jax.tools.aot``)."""
   cli.run(main)
 
 

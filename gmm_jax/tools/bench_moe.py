@@ -2,9 +2,9 @@
 (token dispatch and combine inside gmm), today's unfused block (copies around plain gmms)
 and a MaxText-style block on `jax.lax.ragged_dot`.
 
-    python -m gmm_jax.bench_moe                       # T=4096 D=1024 F=2048 E=64 k=2, f32 and bf16
-    python -m gmm_jax.bench_moe --tokens 1024 --embed 256 --mlp 512 --experts 16
-    JAX_PLATFORMS=cpu python -m gmm_jax.bench_moe --dtypes bfloat16 --deviceless h200 v5e
+    python -m gmm_jax.tools.bench_moe                       # T=4096 D=1024 F=2048 E=64 k=2, f32 and bf16
+    python -m gmm_jax.tools.bench_moe --tokens 1024 --embed 256 --mlp 512 --experts 16
+    JAX_PLATFORMS=cpu python -m gmm_jax.tools.bench_moe --dtypes bfloat16 --deviceless h200 v5e
 
 Each block is the same function of the same parameter values: a softmax top-k router, a
 gated SwiGLU expert FFN and the probability-weighted combine. The fused block holds the
@@ -224,7 +224,7 @@ def run(tokens: int, embed: int, mlp: int, experts: int, top_k: int, dtypes, *,
   return rows
 
 
-# Deviceless targets: (platform, topology, GPU target config under gmm_jax/targets).
+# Deviceless targets: (platform, topology, GPU target config under gmm_jax/tools/targets).
 DEVICELESS = {"h200": ("cuda", "1x1x1", "nvidia_h200.txtpb"),
               "h100": ("cuda", "1x1x1", "nvidia_h100.txtpb"),
               "v5e": ("tpu", "v5e:1x1", None), "v6e": ("tpu", "v6e:1x1", None)}
@@ -234,7 +234,7 @@ TARGET_DIR = pathlib.Path(__file__).with_name("targets")
 def _register_tpu_partitioner():
   """`custom_partitioning`'s partitioner registered with libtpu, as jax does when a TPU
   backend starts (a deviceless TPU compile of the moe blocks needs it; the same steps as
-  `gmm_jax.aot_pod.register_tpu_partitioner`).
+  `gmm_jax.tools.aot_pod.register_tpu_partitioner`).
   """
   if xla_client.pjrt_plugin_loaded("tpu"):
     return

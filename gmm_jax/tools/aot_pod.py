@@ -1,6 +1,6 @@
 """Compiles whole MoE training steps for multi-chip TPU and GPU topologies without the hardware.
 
-``python -m gmm_jax.aot_pod`` (also ``python -m gmm_jax.aot --pod``) builds, per (model,
+``python -m gmm_jax.tools.aot_pod`` (also ``python -m gmm_jax.tools.aot --pod``) builds, per (model,
 topology, strategy), one training step of a `gmm_jax.nn.MoE` layer as a user writes it:
 `nnx.split` the layer, ``loss = mean(y**2) + 0.01 * load balancing + 0.001 * z-loss``,
 `jax.value_and_grad` over the parameters, an SGD update; bf16 parameters and compute,
@@ -54,10 +54,10 @@ flax; ``bash .ci/aot_env.sh`` prints such a virtual environment. Run with
 
 Usage::
 
-  python -m gmm_jax.aot_pod --small                          # the CI configuration
-  python -m gmm_jax.aot_pod --models mixtral --topologies v5e:2x2 h200:1x1x8
-  python -m gmm_jax.aot_pod --small --require ep unfused ragged_dot --json rows.json
-  python -m gmm_jax.aot_pod --topologies v5e:4x4 --strategies ep --buffer-factor none 1
+  python -m gmm_jax.tools.aot_pod --small                          # the CI configuration
+  python -m gmm_jax.tools.aot_pod --models mixtral --topologies v5e:2x2 h200:1x1x8
+  python -m gmm_jax.tools.aot_pod --small --require ep unfused ragged_dot --json rows.json
+  python -m gmm_jax.tools.aot_pod --topologies v5e:4x4 --strategies ep --buffer-factor none 1
 """
 
 from __future__ import annotations
@@ -738,7 +738,7 @@ def _run_one(model: str, topology: str, strategy: str, buffer_factor: float | No
   """Compiles one step in a process of its own; a hang or crash becomes a row."""
   with tempfile.TemporaryDirectory() as tmp:
     out, log = pathlib.Path(tmp) / "row.json", pathlib.Path(tmp) / "log.txt"
-    command = [sys.executable, "-m", "gmm_jax.aot_pod",
+    command = [sys.executable, "-m", "gmm_jax.tools.aot_pod",
                *child_flags(out, model, topology, strategy, buffer_factor, expert)]
     start = time.perf_counter()
     with open(log, "wb") as stderr:
@@ -767,7 +767,7 @@ def _run_one(model: str, topology: str, strategy: str, buffer_factor: float | No
 def main(argv=None) -> int:
   """Compiles the steps of command-line flags `argv` (without the program name; None:
   sys.argv[1:]); prints a line per step and the Markdown table. Returns the exit status."""
-  args = cli.parse_flags(_define_flags(), "python -m gmm_jax.aot_pod",
+  args = cli.parse_flags(_define_flags(), "python -m gmm_jax.tools.aot_pod",
                          sys.argv[1:] if argv is None else argv, __doc__)
   models, topologies_ = args.models, args.topologies
   if args.small:
@@ -808,7 +808,7 @@ def main(argv=None) -> int:
 
 
 def run():
-  """``python -m gmm_jax.aot_pod``."""
+  """``python -m gmm_jax.tools.aot_pod``."""
   cli.run(main)
 
 

@@ -1,8 +1,8 @@
 """Side-by-side benchmark of gmm against jax.lax.ragged_dot, a dense matmul and a batched matmul.
 
-    python -m gmm_jax.bench                      # the full CPU table of benchmarks/log.md
-    python -m gmm_jax.bench --m 2048 --kn 1024 --groups 8 64 --dtypes float32
-    python -m gmm_jax.bench --platform gpu       # the GPU table: MoE shapes, TFLOP/s
+    python -m gmm_jax.tools.bench                      # the full CPU table of benchmarks/log.md
+    python -m gmm_jax.tools.bench --m 2048 --kn 1024 --groups 8 64 --dtypes float32
+    python -m gmm_jax.tools.bench --platform gpu       # the GPU table: MoE shapes, TFLOP/s
 
 (``gmm-jax-bench`` is the same command.) ``--platform`` defaults to the machine's
 (``jax.default_backend()``): cpu, gpu or tpu. A repeated flag takes its values after one
@@ -671,7 +671,7 @@ def main(argv=None) -> int:
 
 
 def run():
-  """The `gmm-jax-bench` console script (and ``python -m gmm_jax.bench``)."""
+  """The `gmm-jax-bench` console script (and ``python -m gmm_jax.tools.bench``)."""
   cli.run(main)
 
 

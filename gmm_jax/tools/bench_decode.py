@@ -3,10 +3,10 @@ form, gmm on the masked form (`gmm_jax.MaskedArray`), `jax.lax.ragged_dot` on th
 form, and a masked dense einsum (``einsum('grk,gkn->grn')`` times the row mask, what a
 batched matmul over the padded slots costs).
 
-    python -m gmm_jax.bench_decode                    # T 1, 8, 64; E 64, 256; k=8; D=F=512
-    python -m gmm_jax.bench_decode --tokens 1 16 --experts 128 --dim 1024
-    python -m gmm_jax.bench_decode --moe              # a decode MoE FFN, masked vs ragged
-    python -m gmm_jax.bench_decode --deviceless       # ENTRY ops per target, nothing run
+    python -m gmm_jax.tools.bench_decode                    # T 1, 8, 64; E 64, 256; k=8; D=F=512
+    python -m gmm_jax.tools.bench_decode --tokens 1 16 --experts 128 --dim 1024
+    python -m gmm_jax.tools.bench_decode --moe              # a decode MoE FFN, masked vs ragged
+    python -m gmm_jax.tools.bench_decode --deviceless       # ENTRY ops per target, nothing run
 
 Each of T tokens picks k distinct experts at random (a fixed seed); the ragged form is the
 ``[T*k, D]`` rows sorted by expert with counts ``[E]``, the masked form ``[E, T, D]`` (T is
@@ -295,7 +295,7 @@ DECODE_GMM = (64, 64, 2048, 1024)
 # (T tokens, E experts, k, D, F): the decode MoE FFN of `run_moe`, SwiGLU, bf16.
 DECODE_MOE = (8, 64, 8, 2048, 1024)
 DEVICELESS_TARGETS = ("v5e", "h200")
-_H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
+_H200 = pathlib.Path(__file__).with_name("targets") / "nvidia_h200.txtpb"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ them (``implementation="jax.lax.ragged_dot"``: no epilogue, no gmm op).
 Needs jax >= 0.12 with the CUDA plugin and libtpu (see docs/kernels.md, "Compiled for real
 targets"); run with ``JAX_PLATFORMS=cpu``::
 
-  python -m gmm_jax.bench_fallback                    # every target, case, dtype, mode
-  python -m gmm_jax.bench_fallback --targets h200 --cases g8 --dtypes bfloat16
+  python -m gmm_jax.tools.bench_fallback                    # every target, case, dtype, mode
+  python -m gmm_jax.tools.bench_fallback --targets h200 --cases g8 --dtypes bfloat16
 """
 
 from __future__ import annotations
@@ -36,10 +36,10 @@ import numpy as np
 from jax.experimental import topologies
 
 import gmm_jax
-from gmm_jax import aot
+from gmm_jax.tools import aot
 from gmm_jax._src.backends import registry as dispatch
 
-# The targets of `gmm_jax.aot` this compares on.
+# The targets of `gmm_jax.tools.aot` this compares on.
 TARGETS = {name: aot.TARGETS[name] for name in ("h200", "v5e")}
 # (M, K, N, G): rows grouped, contraction, columns, groups (balanced sizes).
 CASES = {
