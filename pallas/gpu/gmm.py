@@ -103,8 +103,7 @@ FEATURES = ("gather", "row_weights", "scatter", "gated")
 ATOMICS = True
 ALIGN = cost_models.TRITON_ALIGN  # work items may start at any row: loads are masked
 SMALLEST_TILE = cost_models.SMALLEST_TILE  # tl.dot needs every dimension >= 16
-# H100 / H200 (SXM): the opt-in shared memory per block.
-SMEM_BYTES = 232448
+SMEM_BYTES = cost_models.GPU_SMEM_BYTES  # sm_90's opt-in shared memory per block
 # Re-exported for gmm_jax.tools.bench, which reads the model here (it lives in `cost_models`).
 static_cost = cost_models.triton_static_cost
 # The "scaled" dtype pairs these kernels multiply on the tensor cores.

@@ -80,6 +80,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gmm_jax._src.core import metadata
+from gmm_jax._src.tiling import cost_models
 from gmm_jax._src.core.config import GmmConfig, Tiling, problem_dims
 from gmm_jax._src.core.epilogue import apply_epilogue, resolve_activation
 from gmm_jax._src.core.qarray import QArray, quant_mode
@@ -122,66 +123,32 @@ def _mixed_fp8_wgmma() -> bool:
 
 MIXED_FP8 = _mixed_fp8_wgmma()
 LOWERING_SEMANTICS = plgpu.LoweringSemantics.Warpgroup
-SMEM_BYTES = 227 * 1024  # sm_90: 228 KiB per SM, 1 KiB reserved
-DEFAULT_NUM_SMS = 132  # H100 / H200 SXM
+SMEM_BYTES = cost_models.GPU_SMEM_BYTES  # sm_90's shared memory per block
+# The compute capability majors this kernel compiles for: wgmma is sm_90a's (the dispatcher
+# skips the kernel on other GPUs up front, `backends.builtin.GPU_ARCHS`).
+ARCHS = (9,)
 COMPUTE_WGS = 2  # warp-specialized kernel: consumer warpgroups, each owning tile_n / 2 columns
 BAND = 8  # work items walked together over the N tiles (L2 reuse of rhs tiles)
 # Primitives with a Mosaic GPU lowering rule but no layout inference rule (jax 0.12): they
 # fail at lowering, so the kernel refuses them up front ("gelu" is jax.nn.gelu's erfc;
 # Triton serves it with a rational erf).
 NO_LAYOUT_RULE = ("erf", "erfc", "erf_inv")
-HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")
 
 
 # ------------------------------------------------------------------------- target GPU
 
 
-
-
-def _parse_capability(value) -> tuple[int, int] | None:
-  try:
-    major, _, minor = str(value).partition(".")
-    return int(major), int(minor or 0)
-  except ValueError:
-    return None
-
-
 def target_gpu() -> tuple[tuple[int, int] | None, int, str]:
-  """(compute capability or None, number of SMs, a description) of the GPU being targeted.
-
-  Looked up in order: jax's default device (set by ``jax.default_device`` around a
-  deviceless compile for a GPU topology), the abstract mesh's abstract device (its device
-  kind), the first local GPU.
-  """
-  device = jax.config.jax_default_device
-  if device is not None and getattr(device, "platform", None) in ("gpu", "cuda"):
-    capability = _parse_capability(getattr(device, "compute_capability", None))
-    return capability, int(getattr(device, "core_count", DEFAULT_NUM_SMS) or DEFAULT_NUM_SMS), (
-        f"default device {device.device_kind}")
-  try:
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-  except Exception:  # noqa: BLE001  (older jax: no abstract device)
-    abstract = None
-  if abstract is not None and getattr(abstract, "platform", None) in ("gpu", "cuda"):
-    kind = str(abstract.device_kind)
-    capability = (9, 0) if any(name in kind for name in HOPPER_KINDS) else None
-    cores = getattr(abstract, "num_cores", None) or DEFAULT_NUM_SMS
-    return capability, int(cores), f"abstract device {kind}"
-  try:
-    devices = jax.devices("gpu")
-  except RuntimeError:
-    devices = []
-  if devices:
-    capability = _parse_capability(getattr(devices[0], "compute_capability", None))
-    return capability, int(getattr(devices[0], "core_count", DEFAULT_NUM_SMS)), (
-        f"local device {devices[0].device_kind}")
-  return None, DEFAULT_NUM_SMS, "no GPU device in sight"
+  """(compute capability or None, number of SMs, a description) of the GPU being targeted:
+  `cost_models.gpu_target`, the one reader (jax's default device, which a deviceless compile
+  for a GPU topology sets, the abstract mesh's device, the first local GPU)."""
+  return cost_models.gpu_target()
 
 
 def _check_target() -> int:
   """The number of SMs of the target GPU; NotImplementedError unless it is an sm_90."""
   capability, num_sms, description = target_gpu()
-  if capability is None or capability[0] != 9:
+  if capability is None or capability[0] not in ARCHS:
     raise NotImplementedError(
         f"the Mosaic GPU gmm kernel needs sm_90a (Hopper: wgmma); target: {description}, "
         f"compute capability {capability}")

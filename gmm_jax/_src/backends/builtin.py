@@ -37,10 +37,11 @@ KERNELS = (
     ("pallas_triton", "gmm_jax.pallas.gpu", "gmm_triton", "gpu"),
 )
 
-# The compute capability majors each GPU kernel compiles for (absent: any). The Mosaic GPU
-# gmm is built on wgmma, which only sm_90a (Hopper) has: on Blackwell (sm_100a, 10.x) and
-# older GPUs it is skipped up front and Triton serves.
-GPU_ARCHS = {"pallas_mosaic_gpu": (9,)}
+# The compute capability majors each GPU kernel compiles for (absent: any), as its module
+# declares them (``ARCHS``; filled when it registers). The Mosaic GPU gmm is built on wgmma,
+# which only sm_90a (Hopper) has: on Blackwell (sm_100a, 10.x) and older GPUs it is skipped
+# up front and Triton serves.
+GPU_ARCHS: dict[str, tuple[int, ...]] = {}
 
 
 def gpu_chain(chain: tuple[str, ...], capability: tuple[int, int] | None) -> tuple[str, ...]:
@@ -127,6 +128,8 @@ def _register() -> None:
     except ImportError as err:  # skipped with its reason (`explain`), warned about once
       dispatch.mark_unavailable(name, (platform,), f"{type(err).__name__}: {err}")
       continue
+    if getattr(module, "ARCHS", None):
+      GPU_ARCHS[name] = tuple(module.ARCHS)
     fn, check = _guarded(name, module, function, platform)
     dispatch.register(dispatch.Backend(name, fn, platforms=(platform,),
                                        quant_modes=QUANT_MODES,

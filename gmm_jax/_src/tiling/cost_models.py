@@ -68,38 +68,27 @@ def _gpu_candidates(device) -> list:
   return candidates
 
 
-def gpu_sm_count(device=None) -> int:
-  """Streaming multiprocessors of the GPU a kernel is compiled for.
-
-  `device` if given, else (as `gmm_jax.pallas.gpu.mosaic.target_gpu` looks) jax's default
-  device (a deviceless compile names its target so: the target config's ``core_count``),
-  the abstract mesh's device, the first local GPU; `DEFAULT_NUM_SMS` (H100/H200) when none
-  of them is a GPU that says (interpret mode on a CPU).
-  """
-  candidates = _gpu_candidates(device)
-  for candidate in candidates:
-    cores = _device_sm_count(candidate)
-    if cores:
-      return cores
-  return DEFAULT_NUM_SMS
-
-
-# Compute capability and SMs of the GPU kinds gmm_jax has target descriptions for
-# (`gmm_jax/tools/targets`), for a target that names only its kind (an abstract device); a jax
-# Device says both itself (``compute_capability``, ``core_count``).
+# Compute capability and SMs of the GPU kinds gmm_jax knows, for a target that names only its
+# kind (an abstract device); a jax Device says both itself (``compute_capability``,
+# ``core_count``). Hopper kinds are sm_90 (the Mosaic GPU kernel's wgmma).
 GPU_KINDS = {
     "NVIDIA H100": ((9, 0), 132),
     "NVIDIA H200": ((9, 0), 132),
+    "NVIDIA H800": ((9, 0), 132),
+    "NVIDIA H20": ((9, 0), 78),
     "NVIDIA GH200": ((9, 0), 132),
     "NVIDIA B200": ((10, 0), 148),
 }
+# Shared memory one block may use on sm_90 (228 KiB per SM, 1 KiB reserved): the kernels'
+# pipeline depth and the tile tables are held to it.
+GPU_SMEM_BYTES = 227 * 1024
 
 
 def _gpu_kind_entry(kind) -> tuple[tuple[int, int], int] | None:
   """The `GPU_KINDS` entry whose name is in `kind` ("NVIDIA H100 80GB HBM3"), longest first."""
   kind = str(kind or "")
   for name in sorted(GPU_KINDS, key=len, reverse=True):
-    if name in kind:
+    if name.removeprefix("NVIDIA ") in kind:
       return GPU_KINDS[name]
   return None
 
@@ -114,22 +103,39 @@ def _parse_capability(value) -> tuple[int, int] | None:
     return None
 
 
-def gpu_capability(device=None) -> tuple[int, int] | None:
-  """(major, minor) compute capability of the GPU a kernel is compiled for, None when no
-  GPU is in sight (interpret mode on a CPU). Looked up like `gpu_sm_count`: `device`, else
-  jax's default device (a deviceless compile's target: ``compute_capability`` from the target
-  config), the abstract mesh's device (its kind in `GPU_KINDS`), the first local GPU."""
-  candidates = _gpu_candidates(device)
-  for candidate in candidates:
+def gpu_target(device=None) -> tuple[tuple[int, int] | None, int, str]:
+  """The GPU a kernel is compiled for: (compute capability or None, SMs, a description).
+
+  The one reader of the target GPU. Looked up in `device` if given, else jax's default
+  device (a deviceless compile names its target so: the target config's
+  ``compute_capability`` and ``core_count``), the abstract mesh's device (its kind in
+  `GPU_KINDS`), the first local GPU. With none of them a GPU (interpret mode on a CPU): no
+  capability and `DEFAULT_NUM_SMS` (H100/H200).
+  """
+  where = ("device", "default device", "abstract device", "local device")
+  for place, candidate in zip(where if device is not None else where[1:],
+                              _gpu_candidates(device)):
     if candidate is None or getattr(candidate, "platform", None) not in _GPU_PLATFORMS:
       continue
+    kind = getattr(candidate, "device_kind", None)
+    entry = _gpu_kind_entry(kind)
     capability = _parse_capability(getattr(candidate, "compute_capability", None))
-    entry = _gpu_kind_entry(getattr(candidate, "device_kind", None))
     if capability is None and entry is not None:
       capability = entry[0]
-    if capability is not None:
-      return capability
-  return None
+    cores = _device_sm_count(candidate) or (entry[1] if entry else DEFAULT_NUM_SMS)
+    return capability, cores, f"{place} {kind}"
+  return None, DEFAULT_NUM_SMS, "no GPU device in sight"
+
+
+def gpu_sm_count(device=None) -> int:
+  """Streaming multiprocessors of the GPU a kernel is compiled for (`gpu_target`)."""
+  return gpu_target(device)[1]
+
+
+def gpu_capability(device=None) -> tuple[int, int] | None:
+  """(major, minor) compute capability of the GPU a kernel is compiled for, None when no
+  GPU is in sight (interpret mode on a CPU) (`gpu_target`)."""
+  return gpu_target(device)[0]
 
 
 # ----------------------------------------------------------------- Triton: schedule
