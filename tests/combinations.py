@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import fp8_oracle
-from oracle import ACTIVATION_GRADS, ACTIVATIONS as NUMPY_ACTIVATIONS
-from oracle import GATED, f64, gmm_oracle, local_rows, rows_oracle, tolerances
+from oracle import (GATED, activation_rules, f64, gmm_oracle, local_rows, rows_oracle,
+                    tolerances)
 
 import gmm_jax
 
@@ -928,25 +928,6 @@ def fp8_blocks(x, dtype, blocks, e8m0: bool = False) -> np.ndarray:
   return fp8_oracle.expand(q.qvalue, q.scale, q.tile)
 
 
-def _activation_vjp(activation: str | None, z: np.ndarray, ct: np.ndarray) -> np.ndarray:
-  """The cotangent of the pre-activation `z` (float64) for the cotangent `ct` of its
-  activation."""
-  if activation is None:
-    return ct
-  if activation == "swiglu":  # silu(gate) * up
-    gate, up = np.split(z, 2, axis=-1)
-    return np.concatenate([ct * up * ACTIVATION_GRADS["silu"](gate),
-                           ct * NUMPY_ACTIVATIONS["silu"](gate)], axis=-1)
-  return ct * ACTIVATION_GRADS[activation](z)
-
-
-def _activated(activation: str | None, z: np.ndarray) -> np.ndarray:
-  if activation is None:
-    return z
-  return (GATED[activation](z) if activation in GATED
-          else NUMPY_ACTIVATIONS[activation](z))
-
-
 def _fp8_forward(case: Case, ops: dict) -> dict[str, Any]:
   """The numpy pieces of the forward: the library's blocks of lhs and rhs (dequantized,
   rhs as [G_local, K, N]), each grouped row's token and local group (-1: none), and the
@@ -984,10 +965,11 @@ def fp8_gmm_cotangent(case: Case, ops: dict, cot) -> tuple[np.ndarray, np.ndarra
   cot = f64(cot)
   ct = cot[np.asarray(ops["out_indices"])] if ops["out_indices"] is not None else cot
   d_weights = None
+  activation, activation_vjp = activation_rules(case.activation)
   if ops["row_weights"] is not None:
-    d_weights = np.where(held, np.sum(_activated(case.activation, z) * ct, 1), 0.0)
+    d_weights = np.where(held, np.sum(activation(z) * ct, 1), 0.0)
     ct = ct * f64(ops["row_weights"])[:, None]
-  ct_z = _activation_vjp(case.activation, z, ct)
+  ct_z = activation_vjp(z, ct)
   ct_z[~held] = 0
   return ct_z, d_weights
 
