@@ -232,6 +232,20 @@ def available_implementations() -> tuple[str, ...]:
   return tuple(served)
 
 
+# An empty local k-group with a bias, past a group_offset: its result is activation(bias[g])
+# and its bias gradient sum(ct * activation'(bias[g])). The draws meet it only by chance
+# (group_type, bias, group_offset and an empty local group all drawn), so the tests add
+# it for every implementation as an explicit example (`for_each_implementation`).
+EMPTY_K_GROUP = Case(group_type="k", m=8, k=16, n=8, sizes=(6, 0, 5, 3), group_offset=1,
+                     num_local=2, bias=True, activation="silu", seed=1)
+
+
+def for_each_implementation(case: Case) -> list[Case]:
+  """`case` for each of IMPLEMENTATIONS that the docs say serves it."""
+  return [c for c in (case.replace(implementation=name) for name in IMPLEMENTATIONS)
+          if documented_refusal(c) is None]
+
+
 # ------------------------------------------------------------------------------ drawing
 
 
