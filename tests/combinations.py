@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import fp8_oracle
-from oracle import ACTIVATION_GRADS, ACTIVATIONS as NUMPY_ACTIVATIONS
-from oracle import GATED, f64, gmm_oracle, local_rows, rows_oracle, tolerances
+from oracle import (GATED, activation_rules, f64, gmm_oracle, gmm_oracle_vjp, local_rows,
+                    rounding_bound, rows_oracle, rows_oracle_vjp, tolerances)
 
 import gmm_jax
 
@@ -230,6 +230,20 @@ def available_implementations() -> tuple[str, ...]:
       continue
     served.append(name)
   return tuple(served)
+
+
+# An empty local k-group with a bias, past a group_offset: its result is activation(bias[g])
+# and its bias gradient sum(ct * activation'(bias[g])). The draws meet it only by chance
+# (group_type, bias, group_offset and an empty local group all drawn), so the tests add
+# it for every implementation as an explicit example (`for_each_implementation`).
+EMPTY_K_GROUP = Case(group_type="k", m=8, k=16, n=8, sizes=(6, 0, 5, 3), group_offset=1,
+                     num_local=2, bias=True, activation="silu", seed=1)
+
+
+def for_each_implementation(case: Case) -> list[Case]:
+  """`case` for each of IMPLEMENTATIONS that the docs say serves it."""
+  return [c for c in (case.replace(implementation=name) for name in IMPLEMENTATIONS)
+          if documented_refusal(c) is None]
 
 
 # ------------------------------------------------------------------------------ drawing
@@ -496,10 +510,7 @@ def oracle(case: Case, ops: dict) -> np.ndarray:
   bias = None if ops["bias"] is None else f64(ops["bias"])
   rhs = np.swapaxes(rhs, -1, -2) if case.transpose_rhs else rhs
   if case.group_type == "m":
-    lhs = lhs.T if case.transpose_lhs else lhs
-    if case.lhs_activation:  # the prologue in f32, rounded to lhs's dtype
-      lhs = f64(jnp.asarray(GATED[case.lhs_activation](lhs).astype(np.float32),
-                            jnp.dtype(case.dtype)))
+    lhs = _prologue(case, lhs.T if case.transpose_lhs else lhs)
     as_np = lambda x: None if x is None else np.asarray(x)  # noqa: E731
     return rows_oracle(lhs, rhs, sizes, lhs_indices=as_np(ops["lhs_indices"]),
                        row_weights=None if ops["row_weights"] is None else f64(
@@ -513,6 +524,44 @@ def oracle(case: Case, ops: dict) -> np.ndarray:
                    transpose_lhs=case.transpose_lhs, group_offset=offset,
                    num_local=case.num_local)
   return GATED[case.activation](out) if case.gated else out
+
+
+def _prologue(case: Case, lhs: np.ndarray) -> np.ndarray:
+  """The product's lhs of an m-grouped case: a gated prologue in f32, rounded to lhs's
+  dtype (float64 `lhs` ``[M, 2K]`` untransposed), else lhs."""
+  if not case.lhs_activation:
+    return lhs
+  return f64(jnp.asarray(GATED[case.lhs_activation](lhs).astype(np.float32),
+                         jnp.dtype(case.dtype)))
+
+
+def oracle_vjp(case: Case, ops: dict, cot, bound: bool = False) -> dict[str, np.ndarray]:
+  """float64 gradients of ``<apply(case, ops), cot>`` by float operand (`float_operands`),
+  in their stored layouts; with `bound`, each entry's sum of |terms| instead (the
+  magnitude of `gradient_bound`)."""
+  lhs, rhs = _dequantized(ops["lhs"]), _dequantized(ops["rhs"])
+  sizes = np.asarray(ops["group_sizes"])
+  offset = 0 if ops["group_offset"] is None else int(ops["group_offset"])
+  if case.group_type == "k":
+    dlhs, drhs, dbias = gmm_oracle_vjp(
+        lhs, rhs, sizes, "k", cot, bias=ops["bias"], activation=case.activation,
+        transpose_lhs=case.transpose_lhs, transpose_rhs=case.transpose_rhs,
+        group_offset=offset, num_local=case.num_local, bound=bound)
+    grads = {"lhs": dlhs, "rhs": drhs, "bias": dbias}
+  else:
+    lhs = lhs.T if case.transpose_lhs else lhs
+    prologue, prologue_vjp = activation_rules(case.lhs_activation, bound)
+    as_np = lambda x: None if x is None else np.asarray(x)  # noqa: E731
+    grads = rows_oracle_vjp(
+        prologue(np.abs(lhs)) if bound else _prologue(case, lhs),
+        np.swapaxes(rhs, -1, -2) if case.transpose_rhs else rhs, sizes, cot,
+        lhs_indices=as_np(ops["lhs_indices"]), row_weights=ops["row_weights"],
+        out_indices=as_np(ops["out_indices"]), bias=ops["bias"], activation=case.activation,
+        group_offset=offset, num_local=case.num_local, bound=bound)
+    grads["lhs"] = prologue_vjp(np.abs(lhs) if bound else lhs, grads["lhs"])
+    grads["lhs"] = grads["lhs"].T if case.transpose_lhs else grads["lhs"]
+    grads["rhs"] = np.swapaxes(grads["rhs"], -1, -2) if case.transpose_rhs else grads["rhs"]
+  return {name: grads[name] for name in float_operands(case)}
 
 
 def unwritten_rows(case: Case, ops: dict) -> np.ndarray:
@@ -536,10 +585,35 @@ def _grad_tolerance(case: Case) -> dict[str, float]:
   return tolerance(case, k=max(case.m, case.k, case.rhs_cols))
 
 
+def gradient_bound(case: Case, magnitude) -> np.ndarray:
+  """`rounding_bound` of a gradient of `case` whose entries' sums of |terms| are
+  `magnitude` (``oracle_vjp(..., bound=True)``): an entry adds up its pre-activation (K
+  terms), then its own sum (the rows of a group or all M for drhs and dbias, N for dlhs
+  and a row weight), then at most two more (a token read twice, the tangents of three
+  operands)."""
+  return rounding_bound(magnitude, case.dtype, case.out_dtype,
+                        length=case.k + max(case.m, case.k, case.rhs_cols) + 2)
+
+
 def assert_close(got, want, tol, what: str):
   got, want = f64(got), f64(want)
   assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
   np.testing.assert_allclose(got, want, err_msg=what, **tol)
+
+
+def assert_within(got, want, bound, what: str):
+  """|got - want| <= bound entrywise (float64 arrays of one shape; NaN is never within)."""
+  got, want = f64(got), f64(want)
+  assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+  error = np.abs(got - want)
+  outside = ~(error <= bound)
+  if np.any(outside):
+    worst = np.unravel_index(np.argmax(np.where(outside, error / np.maximum(bound, 1e-300),
+                                                -1.0)), got.shape)
+    raise AssertionError(
+        f"{what}: {np.count_nonzero(outside)} of {got.size} entries outside their rounding "
+        f"bound; worst at {tuple(int(i) for i in worst)}: got {got[worst]!r}, want "
+        f"{want[worst]!r}, |difference| {error[worst]:.3g} > bound {bound[worst]:.3g}")
 
 
 def assert_bitwise(got, want, what: str):
@@ -753,21 +827,45 @@ def check_jvp_fd(case: Case):
 
 
 def check_vjp_adjoint(case: Case):
-  """Reverse mode is the adjoint of forward mode (f32 cases): for random tangents t of the
-  float operands and a random cotangent c of the result, ``<c, jvp(t)> == <vjp(c), t>``.
-  With `check_jvp_fd` (jvp = a finite difference) it checks every transpose rule against
-  a definition."""
+  """Reverse mode is the adjoint of forward mode, checked in float64 (f32 cases): for random
+  tangents t of the float operands and a random cotangent c of the result, ``<c, jvp(t)>``
+  and ``<vjp(c), t>`` both equal ``<oracle_vjp(c), t>``, within the rounding of their sums
+  (``<gradient_bound of the sums of |terms| at c, |t|>``: a few f32 ulps of them). With
+  `check_jvp_fd` (jvp = a finite difference) it checks every transpose rule against a
+  definition."""
   with _reproducible("check_vjp_adjoint", case):
     params, tangents, f = _tangent_problem(case, seed=2)
+    ops = make_operands(case)
     cot = cotangent(case, seed_offset=3)
     _, jvp = call(case, jax.jit(lambda p, t: jax.jvp(f, (p,), (t,))), params, tangents)
     grads = call(case, jax.jit(jax.grad(lambda p: jnp.sum(
         f(p).astype(jnp.float32) * cot))), params)
+    want, magnitude = oracle_vjp(case, ops, cot), oracle_vjp(case, ops, cot, bound=True)
+    exact = sum(float(np.sum(want[k] * f64(tangents[k]))) for k in params)
+    bound = sum(float(np.sum(gradient_bound(case, magnitude[k]) * np.abs(f64(tangents[k]))))
+                for k in params)
     forward = float(np.sum(f64(jvp) * f64(cot)))
     reverse = sum(float(np.sum(f64(grads[k]) * f64(tangents[k]))) for k in params)
-    scale = float(np.sum(np.abs(f64(jvp) * f64(cot)))) + 1e-6
-    assert abs(forward - reverse) <= 1e-4 * scale, (
-        f"<c, jvp(t)> = {forward} but <vjp(c), t> = {reverse}")
+    assert abs(forward - exact) <= bound and abs(reverse - exact) <= bound, (
+        f"<c, jvp(t)> = {forward!r} and <vjp(c), t> = {reverse!r}, but the float64 "
+        f"<oracle vjp(c), t> = {exact!r} (rounding bound {bound:.3g})")
+
+
+def check_grads_oracle(case: Case):
+  """Every gradient equals the float64 oracle's (`oracle_vjp`), each entry within the
+  rounding bound of its sums (`gradient_bound`: a few ulps of the entry's sum of |terms| in
+  f32, bf16's in bf16 cases), in the operand's dtype."""
+  with _reproducible("check_grads_oracle", case):
+    ops = make_operands(case)
+    params, others = split(case, ops)
+    assert params, "the property needs a float operand (the strategies draw only such cases)"
+    cot = cotangent(case)
+    grads = call(case, jitted_grad(case), params, others, cot)
+    want, magnitude = oracle_vjp(case, ops, cot), oracle_vjp(case, ops, cot, bound=True)
+    for name in params:
+      assert grads[name].dtype == params[name].dtype, (name, grads[name].dtype)
+      assert_within(grads[name], want[name], gradient_bound(case, magnitude[name]),
+                    f"d/d{name} vs the float64 oracle")
 
 
 def check_jit_eager(case: Case):
@@ -928,25 +1026,6 @@ def fp8_blocks(x, dtype, blocks, e8m0: bool = False) -> np.ndarray:
   return fp8_oracle.expand(q.qvalue, q.scale, q.tile)
 
 
-def _activation_vjp(activation: str | None, z: np.ndarray, ct: np.ndarray) -> np.ndarray:
-  """The cotangent of the pre-activation `z` (float64) for the cotangent `ct` of its
-  activation."""
-  if activation is None:
-    return ct
-  if activation == "swiglu":  # silu(gate) * up
-    gate, up = np.split(z, 2, axis=-1)
-    return np.concatenate([ct * up * ACTIVATION_GRADS["silu"](gate),
-                           ct * NUMPY_ACTIVATIONS["silu"](gate)], axis=-1)
-  return ct * ACTIVATION_GRADS[activation](z)
-
-
-def _activated(activation: str | None, z: np.ndarray) -> np.ndarray:
-  if activation is None:
-    return z
-  return (GATED[activation](z) if activation in GATED
-          else NUMPY_ACTIVATIONS[activation](z))
-
-
 def _fp8_forward(case: Case, ops: dict) -> dict[str, Any]:
   """The numpy pieces of the forward: the library's blocks of lhs and rhs (dequantized,
   rhs as [G_local, K, N]), each grouped row's token and local group (-1: none), and the
@@ -984,10 +1063,11 @@ def fp8_gmm_cotangent(case: Case, ops: dict, cot) -> tuple[np.ndarray, np.ndarra
   cot = f64(cot)
   ct = cot[np.asarray(ops["out_indices"])] if ops["out_indices"] is not None else cot
   d_weights = None
+  activation, activation_vjp = activation_rules(case.activation)
   if ops["row_weights"] is not None:
-    d_weights = np.where(held, np.sum(_activated(case.activation, z) * ct, 1), 0.0)
+    d_weights = np.where(held, np.sum(activation(z) * ct, 1), 0.0)
     ct = ct * f64(ops["row_weights"])[:, None]
-  ct_z = _activation_vjp(case.activation, z, ct)
+  ct_z = activation_vjp(z, ct)
   ct_z[~held] = 0
   return ct_z, d_weights
 

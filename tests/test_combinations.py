@@ -4,10 +4,14 @@ Hypothesis draws implementation x group type x transposes x activation (none, el
 gated) x gated prologue (lhs_activation) x bias x row operands x group_offset x
 quantization (none, int8 weight-only, int8 x int8 scaled) x dtype (f32, bf16), with group
 sizes that leave groups empty and rows past the total (`combinations.cases`). Each test
-checks one property (`combinations.check_*`): the float64 oracle, gated = gate of the
-ungated halves, vmap = loop, sharded = unsharded, grad of vmap = loop of grads, jvp =
-finite difference, vjp = the adjoint of jvp, jit = eager, empty groups' gradients exactly
-0, two runs bitwise equal. The routed experts of the MoE layer
+checks one property (`combinations.check_*`): the float64 oracle, gradients = the float64
+oracle's (each entry within the rounding bound of its sums: a few f32 ulps of its sum of
+|terms| in f32), gated = gate of the ungated halves, vmap = loop, sharded = unsharded, grad
+of vmap = loop of grads, jvp = finite difference, vjp = the adjoint of jvp (checked in
+float64 through the oracle, to the same bound), jit = eager, empty groups' gradients
+exactly 0, two runs bitwise equal. An empty local k-group with a bias past a group_offset
+(its result activation(bias[g])) is an explicit example of both oracle properties for
+every implementation: the draws meet it only by chance. The routed experts of the MoE layer
 (`gmm_jax.routed_experts`) get their own draws (`moe_combinations`): FFN kind x activation x
 fused x biases x capacity x the layout the partitioner splits, forward and gradients against
 a float64 per-token oracle. fp8 training (``quantization=``) gets its own draws and
@@ -34,6 +38,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 
 def _settings(examples: int, slow: bool):
   return hypothesis.settings(max_examples=examples * (SLOW if slow else 1))
+
+
+def _with_examples(cases):
+  """The hypothesis test with each of `cases` as an explicit example (run on every run,
+  before the draws)."""
+  def decorate(test):
+    for case in cases:
+      test = hypothesis.example(case=case)(test)
+    return test
+  return decorate
 
 
 def _with_float_operands(strategy):
@@ -134,7 +148,11 @@ def test_tpu_epilogue_cases_are_fused(case):
 # ------------------------------------------------------------------------- the oracle
 
 
+EMPTY_K_GROUPS = comb.for_each_implementation(comb.EMPTY_K_GROUP)
+
+
 @_settings(10, slow=False)
+@_with_examples(EMPTY_K_GROUPS)
 @hypothesis.given(case=comb.cases())
 def test_equals_the_oracle(case):
   comb.check_oracle(case)
@@ -145,6 +163,25 @@ def test_equals_the_oracle(case):
 @hypothesis.given(case=comb.cases())
 def test_equals_the_oracle_slow(case):
   comb.check_oracle(case)
+
+
+# ---------------------------------------------------------- gradients = the oracle's
+
+GRAD_CASES = _with_float_operands(comb.cases())
+
+
+@_settings(4, slow=False)
+@_with_examples(EMPTY_K_GROUPS)
+@hypothesis.given(case=GRAD_CASES)
+def test_gradients_equal_the_oracle(case):
+  comb.check_grads_oracle(case)
+
+
+@pytest.mark.slow
+@_settings(4, slow=True)
+@hypothesis.given(case=GRAD_CASES)
+def test_gradients_equal_the_oracle_slow(case):
+  comb.check_grads_oracle(case)
 
 
 # ----------------------------------------------------------------- gated = gate(halves)
