@@ -16,8 +16,10 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from gmm_jax._src.core import epilogue
+from gmm_jax._src.core.config import (GmmConfig, Problem, Tiling, accumulator_dtype, is_gated,
+                                      problem_dims)
 from gmm_jax._src.tiling import tuning
-from gmm_jax._src.core.config import GmmConfig, Problem, Tiling, accumulator_dtype, problem_dims
 from gmm_jax._src.core.qarray import QArray, broadcast_scale, quant_mode
 
 
@@ -404,3 +406,43 @@ def note_launch(prepared: Prepared, name: str, grid: tuple[int, ...], tiles, vme
       problem=problem, grid=tuple(grid), tiles=tuple(int(t) for t in tiles),
       vmem_limit=vmem_limit))
 
+
+
+# ------------------------------------------------------------------ the tile epilogue
+
+
+def gated_pairs(kernel_activation) -> dict:
+  """The gated activations on the gate and up halves, which the kernels keep in two blocks
+  and accumulators, each gate activation as the kernel lowers it (`kernel_activation`: a
+  kernel's own GELU, e.g.)."""
+  return {name: epilogue.gated_pair(
+              name, lambda gate: epilogue.resolve_activation(kernel_activation(gate)))
+          for name in epilogue.GATED_ACTIVATIONS}
+
+
+def finish_tile(accs, biases, activation, out_dtype, row_weights=None, *, kernel_activation,
+                pairs):
+  """The kernels' epilogue of one output tile: `epilogue.apply_epilogue`'s contract (bias,
+  activation, gated halves, row weights, cast; `epilogue.finish`'s numerics) on the
+  accumulators a program keeps.
+
+  Args:
+    accs: ``(acc,)``, one ``[rows, cols]`` accumulator; or for a gated `activation`
+      ``(gate, up)``, the gate columns' tile and the up columns' tile (N columns later),
+      together the ``[gate | up]`` pre-activation (kernels keep the halves apart: Triton
+      cannot concatenate or slice tiles), summed with their biases in f32.
+    biases: the bias rows (``[1, cols]`` or None) matching `accs`.
+    activation: ``GmmConfig.activation``.
+    out_dtype: the result's dtype.
+    row_weights: None, ``[rows]`` or ``[rows, 1]``, multiplied after the activation.
+    kernel_activation: the activation as the kernel lowers it (by name).
+    pairs: the kernel's `gated_pairs`.
+  """
+  if not is_gated(activation):
+    return epilogue.apply_epilogue(accs[0], biases[0], kernel_activation(activation),
+                                   out_dtype, row_weights=row_weights)
+  gate, up = (acc.astype(jnp.float32) for acc in accs)
+  if biases[0] is not None:
+    gate, up = gate + biases[0].astype(jnp.float32), up + biases[1].astype(jnp.float32)
+  return epilogue.apply_epilogue(pairs[activation](gate, up), None, None, out_dtype,
+                                 row_weights=row_weights)

@@ -239,9 +239,7 @@ def kernel_activation(activation):
 
 # The gated activations on the two halves of the pre-activation (the kernel keeps them in
 # two accumulators), "geglu"'s gate through `gelu_erf`.
-GATED_PAIRS = {
-    name: epilogue.gated_pair(name, lambda gate: resolve_activation(kernel_activation(gate)))
-    for name in epilogue.GATED_ACTIVATIONS}
+GATED_PAIRS = common.gated_pairs(kernel_activation)
 
 
 def unsupported_primitives(activation) -> set[str]:
@@ -486,29 +484,9 @@ def _store(out_ref, out_index: tuple, rows: Span, cols: Span, value):
   plgpu.store(view, value, mask=_mask2(rows, cols))
 
 
-def finish_tile(accs, biases, activation, out_dtype, row_weights=None):
-  """The kernels' epilogue of one output tile: `apply_epilogue`'s contract (bias,
-  activation, gated halves, row weights, cast) on the accumulators a program keeps.
-
-  Args:
-    accs: ``(acc,)``, one ``[rows, cols]`` accumulator; or for a gated `activation`
-      ``(gate, up)``, the gate columns' tile and the up columns' tile (N columns later):
-      together the ``[gate | up]`` pre-activation that `apply_epilogue` halves (Triton
-      cannot concatenate or slice tiles, so the halves stay apart).
-    biases: the bias rows (``[1, cols]`` or None) matching `accs`.
-    activation: ``GmmConfig.activation``; "gelu" runs as `gelu_erf`.
-    out_dtype: the result's dtype.
-    row_weights: None or ``[rows]``, multiplied after the activation.
-  """
-  if not is_gated(activation):
-    return apply_epilogue(accs[0], biases[0], kernel_activation(activation), out_dtype,
-                          row_weights=row_weights)
-  gate, up = (acc.astype(jnp.float32) if jnp.issubdtype(acc.dtype, jnp.integer) else acc
-              for acc in accs)
-  if biases[0] is not None:
-    gate, up = gate + biases[0].astype(gate.dtype), up + biases[1].astype(up.dtype)
-  return apply_epilogue(GATED_PAIRS[activation](gate, up), None, None, out_dtype,
-                        row_weights=row_weights)
+# The tile epilogue, `common.finish_tile` with this kernel's GELU.
+finish_tile = functools.partial(common.finish_tile, kernel_activation=kernel_activation,
+                                pairs=GATED_PAIRS)
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -81,12 +81,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gmm_jax._src.tiling import cost_models
-from gmm_jax._src.core import epilogue, metadata
+from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig, Tiling, is_gated, out_columns
 from gmm_jax._src.tiling.cost_models import (DEQUANT_ROWS, LANE, fit_tile, k_items, m_items,
                                       modelled_seconds, mxu_rows, vmem_bytes, vmem_capacity,
                                       vmem_limit)
-from gmm_jax._src.core.epilogue import NO_ROWS, Rows, apply_epilogue, resolve_activation
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, resolve_activation
 from gmm_jax._src.core.qarray import QArray
 from gmm_jax.pallas import common
 
@@ -273,9 +273,7 @@ def kernel_activation(activation):
 
 # The gated activations on the gate and up halves, which the kernels keep in two blocks and
 # accumulators ("geglu"'s gate through `kernel_activation`'s erf).
-GATED_PAIRS = {
-    name: epilogue.gated_pair(name, lambda gate: resolve_activation(kernel_activation(gate)))
-    for name in epilogue.GATED_ACTIVATIONS}
+GATED_PAIRS = common.gated_pairs(kernel_activation)
 
 
 def _mosaic_rules():
@@ -443,23 +441,11 @@ def _dequantized(w_ref, scale_ref, zero_ref, cfg: GmmConfig, dot_dtype):
 
 
 def _epilogue(accs, biases, cfg: GmmConfig, row_weights=None):
-  """`epilogue.finish`'s numerics on one output tile: ``cast(activation(acc + bias) *
-  row_weights)`` in f32, a gated activation on its gate and up accumulators (``accs``
-  holds both, `biases` their bias rows ``[1, tile_n]`` or None); `row_weights`
-  ``[rows, 1]``."""
-  if not cfg.gated:
-    if row_weights is None:
-      return apply_epilogue(accs[0], biases[0], kernel_activation(cfg.activation),
-                            cfg.out_dtype)
-    y = apply_epilogue(accs[0], biases[0], kernel_activation(cfg.activation), jnp.float32)
-  else:
-    gate, up = (acc.astype(jnp.float32) for acc in accs)
-    if biases[0] is not None:
-      gate, up = gate + biases[0].astype(jnp.float32), up + biases[1].astype(jnp.float32)
-    y = GATED_PAIRS[cfg.activation](gate, up)
-  if row_weights is not None:
-    y = y * row_weights.astype(jnp.float32)
-  return y.astype(cfg.out_dtype)
+  """`common.finish_tile` with this kernel's erf GELU: ``cast(activation(acc + bias) *
+  row_weights)`` in f32, a gated activation on its gate and up accumulators (``accs`` holds
+  both, `biases` their bias rows ``[1, tile_n]`` or None); `row_weights` ``[rows, 1]``."""
+  return common.finish_tile(accs, biases, cfg.activation, cfg.out_dtype, row_weights,
+                            kernel_activation=kernel_activation, pairs=GATED_PAIRS)
 
 
 def _gated_cotangent_tiles(name: str, gate, up, ct):

@@ -233,7 +233,8 @@ def apply_epilogue(acc: jax.Array, bias, activation, out_dtype, row_weights=None
     bias: None or an array broadcasting against `acc`.
     activation: a name, callable or None (see `resolve_activation`).
     out_dtype: the dtype of the result.
-    row_weights: None or ``[rows]`` floats multiplying each row after the activation.
+    row_weights: None or ``[rows]`` (or ``[rows, 1]``, a kernel's column block) floats
+      multiplying each row after the activation.
   """
   fn = resolve_activation(activation)
   if jnp.issubdtype(acc.dtype, jnp.integer) and (
@@ -246,7 +247,8 @@ def apply_epilogue(acc: jax.Array, bias, activation, out_dtype, row_weights=None
   if fn is not None:
     acc = fn(acc)
   if row_weights is not None:
-    acc = acc * row_weights.astype(acc.dtype)[:, None]
+    weights = row_weights.astype(acc.dtype)
+    acc = acc * (weights[:, None] if weights.ndim == 1 else weights)
   return acc.astype(out_dtype)
 
 
