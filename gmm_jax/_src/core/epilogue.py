@@ -224,8 +224,8 @@ def resolve_activation(activation) -> Callable[[jax.Array], jax.Array] | None:
 
 
 def apply_epilogue(acc: jax.Array, bias, activation, out_dtype, row_weights=None) -> jax.Array:
-  """``cast(activation(acc + bias) * row_weights)`` computed in the accumulator's precision
-  (f32 once weighted).
+  """``cast(activation(acc + bias) * row_weights)``: `finish`'s arithmetic on one group's tile
+  (the kernels' in-kernel epilogue), with the operands already as they meet the tile.
 
   Args:
     acc: the f32 (or int32 for integer inputs) accumulator, ``[rows, N]`` (``[rows, 2N]``
@@ -236,20 +236,41 @@ def apply_epilogue(acc: jax.Array, bias, activation, out_dtype, row_weights=None
     row_weights: None or ``[rows]`` (or ``[rows, 1]``, a kernel's column block) floats
       multiplying each row after the activation.
   """
+  return _finished(acc, bias, activation, out_dtype, row_weights)
+
+
+def _finished(z, bias, activation, out_dtype, row_weights=None, output_scale=None,
+              output_offset=None) -> jax.Array:
+  """The finishing arithmetic, once, for `finish` (whole results) and `apply_epilogue`
+  (kernel tiles): the operands already broadcast against `z`.
+
+  In f32: a 16-bit z is widened, an integer z stays integer only while nothing but an
+  integer bias meets it. An integer `out_dtype` from a float result means requantization
+  (rounded to nearest even, saturated).
+  """
   fn = resolve_activation(activation)
-  if jnp.issubdtype(acc.dtype, jnp.integer) and (
-      fn is not None or row_weights is not None
-      or (bias is not None and not jnp.issubdtype(bias.dtype, jnp.integer))):
-    # An integer accumulator meets a float bias, an activation or weights: continue in f32.
-    acc = acc.astype(jnp.float32)
+  if jnp.issubdtype(z.dtype, jnp.integer):
+    if (fn is not None or row_weights is not None or output_scale is not None
+        or output_offset is not None
+        or (bias is not None and not jnp.issubdtype(jnp.asarray(bias).dtype, jnp.integer))):
+      z = z.astype(jnp.float32)
+  elif jnp.dtype(z.dtype).itemsize < 4:
+    z = z.astype(jnp.float32)
   if bias is not None:
-    acc = acc + bias.astype(acc.dtype)
-  if fn is not None:
-    acc = fn(acc)
+    z = z + bias.astype(z.dtype)
+  y = z if fn is None else fn(z)
   if row_weights is not None:
-    weights = row_weights.astype(acc.dtype)
-    acc = acc * (weights[:, None] if weights.ndim == 1 else weights)
-  return acc.astype(out_dtype)
+    weights = row_weights.astype(y.dtype)
+    y = y * (weights[:, None] if weights.ndim == 1 else weights)
+  if output_scale is not None:
+    y = y * output_scale
+  if output_offset is not None:
+    y = y + output_offset
+  out_dtype = np.dtype(out_dtype)
+  if jnp.issubdtype(out_dtype, jnp.integer) and not jnp.issubdtype(y.dtype, jnp.integer):
+    info = jnp.iinfo(out_dtype)
+    y = jnp.clip(jnp.round(y), info.min, info.max)
+  return y.astype(out_dtype)
 
 
 def per_group(values, row_ids, ndim: int):
@@ -267,14 +288,6 @@ def per_group(values, row_ids, ndim: int):
       raise ValueError("per-group values of an m-grouped result need the rows' group ids")
     return values[jnp.maximum(row_ids, 0)]
   return values[:, None, :]
-
-
-def _needs_float(z, activation, bias, row_weights, output_scale, output_offset) -> bool:
-  if not jnp.issubdtype(z.dtype, jnp.integer):
-    return False
-  return (activation is not None or row_weights is not None or output_scale is not None
-          or output_offset is not None
-          or (bias is not None and not jnp.issubdtype(jnp.asarray(bias).dtype, jnp.integer)))
 
 
 def finish(z: jax.Array, activation, out_dtype, *, row_ids=None, bias=None,
@@ -306,25 +319,8 @@ def finish(z: jax.Array, activation, out_dtype, *, row_ids=None, bias=None,
       ``[out_rows, N]`` result (see `scatter_rows`; rows of no local group write nothing).
   """
   ndim = z.ndim
-  if _needs_float(z, activation, bias, row_weights, output_scale, output_offset):
-    z = z.astype(jnp.float32)
-  elif jnp.issubdtype(z.dtype, jnp.floating) and jnp.dtype(z.dtype).itemsize < 4:
-    z = z.astype(jnp.float32)
-  if bias is not None:
-    z = z + per_group(bias, row_ids, ndim).astype(z.dtype)
-  fn = resolve_activation(activation)
-  y = z if fn is None else fn(z)
-  if row_weights is not None:
-    y = y * row_weights.astype(y.dtype)[:, None]
-  if output_scale is not None:
-    y = y * per_group(output_scale, row_ids, ndim)
-  if output_offset is not None:
-    y = y + per_group(output_offset, row_ids, ndim)
-  out_dtype = np.dtype(out_dtype)
-  if jnp.issubdtype(out_dtype, jnp.integer) and not jnp.issubdtype(y.dtype, jnp.integer):
-    info = jnp.iinfo(out_dtype)
-    y = jnp.clip(jnp.round(y), info.min, info.max)
-  y = y.astype(out_dtype)
+  y = _finished(z, per_group(bias, row_ids, ndim), activation, out_dtype, row_weights,
+                per_group(output_scale, row_ids, ndim), per_group(output_offset, row_ids, ndim))
   written = None
   if row_ids is not None and ndim == 2:
     written = row_ids >= 0
