@@ -11,9 +11,11 @@ shard the parameters as they are created, as nnx.Linear does.
 The modules, by what they do: `router` (scores, top-k, expert groups, the routing bias, the
 auxiliary losses: `Router`, replaceable), `expert_ffn` (the routed experts' FFN variants),
 `shared` (the shared experts), `dispatch` (which of the routed-expert strategies a call
-runs), `presets`, `moe` (`MoE`, composing them), `grouped_linear` and `linen`.
+runs), `config` (`MoEConfig`, the layer's options, checked), `presets` (a `MoEConfig` per
+public model), `moe` (`MoE`, composing them), `grouped_linear` and `linen`.
 """
 
+from gmm_jax.nn.config import MoEConfig as MoEConfig
 from gmm_jax.nn.grouped_linear import GroupedLinear as GroupedLinear
 from gmm_jax.nn.grouped_linear import grouped_kernel_init as grouped_kernel_init
 from gmm_jax.nn.hf import from_transformers as from_transformers

@@ -19,6 +19,53 @@ GROUP_SCORES = ("sum_top2", "max")
 LOAD_BALANCING_CONVENTIONS = ("gmm_jax", "transformers")
 
 
+def renormalizes(top_k: int, score: str, normalize_top_k: bool | None) -> bool:
+  """Whether the chosen weights are renormalized: `normalize_top_k`, or by default when
+  top_k > 1 (a top-1 weight renormalized is always 1, leaving the router without a
+  gradient) and the score is not "sparsemixer" (never renormalized)."""
+  if normalize_top_k is None:
+    return top_k > 1 and score != "sparsemixer"
+  return normalize_top_k
+
+
+def check_router_options(num_experts: int, top_k: int, *, score: str,
+                         normalize_top_k: bool | None, routing_bias: bool,
+                         num_expert_groups: int | None, top_k_groups: int | None,
+                         group_score: str, load_balancing_convention: str,
+                         normalize_epsilon: float, sparsemixer_eps: float):
+  """ValueError (NotImplementedError for "sparsemixer" with what it does not take) unless
+  the options make a `Router` over `num_experts` experts (`MoEConfig` checks them too, so
+  that a config is valid once built)."""
+  if not 1 <= top_k <= num_experts:
+    raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+  if score not in SCORES:
+    raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+  if score == "sparsemixer" and (normalize_top_k or routing_bias
+                                 or num_expert_groups is not None):
+    raise NotImplementedError("score='sparsemixer' with normalize_top_k, routing_bias or "
+                              "group-limited routing")
+  if not sparsemixer_eps >= 0:
+    raise ValueError(f"sparsemixer_eps must be >= 0, got {sparsemixer_eps!r}")
+  if load_balancing_convention not in LOAD_BALANCING_CONVENTIONS:
+    raise ValueError(f"load_balancing_convention must be one of "
+                     f"{LOAD_BALANCING_CONVENTIONS}, got {load_balancing_convention!r}")
+  if not normalize_epsilon >= 0:
+    raise ValueError(f"normalize_epsilon must be >= 0, got {normalize_epsilon}")
+  if (num_expert_groups is None) != (top_k_groups is None):
+    raise ValueError("num_expert_groups and top_k_groups go together")
+  if group_score not in GROUP_SCORES:
+    raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
+  if num_expert_groups is not None:
+    if num_experts % num_expert_groups or not 1 <= top_k_groups <= num_expert_groups:
+      raise ValueError(f"{num_experts} experts in {num_expert_groups} groups, choosing "
+                       f"{top_k_groups} of them: the groups must split the experts")
+    if top_k_groups * (num_experts // num_expert_groups) < top_k:
+      raise ValueError(f"top_k={top_k} is more than the experts of {top_k_groups} groups")
+  if normalize_epsilon and not renormalizes(top_k, score, normalize_top_k):
+    raise ValueError(f"normalize_epsilon={normalize_epsilon} is for the renormalization: "
+                     f"it needs normalize_top_k")
+
+
 class RoutingBias(nnx.Variable):
   """A per-expert routing bias that is not trained by gradient (DeepSeek-V3's auxiliary-
   loss-free balancing): its own collection, outside ``nnx.Param`` (optimizers built with
@@ -102,37 +149,13 @@ class Router(nnx.Module):
                use_bias: bool = False, load_balancing_convention: str = "gmm_jax",
                normalize_epsilon: float = 0.0, sparsemixer_eps: float = 0.01,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    if not 1 <= top_k <= num_experts:
-      raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
-    if score not in SCORES:
-      raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-    if score == "sparsemixer" and (normalize_top_k or routing_bias
-                                   or num_expert_groups is not None):
-      raise NotImplementedError("score='sparsemixer' with normalize_top_k, routing_bias or "
-                                "group-limited routing")
-    if not sparsemixer_eps >= 0:
-      raise ValueError(f"sparsemixer_eps must be >= 0, got {sparsemixer_eps!r}")
-    if load_balancing_convention not in LOAD_BALANCING_CONVENTIONS:
-      raise ValueError(f"load_balancing_convention must be one of "
-                       f"{LOAD_BALANCING_CONVENTIONS}, got {load_balancing_convention!r}")
-    if not normalize_epsilon >= 0:
-      raise ValueError(f"normalize_epsilon must be >= 0, got {normalize_epsilon}")
-    if (num_expert_groups is None) != (top_k_groups is None):
-      raise ValueError("num_expert_groups and top_k_groups go together")
-    if group_score not in GROUP_SCORES:
-      raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
-    if num_expert_groups is not None:
-      if num_experts % num_expert_groups or not 1 <= top_k_groups <= num_expert_groups:
-        raise ValueError(f"{num_experts} experts in {num_expert_groups} groups, choosing "
-                         f"{top_k_groups} of them: the groups must split the experts")
-      if top_k_groups * (num_experts // num_expert_groups) < top_k:
-        raise ValueError(f"top_k={top_k} is more than the experts of {top_k_groups} groups")
+    check_router_options(num_experts, top_k, score=score, normalize_top_k=normalize_top_k,
+                         routing_bias=routing_bias, num_expert_groups=num_expert_groups,
+                         top_k_groups=top_k_groups, group_score=group_score,
+                         load_balancing_convention=load_balancing_convention,
+                         normalize_epsilon=normalize_epsilon, sparsemixer_eps=sparsemixer_eps)
     self.num_experts, self.top_k, self.score = num_experts, top_k, score
-    self.normalize_top_k = ((top_k > 1 and score != "sparsemixer") if normalize_top_k is None
-                            else normalize_top_k)
-    if normalize_epsilon and not self.normalize_top_k:
-      raise ValueError(f"normalize_epsilon={normalize_epsilon} is for the renormalization: "
-                       f"it needs normalize_top_k")
+    self.normalize_top_k = renormalizes(top_k, score, normalize_top_k)
     self.normalize_epsilon = float(normalize_epsilon)
     self.sparsemixer_eps = float(sparsemixer_eps)
     self.num_expert_groups, self.top_k_groups = num_expert_groups, top_k_groups
