@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
-from gmm_jax.tools import aot_pod, nn  # noqa: E402
+from gmm_jax import nn  # noqa: E402
+from gmm_jax.tools import aot_pod  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 # A compiled step's HLO as XLA prints it after optimization: synchronous and async
