@@ -100,7 +100,7 @@ def test_ragged_dot_rejects_what_jax_rejects(case):
   lhs_shape, rhs_shape, sizes_shape, sizes_dtype = BAD_RAGGED_DOT[case]
   args = (jnp.ones(lhs_shape), jnp.ones(rhs_shape), jnp.ones(sizes_shape, sizes_dtype))
   error = _raises_as_jax(lambda: jax.lax.ragged_dot(*args), lambda: gmm_jax.ragged_dot(*args))
-  assert f"lhs float32{list(lhs_shape)}" in str(error)  # the message names the shapes
+  assert f"lhs float32[{','.join(map(str, lhs_shape))}]" in str(error)  # names the shapes
 
 
 def test_ragged_dot_takes_what_jax_takes():
