@@ -24,7 +24,7 @@ from gmm_jax._src.moe import routing
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-H200 = pathlib.Path(gmm_jax.__file__).with_name("targets") / "nvidia_h200.txtpb"
+H200 = pathlib.Path(gmm_jax.__file__).parent / "tools" / "targets" / "nvidia_h200.txtpb"
 
 
 def _gpu_pod(devices: int = 8):
