@@ -6,6 +6,7 @@ import importlib
 import io
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -30,11 +31,26 @@ def _kernel_files():
   return sorted(out)
 
 
+def _source_copy(dest: pathlib.Path) -> pathlib.Path:
+  """The checkout's files (tracked, and untracked ones git does not ignore) copied to
+  `dest`: setuptools builds in the source's ``build/``, whose leftovers (files deleted
+  since) would otherwise ship in the wheel."""
+  listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard"],
+                          check=True, capture_output=True, text=True).stdout.split("\n")
+  for name in filter(None, listed):
+    source = ROOT / name
+    if source.is_file():
+      (dest / name).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(source, dest / name)
+  return dest
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
   out = tmp_path_factory.mktemp("wheel")
+  source = _source_copy(tmp_path_factory.mktemp("source"))
   subprocess.run(
-      [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+      [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(source)],
       check=True, capture_output=True, text=True)
   (path,) = out.glob("gmm_jax-*.whl")
   return path
