@@ -30,8 +30,7 @@ from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.core import metadata
 from gmm_jax._src import op
 from gmm_jax._src.core.config import PLATFORMS, GmmConfig, problem_dims
-from gmm_jax._src.core.epilogue import NO_ROWS, Rows
-from gmm_jax._src.core.epilogue import finish
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, per_group
 from gmm_jax._src.core.qarray import (QArray, is_integer_dtype, QuantSpec, as_qarray,
                                         broadcast_scale, compute_dtype, dequantize, quant_mode)
 
@@ -66,21 +65,20 @@ def _values(q: QArray, dtype) -> jax.Array:
 
 
 def _per_row(values, counts, group_offset, cfg: GmmConfig, m: int) -> jax.Array:
-  """``[L, ...]`` per-group values gathered to ``[M, ...]`` by each row's local group."""
-  ids = metadata.row_group_ids(counts, m, group_offset, cfg.num_local)
-  return values[jnp.maximum(ids, 0)]
+  """``[L, C]`` per-group values as each of the M rows meets them (`epilogue.per_group`)."""
+  return per_group(values, metadata.row_group_ids(counts, m, group_offset, cfg.num_local), 2)
 
 
 def finish_quantized(z, counts, group_offset, cfg: GmmConfig, output_scale=None,
-                     output_offset=None, cast: bool = True):
-  """f32 pre-activation -> the finishing step (`epilogue.finish`): activation, output
-  scale/offset, rounding, cast; rows outside the local groups (m-grouping) exactly 0.
-  ``cast=False`` stops before the rounding/cast."""
+                     output_offset=None, cast: bool = True, bias=None):
+  """f32 pre-activation -> the finishing step (`epilogue.finish`): a float bias, the
+  activation, output scale/offset, rounding, cast; rows outside the local groups
+  (m-grouping) exactly 0. ``cast=False`` stops before the rounding/cast."""
   row_ids = None
   if cfg.group_type == "m":
     row_ids = metadata.row_group_ids(counts, z.shape[0], group_offset, cfg.num_local)
   return finish(z, cfg.activation, cfg.out_dtype if cast else z.dtype, row_ids=row_ids,
-                output_scale=output_scale, output_offset=output_offset)
+                bias=bias, output_scale=output_scale, output_offset=output_offset)
 
 
 def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_scale=None,
@@ -192,17 +190,15 @@ def _composed(lhs, rhs, counts, group_offset, bias, output_scale, output_offset,
              else int_term[:, None, :])
   row = _row_scale(lhs, cfg, m)  # [M, 1]
   col = _col_scale(rhs, cfg, n)  # m: [L or 1, 1, N or 1]; k: [1, N or 1]
-  float_bias = None if (bias is None or int_bias) else bias.astype(_F32)
   if cfg.group_type == "m":
     col = jnp.broadcast_to(col, (cfg.num_local, 1, col.shape[-1]))[:, 0, :]
     z = z * row * _per_row(col, counts, group_offset, cfg, m)
-    if float_bias is not None:
-      z = z + _per_row(float_bias, counts, group_offset, cfg, m)
   else:
     z = z * row[None] * col[None]
-    if float_bias is not None:
-      z = z + float_bias[:, None, :]
-  return finish_quantized(z, counts, group_offset, cfg, output_scale, output_offset)
+  # A float bias is in output units: the finishing step adds it after the scales.
+  float_bias = None if (bias is None or int_bias) else bias.astype(_F32)
+  return finish_quantized(z, counts, group_offset, cfg, output_scale, output_offset,
+                          bias=float_bias)
 
 
 def gmm_any(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig):
