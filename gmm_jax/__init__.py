@@ -3,6 +3,48 @@
 This file is the whole public API.
 """
 
+import importlib.abc as _abc
+import importlib.util as _util
+import os as _os
+import sys as _sys
+
+
+class _CheckoutKernels(_abc.MetaPathFinder):
+    """Finds `gmm_jax.pallas` in a source checkout run without installing.
+
+    An installed package holds the kernels as `gmm_jax/pallas`; a checkout on
+    PYTHONPATH holds them at the top level as `pallas/` (pyproject's
+    package-dir mapping). This finder maps the one name, and only when the
+    package's own folder lacks it, so a checkout imports its own kernels
+    rather than an editable install's or none.
+    """
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "gmm_jax.pallas":
+            return None
+        return _util.spec_from_file_location(
+            name, _os.path.join(self.folder, "__init__.py"),
+            submodule_search_locations=[self.folder])
+
+
+def _checkout_kernels():
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    root = _os.path.dirname(here)
+    folder = _os.path.join(root, "pallas")
+    if _os.path.isdir(_os.path.join(here, "pallas")):
+        return None
+    if not (_os.path.isfile(_os.path.join(folder, "__init__.py"))
+            and _os.path.isfile(_os.path.join(root, "pyproject.toml"))):
+        return None
+    return _CheckoutKernels(folder)
+
+
+if (_finder := _checkout_kernels()) is not None:
+    _sys.meta_path.insert(0, _finder)
+
 from gmm_jax._src.api import explain as explain
 from gmm_jax._src.api import gmm as gmm
 from gmm_jax._src.tiling.autotune import TuneResult as TuneResult

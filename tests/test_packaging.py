@@ -98,6 +98,25 @@ def test_installed_copy_imports_gmm_jax_pallas_but_not_pallas(wheel, tmp_path):
   assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 
+def test_uninstalled_checkout_imports_its_own_kernels(tmp_path):
+  """A checkout on PYTHONPATH, not installed, imports gmm_jax.pallas from its own pallas/
+  (not from an editable install of another checkout, and not failing over to XLA)."""
+  checkout = _source_copy(tmp_path / "checkout")
+  code = (
+      "import gmm_jax, gmm_jax.pallas, gmm_jax.pallas.tpu\n"
+      f"assert gmm_jax.__file__.startswith({str(checkout)!r}), gmm_jax.__file__\n"
+      f"assert gmm_jax.pallas.__file__ == {str(checkout / 'pallas' / '__init__.py')!r}, "
+      "gmm_jax.pallas.__file__\n"
+      f"assert gmm_jax.pallas.tpu.__file__.startswith({str(checkout / 'pallas')!r})\n"
+      "assert not gmm_jax._src.backends.registry.unavailable(), "
+      "gmm_jax._src.backends.registry.unavailable()\n"
+      "print('ok')\n")
+  env = dict(os.environ, PYTHONPATH=str(checkout), JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+  assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
 # ------------------------------------------------------------------ metadata and license
 
 
