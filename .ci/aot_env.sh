@@ -6,7 +6,11 @@
 # gmm_jax itself is (re)installed into it from this checkout, editable, without deps.
 # flax is for `python -m gmm_jax.tools.aot_pod` (whole nn.MoE training steps on multi-chip
 # topologies); an environment cached before it was added gets it installed in place.
+# `--deps-only` builds (or checks) the environment without installing gmm_jax into it and
+# prints nothing: .ci/run starts it in the background while the test suite runs.
 set -euo pipefail
+DEPS_ONLY=0
+[ "${1:-}" = "--deps-only" ] && DEPS_ONLY=1
 cd "$(dirname "$0")/.."
 JAX=0.12.0.1
 PACKAGES=(jax==$JAX jaxlib==$JAX libtpu==0.0.50.1 pytest hypothesis absl-py)
@@ -32,5 +36,6 @@ fi
 if ! JAX_PLATFORMS=cpu "$VENV/bin/python" -c "import flax.nnx" > /dev/null 2>&1; then
   "$VENV/bin/pip" install -q "${FLAX[@]}" jax==$JAX jaxlib==$JAX >&2
 fi
+[ "$DEPS_ONLY" = 1 ] && exit 0
 "$VENV/bin/pip" install -q --no-deps -e . >&2
 echo "$VENV"

@@ -21,12 +21,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BASH = shutil.which("bash")
 pytestmark = pytest.mark.skipif(BASH is None, reason="no bash on PATH")
 
-# Logs its own name and arguments; fails if that line starts with $CI_FAIL. As `python -m venv
+# Logs its own name and arguments; fails if that line starts with $CI_FAIL (is $CI_FAIL, with
+# $CI_FAIL_EXACT set). As `python -m venv
 # DIR` it makes a virtual environment whose activate script only defines `deactivate`.
 STUB = """#!/usr/bin/env bash
 line="$(basename "$0") $*"
 echo "$line" >> "$CI_LOG"
-if [ -n "${CI_FAIL:-}" ] && [[ "$line" == "$CI_FAIL"* ]]; then exit 3; fi
+if [ -n "${CI_FAIL:-}" ]; then
+  if [ -n "${CI_FAIL_EXACT:-}" ]; then [ "${line% }" = "$CI_FAIL" ] && exit 3
+  elif [[ "$line" == "$CI_FAIL"* ]]; then exit 3; fi
+fi
 if [ "${1:-}" = "-m" ] && [ "${2:-}" = "venv" ]; then
   mkdir -p "$3/bin"
   echo 'deactivate() { :; }' > "$3/bin/activate"
@@ -54,6 +58,9 @@ STEPS = [
                   "tests/test_deviceless_tpu_fp8.py tests/test_deviceless_decode.py"),
     ("python -m gmm_jax.tools.aot", "python -m gmm_jax.tools.aot --require"),
 ]
+# Started in the background after `python --version` and waited for before the step that
+# installs gmm_jax into that environment (`aot_env.sh`); its line may land anywhere before it.
+BACKGROUND = "aot_env.sh --deps-only"
 
 
 def _executable(path: pathlib.Path, text: str) -> None:
@@ -61,7 +68,8 @@ def _executable(path: pathlib.Path, text: str) -> None:
   path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
 
 
-def _run_ci(tmp_path: pathlib.Path, fail: str | None) -> tuple[int, list[str]]:
+def _run_ci(tmp_path: pathlib.Path, fail: str | None,
+            exact: bool = False) -> tuple[int, list[str]]:
   """Runs a copy of .ci/run with the stand-ins; returns its exit status and the log."""
   checkout = tmp_path / "checkout"
   (checkout / ".ci").mkdir(parents=True)
@@ -80,16 +88,28 @@ def _run_ci(tmp_path: pathlib.Path, fail: str | None) -> tuple[int, list[str]]:
   env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
              CI_LOG=str(log), CI_AOT_VENV=str(aot_venv), TMPDIR=str(tmp_path))
   env.pop("CI_FAIL", None)
+  env.pop("CI_FAIL_EXACT", None)
   if fail is not None:
     env["CI_FAIL"] = fail
+  if exact:
+    env["CI_FAIL_EXACT"] = "1"
   result = subprocess.run([BASH, str(checkout / ".ci" / "run")], env=env,
                           capture_output=True, text=True, timeout=60, check=False)
   return result.returncode, [line.strip() for line in log.read_text().splitlines()]
 
 
+def _foreground(log: list[str], started: bool = True) -> list[str]:
+  """The log without the background step's line, which must come once (when the run got
+  past `python --version`), before the step that waits for it."""
+  assert log.count(BACKGROUND) == int(started), log
+  assert "aot_env.sh" not in log or log.index(BACKGROUND) < log.index("aot_env.sh"), log
+  return [line for line in log if line != BACKGROUND]
+
+
 def test_all_steps_run_in_order_and_pass(tmp_path):
   status, log = _run_ci(tmp_path, fail=None)
   assert status == 0, log
+  log = _foreground(log)
   assert len(log) == len(STEPS), log
   for line, (marker, whole) in zip(log, STEPS):
     assert line.startswith(marker), (marker, line)
@@ -99,8 +119,16 @@ def test_all_steps_run_in_order_and_pass(tmp_path):
 
 @pytest.mark.parametrize("index", range(len(STEPS)), ids=[marker for marker, _ in STEPS])
 def test_a_failing_step_stops_ci(tmp_path, index):
-  marker = STEPS[index][0]
-  status, log = _run_ci(tmp_path, fail=marker)
+  marker, whole = STEPS[index]
+  status, log = _run_ci(tmp_path, fail=whole or marker, exact=whole is not None)
   assert status != 0, f"{marker!r} failed but .ci/run exited 0; it ran: {log}"
+  log = _foreground(log, started=index > 0)
   assert len(log) == index + 1 and log[-1].startswith(marker), (
       f"{marker!r} failed but .ci/run went on: {log}")
+
+
+def test_a_failing_background_environment_stops_ci_before_the_deviceless_steps(tmp_path):
+  status, log = _run_ci(tmp_path, fail=BACKGROUND, exact=True)
+  assert status != 0, f"the background environment failed but .ci/run exited 0: {log}"
+  ran = _foreground(log)
+  assert ran[-1] == "docs.sh", f"the run went on past the wait for the environment: {log}"
