@@ -82,7 +82,8 @@ class _MRefs(NamedTuple):
   """The m-grouped kernel's refs by role (None: absent), in the call's operand order."""
 
   lhs: Any
-  lhs_up: Any  # a gated prologue: z's up half (lhs holds z [M, 2K]), K / tile_k blocks on
+  # A gated prologue: lhs holds z [M, 2K]; the up half's K block is K/tile_k blocks later.
+  lhs_up: Any
   rhs: Any
   up: Any  # a gated activation: rhs's up column block (N/2 later)
   biases: list | None  # the bias row of each rhs column block (gate and up when gated)
@@ -93,10 +94,12 @@ class _MRefs(NamedTuple):
   z: tuple | None  # a gated-cotangent epilogue: z's gate and up tiles beside the output tile
   out: Any
   accs: list | None  # an accumulator per rhs column block, with several K steps
-  cache: Any  # the dequantized weight tile and the group it holds (SMEM)
-  cached: Any
-  pair: Any  # a gated-cotangent epilogue: the VMEM pair of cotangent tiles and their DMAs'
-  sems: Any  # semaphores (the output stays in HBM)
+  cache: Any  # one K step of weight-only quantization: the dequantized weight tile
+  cached: Any  # and the group it holds (SMEM)
+  # A gated-cotangent epilogue: the output stays in HBM and gets the two cotangent tiles of
+  # each row tile by DMA, from a VMEM pair that the row tile's items fill.
+  pair: Any
+  sems: Any
 
   @property
   def tile(self):
