@@ -48,7 +48,9 @@ FLOORS = {
     "gmm_jax.pallas.gpu.gmm": 2,
     "gmm_jax.pallas.gpu.mosaic": 2,
     "gmm_jax.pallas.tpu": 2,
-    "gmm_jax.pallas.tpu.gmm": 2,
+    **{f"gmm_jax.pallas.tpu.{name}": 2 for name in (
+        "mosaic_tpu", "mosaic_tpu_plan", "mosaic_tpu_kernel", "mosaic_tpu_fp8",
+        "mosaic_tpu_tile")},
     "gmm_jax._src.backends.builtin": 3,
     "gmm_jax._src.backends.quantized": 3,
     "gmm_jax._src.sharding.spec": 4,
@@ -101,11 +103,24 @@ SAME_FLOOR = {
     ("gmm_jax._src.op.jvp", "gmm_jax._src.op.prologue_tangent"),
     ("gmm_jax._src.op.prologue_tangent", "gmm_jax._src.op.transpose"),
     ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.gmm"), ("gmm_jax.pallas.gpu", "gmm_jax.pallas.common"),
-    ("gmm_jax.pallas.tpu", "gmm_jax.pallas.tpu.gmm"), ("gmm_jax.pallas.tpu", "gmm_jax.pallas.common"),
+    ("gmm_jax.pallas.tpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.gpu.mosaic", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.mosaic"),
-    ("gmm_jax.pallas.tpu.gmm", "gmm_jax.pallas.common"),
+    # The Mosaic TPU kernel package: its face takes the op and the tiling rules; the op
+    # builds on the plan, the kernel bodies and the fp8 helpers; the kernels on the tiling
+    # rules, the fp8 helpers and the tile operations; each on the shared preamble.
+    *(("gmm_jax.pallas.tpu", f"gmm_jax.pallas.tpu.{name}")
+      for name in ("mosaic_tpu", "mosaic_tpu_plan")),
+    *((f"gmm_jax.pallas.tpu.{a}", f"gmm_jax.pallas.tpu.{b}") for a, b in (
+        ("mosaic_tpu", "mosaic_tpu_plan"), ("mosaic_tpu", "mosaic_tpu_kernel"),
+        ("mosaic_tpu", "mosaic_tpu_fp8"), ("mosaic_tpu_kernel", "mosaic_tpu_plan"),
+        ("mosaic_tpu_kernel", "mosaic_tpu_fp8"), ("mosaic_tpu_kernel", "mosaic_tpu_tile"),
+        ("mosaic_tpu_plan", "mosaic_tpu_fp8"), ("mosaic_tpu_plan", "mosaic_tpu_tile"),
+        ("mosaic_tpu_fp8", "mosaic_tpu_tile"))),
+    *((f"gmm_jax.pallas.tpu.{name}", "gmm_jax.pallas.common") for name in (
+        "mosaic_tpu", "mosaic_tpu_plan", "mosaic_tpu_kernel", "mosaic_tpu_fp8",
+        "mosaic_tpu_tile")),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_rules"),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_scales"),
     ("gmm_jax.compat._ascend_rules", "gmm_jax.compat._ascend_scales"),
@@ -250,7 +265,10 @@ def test_backends_never_import_the_layers_above_them(graph):
   _, edges = graph
   backends = ["gmm_jax._src.backends.reference", "gmm_jax._src.backends.xla", "gmm_jax._src.backends.lax_ragged_dot",
               "gmm_jax.pallas.common",
-              "gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.tpu.gmm"]
+              "gmm_jax.pallas.gpu.gmm",
+              *(f"gmm_jax.pallas.tpu.{name}" for name in (
+                  "mosaic_tpu", "mosaic_tpu_plan", "mosaic_tpu_kernel", "mosaic_tpu_fp8",
+                  "mosaic_tpu_tile"))]
   forbidden = {"gmm_jax._src.backends.registry", "gmm_jax._src.op", "gmm_jax._src.backends.quantized",
                "gmm_jax._src.api"}
   for module in backends:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from gmm_jax._src.tiling import tuning
 from gmm_jax._src.core.config import GmmConfig
-from gmm_jax.pallas.tpu import gmm as tpu_gmm
+from gmm_jax.pallas.tpu import mosaic_tpu, mosaic_tpu_plan
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # Tokens, model dim, expert dim, experts: ragged against the 128 blocks (300 = 2 x 128 + 44).
@@ -85,8 +85,8 @@ def test_fp8_training_gmms_compile_with_the_tpu_kernel(topology_name, grad_type,
     planned = {}
 
     def fn(lhs, rhs, counts, cfg=cfg, planned=planned):
-      planned["plan"] = tpu_gmm.plan(lhs, rhs, counts, cfg)
-      return tpu_gmm.gmm_tpu(lhs, rhs, counts, jnp.int32(0), None, cfg)
+      planned["plan"] = mosaic_tpu_plan.plan(lhs, rhs, counts, cfg)
+      return mosaic_tpu.gmm_tpu(lhs, rhs, counts, jnp.int32(0), None, cfg)
 
     with jax.default_device(topology.devices[0]), tuning.record_launches() as launches:
       lowered = jax.jit(fn).lower(place(lhs), place(rhs), sizes)
@@ -94,12 +94,12 @@ def test_fp8_training_gmms_compile_with_the_tpu_kernel(topology_name, grad_type,
     assert [launch.name for launch in launches] == [
         "gmm_k_tpu" if role == "drhs" else "gmm_m_tpu"], where
     plan = planned["plan"]
-    assert plan["prepared"].quant.mode == "blocked", where
+    assert plan.prepared.quant.mode == "blocked", where
     # A K step (item) spans whole 128-blocks, one dot each (or all of a K below a step).
-    tile_k = plan["tiling"].tile_k
-    assert tile_k % 128 == 0 or plan["k_steps"] == 1, where
-    assert plan["blocks_per_step"] == -(-tile_k // 128), where
-    assert plan["prepared"].dot_dtype == np.dtype(kernel_dot[role]), where
+    tile_k = plan.tiling.tile_k
+    assert tile_k % 128 == 0 or plan.k_steps == 1, where
+    assert plan.blocks_per_step == -(-tile_k // 128), where
+    assert plan.prepared.dot_dtype == np.dtype(kernel_dot[role]), where
     # The kernel's operands are the fp8 values themselves (nothing dequantized before it).
     call = next(line for line in lowered.as_text().splitlines()
                 if "tpu_custom_call" in line and "stablehlo.custom_call" in line)

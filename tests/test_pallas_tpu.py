@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.backends.reference import gmm_reference
-from gmm_jax.pallas.tpu import gmm as tpu_gmm
+from gmm_jax._src.tiling import cost_models
+from gmm_jax.pallas.tpu import mosaic_tpu, mosaic_tpu_plan
 from grids import covering
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
 from lowering import lower_for, mosaic_calls
@@ -59,7 +60,7 @@ def test_several_tiles_per_dimension(group_type, sizes, offset, transpose_lhs, t
                   out_dtype=np.dtype("float32"), interpret=True)
   tiling = Tiling(tile_m=128 if transpose_lhs else 32, tile_k=128, tile_n=128)
   counts, group_offset = jnp.asarray(sizes, jnp.int32), jnp.int32(offset)
-  got = jax.jit(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, tiling))(
+  got = jax.jit(lambda *a: mosaic_tpu.gmm_tpu(*a, cfg, tiling))(
       lhs, rhs, counts, group_offset, bias)
   want = jax.jit(lambda *a: gmm_reference(*a, cfg))(lhs, rhs, counts, group_offset, bias)
   np.testing.assert_allclose(f64(got), f64(want), **tolerances(jnp.float32, k=k))
@@ -86,8 +87,8 @@ def test_tiling_override_through_gmm():
 @pytest.mark.parametrize("transpose_lhs", [False, True])
 def test_default_tiling_is_blockable(group_type, m, k, n, num_local, itemsize, transpose_lhs):
   cfg = GmmConfig(group_type=group_type, num_local=num_local, transpose_lhs=transpose_lhs)
-  tiling = tpu_gmm.default_tiling(m, k, n, cfg, itemsize)
-  tpu_gmm.check_tiling(tiling, m, k, n, cfg)  # raises if Mosaic could not block it
+  tiling = mosaic_tpu_plan.default_tiling(m, k, n, cfg, itemsize)
+  mosaic_tpu_plan.check_tiling(tiling, m, k, n, cfg)  # raises if Mosaic could not block it
 
 
 # ------------------------------------------- rows no item owns, K edge, VMEM, cost model
@@ -119,13 +120,13 @@ def test_rows_no_item_owns_are_zero_from_the_kernel(sizes, offset, num_local, ti
   tiling = Tiling(tile_m=64, tile_k=tile_k, tile_n=128)
   args = (jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32), jnp.int32(offset),
           jnp.asarray(bias))
-  got = np.asarray(jax.jit(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, tiling))(*args))
+  got = np.asarray(jax.jit(lambda *a: mosaic_tpu.gmm_tpu(*a, cfg, tiling))(*args))
   assert np.all(got[~owned] == 0)
   want = gmm_oracle(np.where(owned[:, None], lhs, 0), rhs, sizes, "m", bias=bias,
                     activation="silu", group_offset=offset, num_local=num_local)
   np.testing.assert_allclose(got, want, **tolerances(jnp.float32, k=k))
   # The kernel's output is the result: no select pass over it after the call.
-  jaxpr = jax.make_jaxpr(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, tiling))(*args).jaxpr
+  jaxpr = jax.make_jaxpr(lambda *a: mosaic_tpu.gmm_tpu(*a, cfg, tiling))(*args).jaxpr
   producer = next(e for e in jaxpr.eqns if jaxpr.outvars[0] in e.outvars)
   assert producer.primitive.name == "pallas_call"
 
@@ -142,8 +143,8 @@ def test_k_edge_masked_on_the_last_step_is_exact(k, transpose_lhs, transpose_rhs
   cfg = GmmConfig(group_type="m", num_local=4, transpose_lhs=transpose_lhs,
                   transpose_rhs=transpose_rhs, out_dtype=np.dtype("float32"), interpret=True)
   tiling = Tiling(tile_m=128, tile_k=128, tile_n=128)
-  got = tpu_gmm.gmm_tpu(jnp.asarray(stored_lhs), jnp.asarray(stored_rhs),
-                        jnp.asarray(sizes, jnp.int32), jnp.int32(0), None, cfg, tiling)
+  got = mosaic_tpu.gmm_tpu(jnp.asarray(stored_lhs), jnp.asarray(stored_rhs),
+                           jnp.asarray(sizes, jnp.int32), jnp.int32(0), None, cfg, tiling)
   want = gmm_oracle(lhs, rhs, sizes, "m")
   np.testing.assert_allclose(f64(got), want, rtol=1e-5, atol=1e-5 * 1e4 * np.sqrt(k))
 
@@ -156,8 +157,8 @@ def test_several_k_steps_with_zero_items_and_partial_row_chunks():
   cfg = GmmConfig(group_type="m", num_local=3, activation="gelu",
                   out_dtype=np.dtype("float32"), interpret=True)
   tiling = Tiling(tile_m=256, tile_k=128, tile_n=128)
-  got = tpu_gmm.gmm_tpu(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32),
-                        jnp.int32(1), jnp.asarray(bias), cfg, tiling)
+  got = mosaic_tpu.gmm_tpu(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes, jnp.int32),
+                           jnp.int32(1), jnp.asarray(bias), cfg, tiling)
   want = gmm_oracle(lhs, rhs, sizes, "m", bias=bias, activation="gelu", group_offset=1,
                     num_local=3)
   np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=k))
@@ -185,7 +186,7 @@ def test_weight_only_cast_cache_follows_the_group(offset):
 
 def test_m_items_cover_every_tile_once_in_order():
   sizes = jnp.asarray([70, 0, 41, 100], jnp.int32)
-  arrays, count = tpu_gmm.m_items(sizes, 230, 32, jnp.int32(1), 2, k_steps=3)
+  arrays, count = cost_models.m_items(sizes, 230, 32, jnp.int32(1), 2, k_steps=3)
   groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed = (
       np.asarray(a)[:int(count)] for a in arrays)
   # Local groups: global 1 (empty) and 2, rows [70, 111), in tiles 2 and 3 of 8. The rows
@@ -205,20 +206,20 @@ def test_m_items_cover_every_tile_once_in_order():
 
 def test_vmem_bytes_and_limit():
   tiling = Tiling(tile_m=512, tile_k=4096, tile_n=1024)
-  needed = tpu_gmm.vmem_bytes(tiling, "m", lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
-                              dot_itemsize=2, k_steps=1)
+  needed = cost_models.vmem_bytes(tiling, "m", lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
+                                  dot_itemsize=2, k_steps=1)
   blocks = 2 * 512 * 4096 * 2 + 2 * 4096 * 1024 * 2 + 2 * 512 * 1024 * 2
   assert needed == blocks + 2 * 512 * 1024 * 4  # + the f32 dot result and a temporary
-  with_acc = tpu_gmm.vmem_bytes(tiling, "m", lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
-                                dot_itemsize=2, k_steps=2)
+  with_acc = cost_models.vmem_bytes(tiling, "m", lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
+                                    dot_itemsize=2, k_steps=2)
   assert with_acc == needed + 512 * 1024 * 4
   mib = 2**20
   # 25% + 4 MiB headroom, rounded up to a MiB, capped below the capacity less the reserve.
-  assert tpu_gmm.vmem_limit(40 * mib, capacity=128 * mib) == 54 * mib
-  assert tpu_gmm.vmem_limit(40 * mib + 1, capacity=128 * mib) == 55 * mib
-  assert tpu_gmm.vmem_limit(100 * mib, capacity=128 * mib) == 120 * mib
+  assert cost_models.vmem_limit(40 * mib, capacity=128 * mib) == 54 * mib
+  assert cost_models.vmem_limit(40 * mib + 1, capacity=128 * mib) == 55 * mib
+  assert cost_models.vmem_limit(100 * mib, capacity=128 * mib) == 120 * mib
   with pytest.raises(NotImplementedError, match="VMEM"):
-    tpu_gmm.vmem_limit(121 * mib, capacity=128 * mib)
+    cost_models.vmem_limit(121 * mib, capacity=128 * mib)
 
 
 def test_tiles_too_large_for_vmem_are_refused():
@@ -228,9 +229,9 @@ def test_tiles_too_large_for_vmem_are_refused():
           jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32), None)
   huge = Tiling(tile_m=1024, tile_k=8192, tile_n=4096)
   with pytest.raises(NotImplementedError, match="MiB of VMEM"):
-    jax.eval_shape(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, huge), *args)
-  info = tpu_gmm.plan(*args[:2], args[2], cfg)  # the default tiles fit
-  assert info["vmem_limit_bytes"] <= tpu_gmm.vmem_capacity() - tpu_gmm.VMEM_RESERVE
+    jax.eval_shape(lambda *a: mosaic_tpu.gmm_tpu(*a, cfg, huge), *args)
+  info = mosaic_tpu_plan.plan(*args[:2], args[2], cfg)  # the default tiles fit
+  assert info.vmem_limit_bytes <= cost_models.vmem_capacity() - cost_models.VMEM_RESERVE
 
 
 @pytest.mark.parametrize("m, k, n, num_local", [(16384, 4096, 14336, 8), (8192, 2048, 1408, 64),
@@ -238,13 +239,13 @@ def test_tiles_too_large_for_vmem_are_refused():
 @pytest.mark.parametrize("group_type", ["m", "k"])
 def test_default_tiles_cover_k_and_split_n_evenly(m, k, n, num_local, group_type):
   cfg = GmmConfig(group_type=group_type, num_local=num_local, out_dtype=np.dtype("bfloat16"))
-  tiling = tpu_gmm.default_tiling(m, k, n, cfg, 2)
+  tiling = mosaic_tpu_plan.default_tiling(m, k, n, cfg, 2)
   if group_type == "m":
     assert tiling.tile_k >= k  # weights fetched once per column block, not per item
   assert n % tiling.tile_n == 0 and (tiling.tile_n % 128 == 0 or tiling.tile_n == n)
-  needed = tpu_gmm.vmem_bytes(tiling, group_type, lhs_itemsize=2, rhs_itemsize=2,
-                              out_itemsize=2, dot_itemsize=2, k_steps=1)
-  assert needed <= tpu_gmm.vmem_capacity() // 2
+  needed = cost_models.vmem_bytes(tiling, group_type, lhs_itemsize=2, rhs_itemsize=2,
+                                  out_itemsize=2, dot_itemsize=2, k_steps=1)
+  assert needed <= cost_models.vmem_capacity() // 2
 
 
 @pytest.mark.parametrize("m, k, n", [(16384, 14336, 4096), (8192, 2048, 1024), (4096, 1408, 2048),
@@ -254,17 +255,17 @@ def test_default_tiles_of_a_gated_prologue_divide_k(m, k, n):
   # Mixtral's 14336) would make the kernel refuse it, and act(z) be formed around it.
   cfg = GmmConfig(group_type="m", num_local=8, out_dtype=np.dtype("bfloat16"),
                   lhs_activation="swiglu")
-  tiling = tpu_gmm.default_tiling(m, k, n, cfg, 2)
+  tiling = mosaic_tpu_plan.default_tiling(m, k, n, cfg, 2)
   assert k % tiling.tile_k == 0
-  tpu_gmm.check_tiling(tiling, m, k, n, cfg)
-  needed = tpu_gmm.vmem_bytes(tiling, "m", lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
-                              dot_itemsize=2, k_steps=k // tiling.tile_k, weight_cache=True,
-                              has_bias=True) + 2 * tiling.tile_m * tiling.tile_k * 2
-  assert needed <= tpu_gmm.vmem_capacity() // 2
+  mosaic_tpu_plan.check_tiling(tiling, m, k, n, cfg)
+  needed = cost_models.vmem_bytes(tiling, "m", lhs_itemsize=2, rhs_itemsize=2, out_itemsize=2,
+                                  dot_itemsize=2, k_steps=k // tiling.tile_k, weight_cache=True,
+                                  has_bias=True) + 2 * tiling.tile_m * tiling.tile_k * 2
+  assert needed <= cost_models.vmem_capacity() // 2
   lhs = jax.ShapeDtypeStruct((m, 2 * k), jnp.bfloat16)
   rhs = jax.ShapeDtypeStruct((8, k, n), jnp.bfloat16)
   counts = jax.ShapeDtypeStruct((8,), jnp.int32)
-  tpu_gmm.plan(lhs, rhs, counts, cfg)  # the kernel serves it (no NotImplementedError)
+  mosaic_tpu_plan.plan(lhs, rhs, counts, cfg)  # the kernel serves it (no NotImplementedError)
 
 
 def _zipf_sizes(m, groups, seed=0):
@@ -279,15 +280,15 @@ def test_static_cost_model():
   cfg = GmmConfig(group_type="m", num_local=groups, out_dtype=np.dtype("bfloat16"))
   whole = Tiling(tile_m=128, tile_k=k, tile_n=n)
   # 128 rows per group on 128-row tiles: no padding, and each operand moves once.
-  cost = tpu_gmm.static_cost(np.full(groups, 128), m, k, n, cfg, whole, 2, row_chunk=128)
+  cost = mosaic_tpu_plan.static_cost(np.full(groups, 128), m, k, n, cfg, whole, 2, row_chunk=128)
   assert cost["useful_rows"] == m and cost["mma_rows"] == m
   assert cost["grid_steps"] == cost["work_steps"] == groups
   assert cost["hbm_bytes"] == cost["ideal_bytes"] == (m * k + groups * k * n + m * n) * 2
   # Zipf sizes: a 512-row tile computes only the 128-row MXU slices an item touches.
   zipf = _zipf_sizes(m, groups)
   big = Tiling(tile_m=512, tile_k=k, tile_n=n)
-  sliced = tpu_gmm.static_cost(zipf, m, k, n, cfg, big, 2, row_chunk=128)
-  unsliced = tpu_gmm.static_cost(zipf, m, k, n, cfg, big, 2, row_chunk=512)
+  sliced = mosaic_tpu_plan.static_cost(zipf, m, k, n, cfg, big, 2, row_chunk=128)
+  unsliced = mosaic_tpu_plan.static_cost(zipf, m, k, n, cfg, big, 2, row_chunk=512)
   assert sliced["useful_rows"] == m
   assert sliced["group_aligned_rows"] <= sliced["mma_rows"] < unsliced["mma_rows"]
   # Tile-aligned items pay up to one 128-row slice per group boundary on each side: with a
@@ -295,20 +296,20 @@ def test_static_cost_model():
   assert sliced["mma_rows"] <= 2 * m
   # Two K steps: an item re-fetches its group's weights (K block changes every step).
   split = Tiling(tile_m=512, tile_k=k // 2, tile_n=n)
-  one = tpu_gmm.static_cost([m], m, k, n, cfg.replace(num_local=1), split, 2)
+  one = mosaic_tpu_plan.static_cost([m], m, k, n, cfg.replace(num_local=1), split, 2)
   assert one["hbm_bytes"] == (m * k + 4 * k * n + m * n) * 2
   # Local rows [70, 111) (one non-empty local group): zero items for the other rows' tiles
   # (8, tiles 2 and 3 also hold local rows), which fetch nothing new.
-  remote = tpu_gmm.static_cost([70, 0, 41, 100], 230, k, n, cfg.replace(num_local=2),
-                               Tiling(tile_m=32, tile_k=k, tile_n=n), 2, group_offset=1,
-                               row_chunk=32)
+  remote = mosaic_tpu_plan.static_cost([70, 0, 41, 100], 230, k, n, cfg.replace(num_local=2),
+                                       Tiling(tile_m=32, tile_k=k, tile_n=n), 2, group_offset=1,
+                                       row_chunk=32)
   assert remote["grid_steps"] == 10 and remote["work_steps"] == 2
   assert remote["useful_rows"] == 41
   assert remote["hbm_bytes"] == (2 * 32 * k + k * n + 230 * n) * 2
   # k-grouping: (M tiles, N tiles, items); lhs is re-read per column block.
   kcfg = GmmConfig(group_type="k", num_local=4, out_dtype=np.dtype("float32"))
-  kcost = tpu_gmm.static_cost([256, 0, 128, 128], 256, 512, 256, kcfg,
-                              Tiling(tile_m=256, tile_k=128, tile_n=128), 2)
+  kcost = mosaic_tpu_plan.static_cost([256, 0, 128, 128], 256, 512, 256, kcfg,
+                                      Tiling(tile_m=256, tile_k=128, tile_n=128), 2)
   assert kcost["useful_rows"] == 512 and kcost["mma_rows"] == 512
   assert kcost["hbm_bytes"] == (2 * 256 * 512 + 512 * 256) * 2 + 4 * 256 * 256 * 4
 
@@ -438,7 +439,7 @@ def test_gated_and_row_weights_epilogue(group_type, activation, weighted, tiles,
                   out_dtype=np.dtype("float32"), interpret=True)
   tiling = None if tiles is None else Tiling(*tiles)
   counts, group_offset = jnp.asarray(sizes, jnp.int32), jnp.int32(1)
-  got = jax.jit(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, tiling, rows))(
+  got = jax.jit(lambda *a: mosaic_tpu.gmm_tpu(*a, cfg, tiling, rows))(
       lhs, rhs, counts, group_offset, bias)
   assert got.shape == ((m, n_out) if group_type == "m" else (num_local, m, n_out))
   want = jax.jit(lambda *a: gmm_reference(*a, cfg, rows=rows) if weighted
@@ -456,12 +457,12 @@ def test_gated_tiles_must_divide_the_output_columns():
   cfg = GmmConfig(group_type="m", num_local=2, activation="swiglu")
   # 2N = 1024 product columns: N = 512 output columns, which 384 does not divide.
   with pytest.raises(NotImplementedError, match="divides the 512 output columns"):
-    tpu_gmm.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=384), 256, 128, 1024, cfg)
+    mosaic_tpu_plan.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=384), 256, 128, 1024, cfg)
   with pytest.raises(NotImplementedError, match="multiple of 128"):  # 96 divides 192
-    tpu_gmm.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=96), 256, 128, 384, cfg)
-  tpu_gmm.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=256), 256, 128, 1024, cfg)
-  tpu_gmm.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=1024), 256, 128, 1024, cfg)
-  tiling = tpu_gmm.default_tiling(4096, 1024, 2 * 1408, cfg)
+    mosaic_tpu_plan.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=96), 256, 128, 384, cfg)
+  mosaic_tpu_plan.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=256), 256, 128, 1024, cfg)
+  mosaic_tpu_plan.check_tiling(Tiling(tile_m=128, tile_k=128, tile_n=1024), 256, 128, 1024, cfg)
+  tiling = mosaic_tpu_plan.default_tiling(4096, 1024, 2 * 1408, cfg)
   assert 1408 % tiling.tile_n == 0 and tiling.tile_n % 128 == 0
 
 
@@ -518,13 +519,13 @@ CHUNKED_CASES = [
 
 @pytest.mark.parametrize("group_type, options, tiles, k", CHUNKED_CASES)
 def test_chunked_products_match_the_reference(monkeypatch, group_type, options, tiles, k):
-  monkeypatch.setattr(tpu_gmm, "K_CHUNK", 128)
-  monkeypatch.setattr(tpu_gmm, "OUT_ROW_CHUNK", 128)
+  monkeypatch.setattr(mosaic_tpu_plan, "K_CHUNK", 128)
+  monkeypatch.setattr(mosaic_tpu_plan, "OUT_ROW_CHUNK", 128)
   tiling = Tiling(*tiles)
   if group_type == "m":
-    assert tpu_gmm.k_chunks(tiling.tile_k) == tiling.tile_k // 128 > 1
+    assert mosaic_tpu_plan.k_chunks(tiling.tile_k) == tiling.tile_k // 128 > 1
   else:
-    assert tpu_gmm.out_row_chunk(tiling.tile_m) == 128
+    assert mosaic_tpu_plan.out_row_chunk(tiling.tile_m) == 128
   gated = options.get("activation") == "swiglu"
   prologue = "lhs_activation" in options
   m, n, num_local = (233, 264 if gated else 132, 3) if group_type == "m" else (

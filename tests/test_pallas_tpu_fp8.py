@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gmm_jax._src.tiling import cost_models
 from gmm_jax._src.core.config import GmmConfig, Tiling
-from gmm_jax.pallas.tpu import gmm as tpu_gmm
+from gmm_jax.pallas.tpu import mosaic_tpu, mosaic_tpu_plan
 from oracle import dequantize, gmm_oracle, tolerances
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -60,7 +60,7 @@ def _drhs_operands(rng, tokens, d, f, grad_type):
 
 def _run(lhs, rhs, sizes, cfg, bias=None, group_offset=0, tiling=None):
   counts = jnp.asarray(sizes, jnp.int32)
-  return np.asarray(jax.jit(lambda *a: tpu_gmm.gmm_tpu(*a, cfg, tiling))(
+  return np.asarray(jax.jit(lambda *a: mosaic_tpu.gmm_tpu(*a, cfg, tiling))(
       lhs, rhs, counts, jnp.int32(group_offset), bias)).astype(np.float64)
 
 
@@ -76,17 +76,17 @@ def _tolerance(out_dtype, lhs, rhs, k):
 def test_check_operands_serves_blocked_fp8_for_both_group_types():
   rng = np.random.default_rng(0)
   x_q, w_q = _forward_operands(rng, 32, 256, 128, 2, E4M3)
-  tpu_gmm.check_operands(x_q, w_q, GmmConfig(group_type="m", num_local=2))
+  mosaic_tpu.check_operands(x_q, w_q, GmmConfig(group_type="m", num_local=2))
   xk_q, dyk_q = _drhs_operands(rng, 256, 128, 128, E5M2)
-  tpu_gmm.check_operands(xk_q, dyk_q, GmmConfig(group_type="k", num_local=2,
-                                                transpose_lhs=True))
+  mosaic_tpu.check_operands(xk_q, dyk_q, GmmConfig(group_type="k", num_local=2,
+                                                   transpose_lhs=True))
   # int8 values with blocked scales are not the kernel's (the dispatcher composes them).
   x8 = gmm_jax.quantize(np.ones((32, 256), np.float32), jnp.int8, channelwise_axes=(0,),
                         tiled_axes={1: BLOCK})
   w8 = gmm_jax.quantize(np.ones((2, 256, 128), np.float32), jnp.int8,
                         channelwise_axes=(0, 2), tiled_axes={1: BLOCK})
   with pytest.raises(NotImplementedError, match="blocked scales"):
-    tpu_gmm.check_operands(x8, w8, GmmConfig(group_type="m", num_local=2))
+    mosaic_tpu.check_operands(x8, w8, GmmConfig(group_type="m", num_local=2))
 
 
 @pytest.mark.parametrize("kind, expected", [(None, jnp.bfloat16), ("TPU v5 lite", jnp.bfloat16),
@@ -97,12 +97,12 @@ def test_dot_dtype_follows_the_chips_fp8_mxu(monkeypatch, kind, expected):
   rng = np.random.default_rng(1)
   counts = jnp.asarray([16, 16], jnp.int32)
   cfg = GmmConfig(group_type="m", num_local=2, interpret=True)
-  same = tpu_gmm.plan(*_forward_operands(rng, 32, 256, 128, 2, E4M3), counts, cfg)
-  mixed = tpu_gmm.plan(*_forward_operands(rng, 32, 256, 128, 2, E5M2), counts, cfg)
-  assert same["prepared"].dot_dtype == np.dtype(expected)
-  assert mixed["prepared"].dot_dtype == np.dtype(jnp.bfloat16)  # e5m2 x e4m3 meet in bf16
+  same = mosaic_tpu_plan.plan(*_forward_operands(rng, 32, 256, 128, 2, E4M3), counts, cfg)
+  mixed = mosaic_tpu_plan.plan(*_forward_operands(rng, 32, 256, 128, 2, E5M2), counts, cfg)
+  assert same.prepared.dot_dtype == np.dtype(expected)
+  assert mixed.prepared.dot_dtype == np.dtype(jnp.bfloat16)  # e5m2 x e4m3 meet in bf16
   # K = 256: one K step of both scale blocks (one dot each).
-  assert (same["tiling"].tile_k, same["k_steps"], same["blocks_per_step"]) == (256, 1, 2)
+  assert (same.tiling.tile_k, same.k_steps, same.blocks_per_step) == (256, 1, 2)
 
 
 # m-grouping: an empty group, a group boundary inside a row tile, rows past the total; K = 300
@@ -135,7 +135,7 @@ def test_dlhs_transposed_weights_e5m2_gradient_f32_output():
   got = _run(dy_q, w_q, M_SIZES, cfg)
   want = gmm_oracle(dequantize(dy_q), dequantize(w_q), M_SIZES, "m", transpose_rhs=True)
   assert got.shape == (m, k)
-  assert tpu_gmm.plan(dy_q, w_q, jnp.asarray(M_SIZES, jnp.int32), cfg)["k_steps"] == 2
+  assert mosaic_tpu_plan.plan(dy_q, w_q, jnp.asarray(M_SIZES, jnp.int32), cfg).k_steps == 2
   np.testing.assert_allclose(got, want, **_tolerance(jnp.float32, dy_q, w_q, n))
 
 
@@ -163,7 +163,7 @@ def test_drhs_k_grouped_block_scales_with_boundaries_inside_blocks(grad_type, si
   cfg = GmmConfig(group_type="k", num_local=groups, transpose_lhs=True,
                   out_dtype=np.dtype(jnp.float32), interpret=True)
   counts = jnp.asarray(sizes, jnp.int32)
-  assert tpu_gmm.plan(x_q, dy_q, counts, cfg)["blocks_per_step"] == blocks_per_item
+  assert mosaic_tpu_plan.plan(x_q, dy_q, counts, cfg).blocks_per_step == blocks_per_item
   got = _run(x_q, dy_q, sizes, cfg, bias)
   want = gmm_oracle(dequantize(x_q), dequantize(dy_q), sizes, "k", bias=np.asarray(bias),
                     transpose_lhs=True)
@@ -183,7 +183,7 @@ def test_fp8_mxu_chip_feeds_fp8_values_to_the_dot(monkeypatch):
   cfg = GmmConfig(group_type="k", num_local=groups, transpose_lhs=True,
                   out_dtype=np.dtype(jnp.bfloat16), interpret=True)
   counts = jnp.asarray(K_SIZES, jnp.int32)
-  assert tpu_gmm.plan(x_q, dy_q, counts, cfg)["prepared"].dot_dtype == np.dtype(E4M3)
+  assert mosaic_tpu_plan.plan(x_q, dy_q, counts, cfg).prepared.dot_dtype == np.dtype(E4M3)
   got = _run(x_q, dy_q, K_SIZES, cfg)
   want = gmm_oracle(dequantize(x_q), dequantize(dy_q), K_SIZES, "k", transpose_lhs=True)
   np.testing.assert_allclose(got, want, **_tolerance(jnp.bfloat16, x_q, dy_q, tokens))
@@ -200,8 +200,8 @@ def test_local_groups_explicit_tiles_and_the_xla_composition():
   cfg = GmmConfig(group_type="m", num_local=2, out_dtype=np.dtype(jnp.float32),
                   interpret=True)
   tiling = Tiling(tile_m=128, tile_k=512, tile_n=128)
-  planned = tpu_gmm.plan(x_q, w_q, jnp.asarray(sizes, jnp.int32), cfg, tiling)
-  assert (planned["tiling"].tile_k, planned["k_steps"]) == (BLOCK, 3)
+  planned = mosaic_tpu_plan.plan(x_q, w_q, jnp.asarray(sizes, jnp.int32), cfg, tiling)
+  assert (planned.tiling.tile_k, planned.k_steps) == (BLOCK, 3)
   got = _run(x_q, w_q, sizes, cfg, group_offset=1, tiling=tiling)
   want = gmm_oracle(dequantize(x_q), dequantize(w_q), sizes, "m", group_offset=1)
   tolerance = _tolerance(jnp.float32, x_q, w_q, k)

@@ -16,7 +16,7 @@ from gmm_jax._src.tiling import tuning
 from gmm_jax._src.core.config import GmmConfig, Problem, Tiling, Tilings
 from gmm_jax.pallas.gpu import gmm as triton_gmm
 from gmm_jax.pallas.gpu import mosaic as mosaic_gpu
-from gmm_jax.pallas.tpu import gmm as tpu_gmm
+from gmm_jax.pallas.tpu import mosaic_tpu_plan
 from oracle import f64, gmm_oracle, tolerances
 
 M, K, N, G = 64, 48, 40, 4
@@ -48,7 +48,7 @@ def _choices(fn, *args):
 
 def test_builtin_table_rows_are_unique_and_usable_by_their_kernels():
   table = tuning.builtin_table()
-  checks = {"pallas_triton": triton_gmm.check_tiling, "pallas_tpu": tpu_gmm.check_tiling}
+  checks = {"pallas_triton": triton_gmm.check_tiling, "pallas_tpu": mosaic_tpu_plan.check_tiling}
   for (implementation, kind, group_type, dtype, cls), tiling in table.items():
     assert cls in (*tuning.SHAPE_CLASSES, "*"), cls
     check = checks.get(implementation)

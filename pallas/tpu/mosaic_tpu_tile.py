@@ -1,0 +1,112 @@
+"""Tile operations of the Mosaic TPU gmm kernels: what a kernel body does to its blocks.
+
+The dot of blocks as stored (either layout of each side), the K masks, the dequantized
+weight tile, the finishing epilogue of an output tile and the gated cotangent on tiles; the
+activations as Mosaic lowers them (`kernel_activation`, `GATED_PAIRS`) and which of their
+primitives it has no lowering rule for (`unsupported_primitives`), which the plan checks
+before a compiled call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+from jax import lax
+
+from gmm_jax._src.core.config import GmmConfig, is_gated
+from gmm_jax._src.core.epilogue import resolve_activation
+from gmm_jax.pallas import common
+
+
+def kernel_activation(activation):
+  """The activation as the kernel applies it: the exact GELU through ``lax.erf`` (Mosaic
+  lowers erf but not the erfc that ``jax.nn.gelu(approximate=False)`` uses); others as
+  given."""
+  if activation == "gelu":
+    return lambda x: 0.5 * x * (1.0 + lax.erf(x * 0.7071067811865476))
+  return activation
+
+
+# The gated activations on the gate and up halves, which the kernels keep in two blocks and
+# accumulators ("geglu"'s gate through `kernel_activation`'s erf).
+GATED_PAIRS = common.gated_pairs(kernel_activation)
+
+
+def _mosaic_rules():
+  """Mosaic TPU's (TensorCore) lowering rules by primitive, or None when the table (a
+  private jax module) cannot be read."""
+  try:
+    from jax._src.pallas.mosaic import lowering as mosaic_lowering
+    rules = mosaic_lowering.lowering_rules
+    if not isinstance(next(iter(rules)), jax.extend.core.Primitive):  # keyed by core type
+      rules = next(table for core, table in rules.items() if str(core).lower() == "tc")
+  except (ImportError, AttributeError, StopIteration):
+    return None
+  return rules
+
+
+def unsupported_primitives(activation) -> set[str]:
+  """Primitives of `activation` without a Mosaic TPU (TensorCore) lowering rule.
+
+  Best effort: empty when the lowering table (a private jax module) cannot be read.
+  """
+  rules = _mosaic_rules()
+  if rules is None:
+    return set()
+  if is_gated(activation):
+    pair = GATED_PAIRS[activation]
+    return common.unsupported_primitives(lambda z: pair(z, z), rules)
+  return common.unsupported_primitives(resolve_activation(kernel_activation(activation)), rules)
+
+
+def dot(x, w, cfg: GmmConfig, dot_dtype, acc_dtype):
+  """``x @ w`` of blocks as stored (x: [M, K] or [K, M]; w: [K, N] or [N, K])."""
+  if cfg.transpose_lhs:  # contract the sublane dim of x: transpose in VMEM first
+    x = x.T
+  rhs_contract = 1 if cfg.transpose_rhs else 0
+  return lax.dot_general(
+      x.astype(dot_dtype), w.astype(dot_dtype), (((1,), (rhs_contract,)), ((), ())),
+      precision=cfg.precision, preferred_element_type=acc_dtype)
+
+
+def mask_k(block, first, limit_lo, limit_hi, k_axis: int):
+  """Zeroes the entries of `block` whose K index (``first`` + position) is outside
+  ``[limit_lo, limit_hi)``."""
+  index = first + lax.broadcasted_iota(jnp.int32, block.shape, k_axis)
+  return jnp.where((index >= limit_lo) & (index < limit_hi), block, jnp.zeros((), block.dtype))
+
+
+def dequantized(w_ref, scale_ref, zero_ref, cfg: GmmConfig, dot_dtype):
+  """The weight tile ``(w - zero) * scale`` in the dot dtype (the composed XLA path's
+  numerics); the scale/zero blocks are ``[1, tile_n]`` (``[tile_n, 1]`` when rhs is stored
+  ``[N, K]``)."""
+  return common.dequantize_tile(w_ref[...], scale_ref[...],
+                                None if zero_ref is None else zero_ref[...],
+                                cfg.transpose_rhs, dot_dtype)
+
+
+def tile_epilogue(accs, biases, cfg: GmmConfig, row_weights=None):
+  """`common.finish_tile` with this kernel's erf GELU: ``cast(activation(acc + bias) *
+  row_weights)`` in f32, a gated activation on its gate and up accumulators (``accs`` holds
+  both, `biases` their bias rows ``[1, tile_n]`` or None); `row_weights` ``[rows, 1]``."""
+  return common.finish_tile(accs, biases, cfg.activation, cfg.out_dtype, row_weights,
+                            kernel_activation=kernel_activation, pairs=GATED_PAIRS)
+
+
+def gated_cotangent_tiles(name: str, gate, up, ct):
+  """`epilogue.gated_cotangent` on tiles: the cotangents of the gate and up tiles of z for
+  the cotangent tile ct of the gated activation's result, in f32 (`GATED_PAIRS`' forms)."""
+  _, pull = jax.vjp(GATED_PAIRS[name], gate.astype(jnp.float32), up.astype(jnp.float32))
+  return pull(ct.astype(jnp.float32))
+
+
+def unsupported_cotangent_primitives(name: str) -> set[str]:
+  """Primitives of the gated-cotangent epilogue of `name` without a Mosaic TPU lowering
+  (best effort, as `unsupported_primitives`)."""
+  rules = _mosaic_rules()
+  if rules is None:
+    return set()
+  return common.unsupported_primitives(
+      lambda z: gated_cotangent_tiles(name, z, z, z)[0] + gated_cotangent_tiles(
+          name, z, z, z)[1], rules)
