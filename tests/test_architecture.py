@@ -45,8 +45,12 @@ FLOORS = {
     "gmm_jax.pallas": 2,
     "gmm_jax.pallas.common": 2,
     "gmm_jax.pallas.gpu": 2,
-    "gmm_jax.pallas.gpu.gmm": 2,
-    "gmm_jax.pallas.gpu.mosaic": 2,
+    "gmm_jax.pallas.gpu.triton": 2,
+    "gmm_jax.pallas.gpu.triton_kernel": 2,
+    "gmm_jax.pallas.gpu.triton_fp8": 2,
+    "gmm_jax.pallas.gpu.triton_large": 2,
+    "gmm_jax.pallas.gpu.mosaic_gpu": 2,
+    "gmm_jax.pallas.gpu.mosaic_gpu_kernel": 2,
     "gmm_jax.pallas.tpu": 2,
     "gmm_jax.pallas.tpu.gmm": 2,
     "gmm_jax._src.backends.builtin": 3,
@@ -100,11 +104,19 @@ SAME_FLOOR = {
     # gmm's own transpose rule.
     ("gmm_jax._src.op.jvp", "gmm_jax._src.op.prologue_tangent"),
     ("gmm_jax._src.op.prologue_tangent", "gmm_jax._src.op.transpose"),
-    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.gmm"), ("gmm_jax.pallas.gpu", "gmm_jax.pallas.common"),
+    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.triton"),
+    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.tpu", "gmm_jax.pallas.tpu.gmm"), ("gmm_jax.pallas.tpu", "gmm_jax.pallas.common"),
-    ("gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.common"),
-    ("gmm_jax.pallas.gpu.mosaic", "gmm_jax.pallas.common"),
-    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.mosaic"),
+    # The Triton op wrapper, its kernel bodies, their fp8 dot and their large-operand words.
+    *((f"gmm_jax.pallas.gpu.{a}", f"gmm_jax.pallas.{b}")
+      for a, b in (("triton", "common"), ("triton", "gpu.triton_kernel"),
+                   ("triton", "gpu.triton_fp8"), ("triton", "gpu.triton_large"),
+                   ("triton_kernel", "common"), ("triton_kernel", "gpu.triton_fp8"),
+                   ("triton_kernel", "gpu.triton_large"))),
+    # The Mosaic GPU op wrapper and its kernel bodies.
+    ("gmm_jax.pallas.gpu.mosaic_gpu", "gmm_jax.pallas.common"),
+    ("gmm_jax.pallas.gpu.mosaic_gpu", "gmm_jax.pallas.gpu.mosaic_gpu_kernel"),
+    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.mosaic_gpu"),
     ("gmm_jax.pallas.tpu.gmm", "gmm_jax.pallas.common"),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_rules"),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_scales"),
@@ -250,7 +262,10 @@ def test_backends_never_import_the_layers_above_them(graph):
   _, edges = graph
   backends = ["gmm_jax._src.backends.reference", "gmm_jax._src.backends.xla", "gmm_jax._src.backends.lax_ragged_dot",
               "gmm_jax.pallas.common",
-              "gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.tpu.gmm"]
+              *(f"gmm_jax.pallas.gpu.{name}" for name in (
+                  "triton", "triton_kernel", "triton_fp8", "triton_large", "mosaic_gpu",
+                  "mosaic_gpu_kernel")),
+              "gmm_jax.pallas.tpu.gmm"]
   forbidden = {"gmm_jax._src.backends.registry", "gmm_jax._src.op", "gmm_jax._src.backends.quantized",
                "gmm_jax._src.api"}
   for module in backends:
