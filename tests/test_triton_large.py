@@ -101,7 +101,7 @@ def test_words_round_trip(dtype):
 @pytest.fixture
 def small_limit(monkeypatch):
   """Operands of 64 or more 1-byte elements take the word path."""
-  monkeypatch.setattr(triton_gmm, "OFFSET_LIMIT", 64)
+  monkeypatch.setattr(triton_large, "OFFSET_LIMIT", 64)
 
 
 SIZES = [9, 0, 14, 21]

@@ -218,10 +218,12 @@ class _Launch(NamedTuple):
 
   @property
   def blocked(self) -> bool:
+    """Whether the operands are in "blocked" mode (scales varying along K)."""
     return self.quant is not None and self.quant.mode == "blocked"
 
   @property
   def tiles(self) -> tuple[int, int, int]:
+    """(tile_m, tile_k, tile_n), as `common.pallas_call` records them."""
     return self.tiling.tile_m, self.tiling.tile_k, self.tiling.tile_n
 
   def static(self, has_bias: bool, num_items: int, band: int) -> KernelStatic:
