@@ -45,8 +45,12 @@ FLOORS = {
     "gmm_jax.pallas": 2,
     "gmm_jax.pallas.common": 2,
     "gmm_jax.pallas.gpu": 2,
-    "gmm_jax.pallas.gpu.gmm": 2,
-    "gmm_jax.pallas.gpu.mosaic": 2,
+    "gmm_jax.pallas.gpu.triton": 2,
+    "gmm_jax.pallas.gpu.triton_kernel": 2,
+    "gmm_jax.pallas.gpu.triton_fp8": 2,
+    "gmm_jax.pallas.gpu.triton_large": 2,
+    "gmm_jax.pallas.gpu.mosaic_gpu": 2,
+    "gmm_jax.pallas.gpu.mosaic_gpu_kernel": 2,
     "gmm_jax.pallas.tpu": 2,
     **{f"gmm_jax.pallas.tpu.{name}": 2 for name in (
         "mosaic_tpu", "mosaic_tpu_plan", "mosaic_tpu_kernel", "mosaic_tpu_fp8",
@@ -102,11 +106,7 @@ SAME_FLOOR = {
     # gmm's own transpose rule.
     ("gmm_jax._src.op.jvp", "gmm_jax._src.op.prologue_tangent"),
     ("gmm_jax._src.op.prologue_tangent", "gmm_jax._src.op.transpose"),
-    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.gmm"), ("gmm_jax.pallas.gpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.tpu", "gmm_jax.pallas.common"),
-    ("gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.common"),
-    ("gmm_jax.pallas.gpu.mosaic", "gmm_jax.pallas.common"),
-    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.mosaic"),
     # The Mosaic TPU kernel package: its face takes the op and the tiling rules; the op
     # builds on the plan, the kernel bodies and the fp8 helpers; the kernels on the tiling
     # rules, the fp8 helpers and the tile operations; each on the shared preamble.
@@ -121,6 +121,18 @@ SAME_FLOOR = {
     *((f"gmm_jax.pallas.tpu.{name}", "gmm_jax.pallas.common") for name in (
         "mosaic_tpu", "mosaic_tpu_plan", "mosaic_tpu_kernel", "mosaic_tpu_fp8",
         "mosaic_tpu_tile")),
+    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.triton"),
+    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.common"),
+    # The Triton op wrapper, its kernel bodies, their fp8 dot and their large-operand words.
+    *((f"gmm_jax.pallas.gpu.{a}", f"gmm_jax.pallas.{b}")
+      for a, b in (("triton", "common"), ("triton", "gpu.triton_kernel"),
+                   ("triton", "gpu.triton_fp8"), ("triton", "gpu.triton_large"),
+                   ("triton_kernel", "common"), ("triton_kernel", "gpu.triton_fp8"),
+                   ("triton_kernel", "gpu.triton_large"))),
+    # The Mosaic GPU op wrapper and its kernel bodies.
+    ("gmm_jax.pallas.gpu.mosaic_gpu", "gmm_jax.pallas.common"),
+    ("gmm_jax.pallas.gpu.mosaic_gpu", "gmm_jax.pallas.gpu.mosaic_gpu_kernel"),
+    ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.mosaic_gpu"),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_rules"),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_scales"),
     ("gmm_jax.compat._ascend_rules", "gmm_jax.compat._ascend_scales"),
@@ -265,10 +277,12 @@ def test_backends_never_import_the_layers_above_them(graph):
   _, edges = graph
   backends = ["gmm_jax._src.backends.reference", "gmm_jax._src.backends.xla", "gmm_jax._src.backends.lax_ragged_dot",
               "gmm_jax.pallas.common",
-              "gmm_jax.pallas.gpu.gmm",
               *(f"gmm_jax.pallas.tpu.{name}" for name in (
                   "mosaic_tpu", "mosaic_tpu_plan", "mosaic_tpu_kernel", "mosaic_tpu_fp8",
                   "mosaic_tpu_tile"))]
+              *(f"gmm_jax.pallas.gpu.{name}" for name in (
+                  "triton", "triton_kernel", "triton_fp8", "triton_large", "mosaic_gpu",
+                  "mosaic_gpu_kernel")),
   forbidden = {"gmm_jax._src.backends.registry", "gmm_jax._src.op", "gmm_jax._src.backends.quantized",
                "gmm_jax._src.api"}
   for module in backends:

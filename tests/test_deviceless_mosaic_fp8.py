@@ -34,7 +34,7 @@ def _h200():
 
 
 def _mosaic():
-  return pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
+  return pytest.importorskip("gmm_jax.pallas.gpu.mosaic_gpu",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")
 
 

@@ -22,8 +22,9 @@ from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.tiling import cost_models
 
-mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
+mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic_gpu",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")
+mosaic_kernel = pytest.importorskip("gmm_jax.pallas.gpu.mosaic_gpu_kernel")
 plgpu = mosaic.plgpu
 
 HAS_INTERPRETER = hasattr(plgpu, "InterpretGPUParams")
@@ -146,11 +147,11 @@ def test_window_granule_is_a_function_of_static_shapes(m, num_groups, tile_m, gr
 def test_work_items_start_at_8_row_boundaries(sizes, m, tile_m, offset, num_local):
   # The kernel's items: windows at multiples of 8 from each group's first row, each item
   # inside its window, every local row owned once, fewer windows than tile alignment.
-  granule, (windows, starts, ends, groups) = mosaic.work_items(
+  items = mosaic.work_items(
       jnp.asarray(sizes, jnp.int32), jnp.int32(offset), m, tile_m, num_local)
-  assert granule == 8
-  windows, starts, ends, groups = map(np.asarray, (windows, starts, ends, groups))
-  assert len(windows) % mosaic.BAND == 0
+  assert items.granule == 8
+  windows, starts, ends, groups = map(np.asarray, items.operands)
+  assert len(windows) % mosaic_kernel.BAND == 0
   active = ends > starts
   assert np.all(windows % 8 == 0)
   assert np.all((windows <= starts) & (ends <= windows + tile_m) | ~active)

@@ -18,8 +18,9 @@ from oracle import dequantize, f64, gmm_oracle, local_rows
 import gmm_jax
 from gmm_jax._src.core.config import GmmConfig, Tiling
 
-mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
+mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic_gpu",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")
+mosaic_kernel = pytest.importorskip("gmm_jax.pallas.gpu.mosaic_gpu_kernel")
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 HAS_INTERPRETER = hasattr(mosaic.plgpu, "InterpretGPUParams")
@@ -224,7 +225,7 @@ def test_mixed_fp8_pair_follows_this_jaxs_wgmma():
 def test_warpgroups_read_one_rhs_scale_per_block_where_they_can(tiles, tile_n, want):
   w = gmm_jax.quantize(np.ones((2, 256, 256), np.float32), E4M3, channelwise_axes=(0,),
                        tiled_axes=tiles)
-  width = tile_n // mosaic.COMPUTE_WGS
+  width = tile_n // mosaic_kernel.COMPUTE_WGS
   assert mosaic._scale_columns(w, GmmConfig(group_type="m", num_local=2), width) == want
   per_column = gmm_jax.quantize(np.ones((2, 256, 256), np.float32), E4M3,
                                 channelwise_axes=(0, 2), tiled_axes={1: 128})

@@ -20,7 +20,7 @@ from oracle import f64, gmm_oracle, tolerances
 import gmm_jax
 from gmm_jax._src.backends import registry as dispatch
 
-mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic",
+mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic_gpu",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 needs_interpreter = pytest.mark.skipif(

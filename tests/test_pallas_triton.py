@@ -17,7 +17,8 @@ from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.core.epilogue import apply_epilogue
 from gmm_jax._src.backends.reference import gmm_reference
-from gmm_jax.pallas.gpu import gmm as triton_gmm
+from gmm_jax.pallas.gpu import triton as triton_gmm
+from gmm_jax.pallas.gpu import triton_kernel
 from grids import covering
 from gmm_test_base import SIZES_WITH_EMPTY, GmmTestBase, lowering_problem, make_operands
 from lowering import lower_for, triton_calls
@@ -69,7 +70,7 @@ def test_several_tiles_per_group(group_type, sizes, offset, transpose_lhs, trans
 
 def test_erf_approximation():
   x = jnp.linspace(-6.0, 6.0, 4001, dtype=jnp.float32)
-  np.testing.assert_allclose(triton_gmm.erf_f32(x), jax.scipy.special.erf(x), rtol=2e-6,
+  np.testing.assert_allclose(triton_kernel.erf_f32(x), jax.scipy.special.erf(x), rtol=2e-6,
                              atol=1e-7)
 
 

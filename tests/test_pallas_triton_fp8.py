@@ -20,7 +20,8 @@ import triton_ir
 from gmm_jax import quantize
 from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.core.config import GmmConfig
-from gmm_jax.pallas.gpu import gmm as triton_gmm
+from gmm_jax.pallas.gpu import triton as triton_gmm
+from gmm_jax.pallas.gpu import triton_fp8
 from lowering import gpu_model
 from oracle import dequantize, gmm_oracle
 
@@ -177,7 +178,7 @@ def test_lowered_dots_are_fp8(grad_dtype):
   # Each gmm's kernel multiplies the 8-bit values as they are (e4m3 x e5m2 too), with
   # maxNumImpreciseAcc >= 32: what Triton needs to take fp8 with an f32 accumulator to
   # Hopper's wgmma (Pallas's own dot leaves it 0, and Triton then upcasts to f16).
-  if not triton_gmm.FP8_MMA:
+  if not triton_fp8.FP8_MMA:
     pytest.skip("this jax's Pallas Triton lowering table is not reachable")
   grad = np.dtype(grad_dtype)
   want_types = [("f8E4M3FN", "f8E4M3FN"),

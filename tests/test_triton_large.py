@@ -21,7 +21,8 @@ import triton_ir
 from gmm_jax import quantize
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.core.epilogue import Rows
-from gmm_jax.pallas.gpu import gmm as triton_gmm
+from gmm_jax.pallas.gpu import triton as triton_gmm
+from gmm_jax.pallas.gpu import triton_large
 from lowering import gpu_model
 from oracle import f64, rows_oracle, tolerances
 
@@ -74,10 +75,10 @@ def test_only_large_1_byte_operands_become_words():
   large = jax.ShapeDtypeStruct((EXPERTS, HIDDEN, FFN), jnp.float8_e4m3fn)
   past_4gib = jax.ShapeDtypeStruct((EXPERTS, HIDDEN, 2 * FFN + 2), jnp.int8)
   bf16 = jax.ShapeDtypeStruct((EXPERTS, HIDDEN, FFN), jnp.bfloat16)
-  assert not triton_gmm.needs_words(small)  # 1.9e9 elements: 32-bit offsets are right
-  assert triton_gmm.needs_words(large)  # 3.76e9
-  assert not triton_gmm.needs_words(past_4gib)  # jax indexes it in 64 bits
-  assert not triton_gmm.needs_words(bf16)  # ditto (7.5 GB)
+  assert not triton_large.needs_words(small)  # 1.9e9 elements: 32-bit offsets are right
+  assert triton_large.needs_words(large)  # 3.76e9
+  assert not triton_large.needs_words(past_4gib)  # jax indexes it in 64 bits
+  assert not triton_large.needs_words(bf16)  # ditto (7.5 GB)
 
 
 # --------------------------------------------------------------- the word path itself
@@ -88,9 +89,9 @@ def test_words_round_trip(dtype):
   rng = np.random.default_rng(0)
   values = jnp.asarray(rng.integers(0, 256, (3, 5, 8), dtype=np.uint8))
   values = jax.lax.bitcast_convert_type(values, dtype) if dtype != jnp.uint8 else values
-  words = triton_gmm.as_words(values)
+  words = triton_large.as_words(values)
   assert words.dtype == jnp.uint16 and words.shape == (3, 5, 4)
-  back = triton_gmm._unpack(words.reshape(15, 4), dtype).reshape(values.shape)
+  back = triton_large.unpack(words.reshape(15, 4), dtype).reshape(values.shape)
   np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(back, jnp.uint8)
                                            if dtype != jnp.uint8 else back),
                                 np.asarray(jax.lax.bitcast_convert_type(values, jnp.uint8)
@@ -100,7 +101,7 @@ def test_words_round_trip(dtype):
 @pytest.fixture
 def small_limit(monkeypatch):
   """Operands of 64 or more 1-byte elements take the word path."""
-  monkeypatch.setattr(triton_gmm, "OFFSET_LIMIT", 64)
+  monkeypatch.setattr(triton_large, "OFFSET_LIMIT", 64)
 
 
 SIZES = [9, 0, 14, 21]

@@ -18,7 +18,8 @@ import pytest
 from gmm_jax import quantize
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.core.epilogue import Rows, apply_epilogue
-from gmm_jax.pallas.gpu import gmm as triton_gmm
+from gmm_jax.pallas.gpu import triton as triton_gmm
+from gmm_jax.pallas.gpu import triton_kernel
 from grids import covering
 from oracle import ACTIVATIONS, f64, tolerances
 from oracle import GATED as ORACLE_GATED
@@ -292,7 +293,7 @@ def test_tile_epilogue_follows_apply_epilogue(activation, acc_dtype, out_dtype, 
   biases = tuple(jax.random.normal(key, (1, cols), jnp.float32) for key in keys[2:4])
   biases = biases[:len(accs)]
   weights = jax.random.uniform(keys[4], (rows,), jnp.float32) if weighted else None
-  got = triton_gmm.finish_tile(accs, biases, activation, out_dtype, weights)
+  got = triton_kernel.finish_tile(accs, biases, activation, out_dtype, weights)
   want = apply_epilogue(jnp.concatenate(accs, -1), jnp.concatenate(biases, -1), activation,
                         out_dtype, row_weights=weights)
   assert got.dtype == want.dtype and got.shape == want.shape == (rows, cols)

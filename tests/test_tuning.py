@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from gmm_jax._src.tiling import tuning
 from gmm_jax._src.core.config import GmmConfig, Problem, Tiling, Tilings
-from gmm_jax.pallas.gpu import gmm as triton_gmm
-from gmm_jax.pallas.gpu import mosaic as mosaic_gpu
+from gmm_jax.pallas.gpu import triton as triton_gmm
+from gmm_jax.pallas.gpu import mosaic_gpu
 from gmm_jax.pallas.tpu import mosaic_tpu_plan
 from oracle import f64, gmm_oracle, tolerances
 

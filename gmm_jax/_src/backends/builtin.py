@@ -33,7 +33,7 @@ FUSED_CHAINS = {"gpu": ("pallas_triton", "pallas_mosaic_gpu", "xla")}
 # the module's `check_operands` says which quantized layouts they take.
 KERNELS = (
     ("pallas_tpu", "gmm_jax.pallas.tpu", "gmm_tpu", "tpu"),
-    ("pallas_mosaic_gpu", "gmm_jax.pallas.gpu.mosaic", "gmm_mosaic_gpu", "gpu"),
+    ("pallas_mosaic_gpu", "gmm_jax.pallas.gpu.mosaic_gpu", "gmm_mosaic_gpu", "gpu"),
     ("pallas_triton", "gmm_jax.pallas.gpu", "gmm_triton", "gpu"),
 )
 
