@@ -69,7 +69,14 @@ FLOORS = {
     "gmm_jax.examples": 7,  # built on gmm_jax.nn (floor 6)
     "gmm_jax.examples.train_moe": 7,
     "gmm_jax.tools.aot": 6,
+    "gmm_jax.tools.aot_cases": 6,
+    "gmm_jax.tools.aot_code": 6,
+    "gmm_jax.tools.aot_compile": 6,
+    "gmm_jax.tools.deviceless": 6,  # the targets of aot and aot_pod
     "gmm_jax.tools.aot_pod": 7,  # compiles gmm_jax.nn (floor 6) training steps
+    "gmm_jax.tools.aot_pod_hlo": 7,
+    "gmm_jax.tools.aot_pod_steps": 7,
+    "gmm_jax.tools.aot_pod_compile": 7,
     "gmm_jax._src.tiling.autotune": 6,
     "gmm_jax.demo": 6,
     "gmm_jax.compat": 6,
@@ -112,7 +119,17 @@ SAME_FLOOR = {
     ("gmm_jax.demo", "gmm_jax.tools.bench"),  # the demo prints a benchmark table
     ("gmm_jax.tools.bench", "gmm_jax._src.tiling.autotune"),  # the benchmark times as the autotuner does
     ("gmm_jax.tools.bench_moe", "gmm_jax._src.tiling.autotune"),
-    ("gmm_jax.tools.bench_fallback", "gmm_jax.tools.aot"),  # the same deviceless targets
+    ("gmm_jax.tools.bench_fallback", "gmm_jax.tools.deviceless"),  # the same deviceless targets
+    # The deviceless compile commands: a command (its flags and compile processes) on the
+    # modules of its parts, and the targets both share.
+    *(("gmm_jax.tools.aot", f"gmm_jax.tools.{name}")
+      for name in ("aot_cases", "aot_compile", "deviceless")),
+    *(("gmm_jax.tools.aot_compile", f"gmm_jax.tools.{name}")
+      for name in ("aot_cases", "aot_code", "deviceless")),
+    *(("gmm_jax.tools.aot_pod", f"gmm_jax.tools.{name}")
+      for name in ("aot_pod_compile", "aot_pod_steps")),
+    *(("gmm_jax.tools.aot_pod_compile", f"gmm_jax.tools.{name}")
+      for name in ("aot_pod_hlo", "aot_pod_steps")),
     # The routed-experts op moves rows with the routing transports; the layer composes it.
     ("gmm_jax._src.moe.experts", "gmm_jax._src.moe.routing"),
     ("gmm_jax.nn", "gmm_jax._src.moe.experts"),
