@@ -119,7 +119,7 @@ SAME_FLOOR = {
     ("gmm_jax.demo", "gmm_jax.tools.bench"),  # the demo prints a benchmark table
     ("gmm_jax.tools.bench", "gmm_jax._src.tiling.autotune"),  # the benchmark times as the autotuner does
     ("gmm_jax.tools.bench_moe", "gmm_jax._src.tiling.autotune"),
-    ("gmm_jax.tools.bench_fallback", "gmm_jax.tools.deviceless"),  # the same deviceless targets
+    ("gmm_jax.tools.bench_fallback", "gmm_jax.tools.deviceless"),  # the same targets
     # The deviceless compile commands: a command (its flags and compile processes) on the
     # modules of its parts, and the targets both share.
     *(("gmm_jax.tools.aot", f"gmm_jax.tools.{name}")

@@ -1,5 +1,7 @@
-"""The programs `gmm_jax.tools.aot` compiles: MoE shapes, the cases (forward, training step
-and fp8 training programs of every kernel variant) and their abstract arguments.
+"""The programs `gmm_jax.tools.aot` compiles.
+
+MoE shapes, the cases (forward, training step and fp8 training programs of every kernel
+variant) and their abstract arguments.
 
 A case's function calls gmm as a user does; tiling callables that leave the choice to gmm
 note the role of each gmm of the program (`ROLE_OF`: forward, dlhs, drhs)."""

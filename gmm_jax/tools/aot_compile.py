@@ -1,7 +1,8 @@
-"""Compiles one case of `gmm_jax.tools.aot` for one target and reports it: one `Row` per
-kernel launch (the implementation, its operands, tiles, grid and, on GPUs, registers,
-spills, shared memory and tensor-core instructions) with the failures it shows, and the
-rows as text: a line each and the Markdown table."""
+"""Compiles one case of `gmm_jax.tools.aot` for one target and reports it as rows.
+
+One `Row` per kernel launch (the implementation, its operands, tiles, grid and, on GPUs,
+registers, spills, shared memory and tensor-core instructions) with the failures it shows,
+and the rows as text: a line each and the Markdown table."""
 
 from __future__ import annotations
 

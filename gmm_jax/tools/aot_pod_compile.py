@@ -1,8 +1,9 @@
-"""Compiles one training step of `gmm_jax.tools.aot_pod` deviceless and reports it: a `Row`
-(whether it compiled, or the first line of its error; per-device memory; the bytes of each
-kind of collective and of whole expert weights all-gathered; the gmm implementations and
-kernel calls), the rows as lines and as the Markdown table, and which of them fail
-``--require``."""
+"""Compiles one training step of `gmm_jax.tools.aot_pod` deviceless and reports it as a row.
+
+The `Row` says whether it compiled (or the first line of its error), its per-device memory,
+the bytes of each kind of collective and of whole expert weights all-gathered, the gmm
+implementations and the kernel calls; the rows print as lines and as the Markdown table,
+and `failures` says which of them fail ``--require``."""
 
 from __future__ import annotations
 

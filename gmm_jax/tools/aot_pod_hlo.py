@@ -1,6 +1,8 @@
-"""Reads a compiled training step's HLO text, for `gmm_jax.tools.aot_pod`: the array shapes
-of a result type and their bytes, the collectives and the bytes they produce (and those of
-all-gathers whose result is a whole expert weight), and the kernels' custom calls."""
+"""Reads a compiled training step's HLO text, for `gmm_jax.tools.aot_pod`.
+
+The array shapes of a result type and their bytes, the collectives and the bytes they
+produce (and those of all-gathers whose result is a whole expert weight), and the kernels'
+custom calls."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""The training steps `gmm_jax.tools.aot_pod` compiles: the models, the strategies (the ways
-of writing the step), the mesh, and each strategy's loss over abstract parameters with
-their layouts, and the SGD step around it.
+"""The training steps `gmm_jax.tools.aot_pod` compiles.
+
+The models, the strategies (the ways of writing the step), the mesh, and each strategy's
+loss over abstract parameters with their layouts, and the SGD step around it.
 
 A gmm_jax strategy splits a `gmm_jax.nn.MoE` as a user does (`nnx_loss`); the baselines
 write the same MoE math without gmm_jax (`ragged_dot_loss`) or train one
