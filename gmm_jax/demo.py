@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import gmm_jax
-from gmm_jax.tools import bench
+from gmm_jax.tools import bench_host
 
 
 def route(tokens: jax.Array, router: jax.Array):
@@ -79,10 +79,10 @@ def main(argv=None):
     raise SystemExit(f"gmm disagrees with the reference: max relative error {error:.2e}")
   print(f"\nSpeed, float32, M={args.m}, K=N={args.kn}, skewed group sizes "
         "(ratios measured side by side; lower is better):")
-  print(bench.header())
+  print(bench_host.header())
   for num_groups in args.groups:
-    for row in bench.run_case(jnp.float32, args.m, args.kn, num_groups, "skewed", repeats=3):
-      print(bench.format_row(row), flush=True)
+    for row in bench_host.run_case(jnp.float32, args.m, args.kn, num_groups, "skewed", repeats=3):
+      print(bench_host.format_row(row), flush=True)
 
 
 if __name__ == "__main__":

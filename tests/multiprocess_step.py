@@ -45,7 +45,7 @@ def main(process_id: int, port: int, out_path: str) -> None:
   from jax.sharding import NamedSharding, PartitionSpec as P
 
   from gmm_jax import nn
-  from gmm_jax.tools.bench import communicated_bytes
+  from gmm_jax.tools.bench_host import communicated_bytes
 
   assert jax.process_count() == 2 and len(jax.devices()) == 8, jax.devices()
   mesh = jax.make_mesh((2, 4), ("data", "e"), axis_types=(jax.sharding.AxisType.Auto,) * 2)

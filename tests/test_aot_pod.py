@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 from gmm_jax import nn  # noqa: E402
-from gmm_jax.tools import aot_pod  # noqa: E402
+from gmm_jax.tools import aot_pod, aot_pod_compile, aot_pod_hlo, aot_pod_steps  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 # A compiled step's HLO as XLA prints it after optimization: synchronous and async
@@ -59,7 +59,7 @@ WEIGHTS = [(8, 256, 1792), (8, 256, 896), (8, 896, 256)]
 
 
 def test_collective_bytes_per_kind():
-  totals = aot_pod.collective_bytes(HLO)
+  totals = aot_pod_hlo.collective_bytes(HLO)
   assert totals == {
       # [8, 256, 1792] bf16 + two [8, 8] s32 + the -done's [8, 256, 896] bf16
       "all-gather": 8 * 256 * 1792 * 2 + 2 * 8 * 8 * 4 + 8 * 256 * 896 * 2,
@@ -74,7 +74,7 @@ def test_collective_bytes_per_kind():
 def test_collectives_are_found_by_opcode_not_by_name_or_text():
   # An op named like a collective, a custom call whose config mentions one and a fusion
   # are not collectives; the -start instructions are not counted twice.
-  kinds = [kind for kind, _ in aot_pod.collectives(HLO)]
+  kinds = [kind for kind, _ in aot_pod_hlo.collectives(HLO)]
   assert kinds == ["all-gather", "all-gather", "all-gather", "all-reduce", "all-reduce",
                    "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute"]
 
@@ -82,44 +82,44 @@ def test_collectives_are_found_by_opcode_not_by_name_or_text():
 def test_weight_gather_bytes_counts_whole_expert_weights_in_any_order():
   # all-gather.1 is the whole gate_up kernel; the async one is a gate half transposed
   # ([8, 256, 896] read as [8, 256, 896] -> matches); the s32 ones are routing metadata.
-  assert aot_pod.weight_gather_bytes(HLO, WEIGHTS) == 8 * 256 * 1792 * 2 + 8 * 256 * 896 * 2
-  assert aot_pod.weight_gather_bytes(HLO, [(8, 896, 256)]) == 8 * 256 * 896 * 2
+  assert aot_pod_hlo.weight_gather_bytes(HLO, WEIGHTS) == 8 * 256 * 1792 * 2 + 8 * 256 * 896 * 2
+  assert aot_pod_hlo.weight_gather_bytes(HLO, [(8, 896, 256)]) == 8 * 256 * 896 * 2
   # A gathered shard of the experts (not the whole weight) is not a weight gather.
-  assert aot_pod.weight_gather_bytes(HLO, [(16, 256, 1792)]) == 0
+  assert aot_pod_hlo.weight_gather_bytes(HLO, [(16, 256, 1792)]) == 0
   no_gather = "\n".join(line for line in HLO.splitlines() if "all-gather" not in line)
-  assert aot_pod.weight_gather_bytes(no_gather, WEIGHTS) == 0
+  assert aot_pod_hlo.weight_gather_bytes(no_gather, WEIGHTS) == 0
 
 
 def test_shapes_of_results():
-  assert aot_pod.shapes("(bf16[2,3]{1,0:T(8,128)(2,1)}, f32[]{:S(1)}, s32[<=8]{0})") == [
+  assert aot_pod_hlo.shapes("(bf16[2,3]{1,0:T(8,128)(2,1)}, f32[]{:S(1)}, s32[<=8]{0})") == [
       ("bf16", (2, 3)), ("f32", ()), ("s32", (8,))]
-  assert aot_pod.shape_bytes("s4", (3,)) == 2
-  assert aot_pod.shapes("f8e4m3fn[4,4]{1,0}") == [("f8e4m3fn", (4, 4))]
+  assert aot_pod_hlo.shape_bytes("s4", (3,)) == 2
+  assert aot_pod_hlo.shapes("f8e4m3fn[4,4]{1,0}") == [("f8e4m3fn", (4, 4))]
 
 
 def test_kernel_calls():
-  assert aot_pod.kernel_calls(HLO) == {"tpu_custom_call": 1, "triton": 1, "mosaic_gpu": 2}
+  assert aot_pod_hlo.kernel_calls(HLO) == {"tpu_custom_call": 1, "triton": 1, "mosaic_gpu": 2}
 
 
 def test_first_line_skips_blank_lines():
   err = NotImplementedError("\n\nMosaic kernels cannot be automatically partitioned.\nmore")
-  assert aot_pod.first_line(err) == (
+  assert aot_pod_compile.first_line(err) == (
       "NotImplementedError: Mosaic kernels cannot be automatically partitioned.")
 
 
 def test_mesh_shape():
-  assert aot_pod.mesh_shape(4, 8) == (1, 4)
-  assert aot_pod.mesh_shape(16, 8) == (2, 8)
-  assert aot_pod.mesh_shape(256, 8) == (32, 8)
-  assert aot_pod.mesh_shape(16, 256) == (1, 16)
-  assert aot_pod.mesh_shape(16, 8, expert=4) == (4, 4)
+  assert aot_pod_steps.mesh_shape(4, 8) == (1, 4)
+  assert aot_pod_steps.mesh_shape(16, 8) == (2, 8)
+  assert aot_pod_steps.mesh_shape(256, 8) == (32, 8)
+  assert aot_pod_steps.mesh_shape(16, 256) == (1, 16)
+  assert aot_pod_steps.mesh_shape(16, 8, expert=4) == (4, 4)
   with pytest.raises(ValueError, match="must divide"):
-    aot_pod.mesh_shape(16, 8, expert=16)
+    aot_pod_steps.mesh_shape(16, 8, expert=16)
 
 
 def test_only_expert_weights_are_sharded():
-  layer = aot_pod.abstract_layer(aot_pod.MODELS["deepseek-v3-small"])
-  _, params, specs, rest = aot_pod.nnx_loss(layer)
+  layer = aot_pod_steps.abstract_layer(aot_pod_steps.MODELS["deepseek-v3-small"])
+  _, params, specs, rest = aot_pod_steps.nnx_loss(layer)
   by_shape = {tuple(p.shape): s for p, s in zip(params, specs)}
   num_experts, embed, mlp = layer.num_experts, layer.embed, layer.mlp
   assert by_shape[(num_experts, embed, 2 * mlp)] == P("expert")  # gate_up
@@ -129,7 +129,7 @@ def test_only_expert_weights_are_sharded():
   assert [r.shape for r in rest] == [(num_experts,)]  # the routing bias
   assert all(p.dtype == jnp.bfloat16 for p in params)
   # Each kernel whole, or one expert's (the gate_up kernel's halves too).
-  assert aot_pod.expert_weight_shapes(layer) == [
+  assert aot_pod_steps.expert_weight_shapes(layer) == [
       (num_experts, embed, 2 * mlp), (embed, 2 * mlp), (num_experts, embed, mlp),
       (embed, mlp), (num_experts, mlp, embed), (mlp, embed)]
 
@@ -140,8 +140,8 @@ def test_ragged_dot_baseline_is_the_same_moe():
   renormalized) for the same parameters (f32): it compiles the same math."""
   layer = nn.MoE.from_preset("mixtral-8x7b", rngs=nnx.Rngs(0), scale=1 / 128,
                              dtype=jnp.float32)
-  loss, _, _, _ = aot_pod.nnx_loss(layer)
-  base_loss, base_params, _, _ = aot_pod.ragged_dot_loss(layer)
+  loss, _, _, _ = aot_pod_steps.nnx_loss(layer)
+  base_loss, base_params, _, _ = aot_pod_steps.ragged_dot_loss(layer)
   _, state, _ = nnx.split(layer, nnx.Param, ...)
   params = jax.tree.leaves(state)  # down, gate_up, router (nnx_loss's order)
   values = nnx.to_pure_dict(state)
@@ -163,9 +163,9 @@ def test_failures_for_require():
   rows = [ok, dict(ok, strategy="default", status="FAIL", error="E: no"),
           dict(ok, strategy="unfused", weight_gather_bytes=2 ** 30),
           dict(ok, strategy="ragged_dot", weight_gather_bytes=2 ** 30)]
-  assert aot_pod.failures(rows, ("ep",)) == []
-  assert aot_pod.failures(rows, ("ep", "default")) == ["m t default: FAIL: E: no"]
-  assert aot_pod.failures(rows, ("unfused", "ragged_dot")) == [
+  assert aot_pod_compile.failures(rows, ("ep",)) == []
+  assert aot_pod_compile.failures(rows, ("ep", "default")) == ["m t default: FAIL: E: no"]
+  assert aot_pod_compile.failures(rows, ("unfused", "ragged_dot")) == [
       "m t unfused: all-gathers 1.00 GiB of expert weights"]
 
 
@@ -177,7 +177,7 @@ def test_markdown_marks_what_does_not_fit():
              weight_gather_bytes=0, implementations={"pallas_tpu": 6},
              kernels={"tpu_custom_call": 6})
   failed = dict(row, strategy="default", status="FAIL", error="NotImplementedError: a | b")
-  table = aot_pod.markdown([row, failed]).splitlines()
+  table = aot_pod_compile.markdown([row, failed]).splitlines()
   assert len(table) == 4
   assert "21.00 GiB / 16.00 GiB (does not fit)" in table[2]
   assert "| 3.0 MiB |" in table[2] and "pallas_tpu x6" in table[2]
@@ -186,23 +186,23 @@ def test_markdown_marks_what_does_not_fit():
 
 
 def test_parse_buffer_factor():
-  assert aot_pod.parse_buffer_factor("none") is None
-  assert aot_pod.parse_buffer_factor("None") is None
-  assert aot_pod.parse_buffer_factor("1") == 1.0
-  assert aot_pod.parse_buffer_factor("0.5") == 0.5
+  assert aot_pod_steps.parse_buffer_factor("none") is None
+  assert aot_pod_steps.parse_buffer_factor("None") is None
+  assert aot_pod_steps.parse_buffer_factor("1") == 1.0
+  assert aot_pod_steps.parse_buffer_factor("0.5") == 0.5
   for bad in ("0", "-1", "nan", "inf", "two", ""):
     with pytest.raises(ValueError):
-      aot_pod.parse_buffer_factor(bad)
+      aot_pod_steps.parse_buffer_factor(bad)
 
 
 def test_label_names_the_buffer_factor():
-  assert aot_pod.label("ep", None) == "ep"
-  assert aot_pod.label("ep", 1.0) == "ep@b=1"
-  assert aot_pod.label("default", 1.25) == "default@b=1.25"
+  assert aot_pod_steps.label("ep", None) == "ep"
+  assert aot_pod_steps.label("ep", 1.0) == "ep@b=1"
+  assert aot_pod_steps.label("default", 1.25) == "default@b=1.25"
 
 
 def test_steps_cross_the_buffer_factors_except_for_the_baseline():
-  todo = aot_pod.steps(["m"], ["t1", "t2"], ["ep", "ragged_dot", "default"], [None, 1.0, 2.0])
+  todo = aot_pod_steps.steps(["m"], ["t1", "t2"], ["ep", "ragged_dot", "default"], [None, 1.0, 2.0])
   assert todo == [
       ("m", "t1", "ep", None), ("m", "t1", "ep", 1.0), ("m", "t1", "ep", 2.0),
       ("m", "t1", "ragged_dot", None),
@@ -211,18 +211,18 @@ def test_steps_cross_the_buffer_factors_except_for_the_baseline():
       ("m", "t2", "ragged_dot", None),
       ("m", "t2", "default", None), ("m", "t2", "default", 1.0), ("m", "t2", "default", 2.0)]
   # A baseline without nn.MoE gets one row whatever the factors; repeats are dropped.
-  assert aot_pod.steps(["m"], ["t"], ["ragged_dot"], [1.0, 2.0]) == [
+  assert aot_pod_steps.steps(["m"], ["t"], ["ragged_dot"], [1.0, 2.0]) == [
       ("m", "t", "ragged_dot", None)]
-  assert aot_pod.steps(["m"], ["t"], ["ep"], [1.0, 1.0]) == [("m", "t", "ep", 1.0)]
+  assert aot_pod_steps.steps(["m"], ["t"], ["ep"], [1.0, 1.0]) == [("m", "t", "ep", 1.0)]
 
 
 @pytest.mark.parametrize("strategy", ["default", "default+set_mesh", "ep", "unfused"])
 def test_the_layer_of_every_gmm_jax_strategy_takes_the_buffer_factor(strategy):
   mesh = jax.make_mesh((1, 1), ("data", "expert"))
-  model = aot_pod.MODELS["mixtral-small"]
-  layer = aot_pod.abstract_layer(model, strategy, mesh, buffer_factor=1.5)
+  model = aot_pod_steps.MODELS["mixtral-small"]
+  layer = aot_pod_steps.abstract_layer(model, strategy, mesh, buffer_factor=1.5)
   assert layer.buffer_factor == 1.5
-  assert aot_pod.abstract_layer(model, strategy, mesh).buffer_factor is None
+  assert aot_pod_steps.abstract_layer(model, strategy, mesh).buffer_factor is None
   assert (layer.expert_parallel is not None) == (strategy == "ep")
   assert layer.fused == (strategy != "unfused")
 
@@ -241,16 +241,17 @@ def _row(**changes):
 def test_table_and_require_name_the_buffer_factor():
   rows = [_row(), _row(buffer_factor=1.0, temp_bytes=2 ** 30),
           _row(strategy="default", buffer_factor=2.0, status="FAIL", error="E: no")]
-  table = aot_pod.markdown(rows).splitlines()
+  table = aot_pod_compile.markdown(rows).splitlines()
   assert [line.split(" | ")[3] for line in table[2:]] == ["ep", "ep@b=1", "default@b=2"]
   assert "| 1.00 GiB |" in table[3]
   # --require names the strategy; it holds for its rows with any factor.
-  assert aot_pod.failures(rows, ("default",)) == ["mixtral v5e:4x4 default@b=2: FAIL: E: no"]
-  assert aot_pod.failures(rows, ("ep",)) == []
+  assert aot_pod_compile.failures(rows, ("default",)) == [
+      "mixtral v5e:4x4 default@b=2: FAIL: E: no"]
+  assert aot_pod_compile.failures(rows, ("ep",)) == []
   # Rows of a JSON file written before the buffer factor existed still print.
   old = _row()
   del old["buffer_factor"]
-  assert aot_pod.markdown([old]).splitlines()[2].split(" | ")[3] == "ep"
+  assert aot_pod_compile.markdown([old]).splitlines()[2].split(" | ")[3] == "ep"
 
 
 def test_a_compile_process_gets_the_step_and_its_buffer_factor(monkeypatch, tmp_path):
@@ -258,7 +259,7 @@ def test_a_compile_process_gets_the_step_and_its_buffer_factor(monkeypatch, tmp_
 
   def compile_step(model, topology, strategy, expert=None, buffer_factor=None):
     calls.append((model, topology, strategy, expert, buffer_factor))
-    return aot_pod.Row(model, topology, strategy, buffer_factor)
+    return aot_pod_compile.Row(model, topology, strategy, buffer_factor)
 
   monkeypatch.setattr(aot_pod, "compile_step", compile_step)
   out = tmp_path / "row.json"

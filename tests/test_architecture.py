@@ -69,13 +69,22 @@ FLOORS = {
         "presets", "moe", "linen", "hf", "hf_unsupported")},
     "gmm_jax.tools": 6,  # the tools' package face
     "gmm_jax.tools.bench": 6,
+    "gmm_jax.tools.bench_host": 6,
+    "gmm_jax.tools.bench_accel": 6,
     "gmm_jax.tools.bench_moe": 6,
     "gmm_jax.tools.bench_decode": 6,
     "gmm_jax.tools.bench_fallback": 6,
     "gmm_jax.examples": 7,  # built on gmm_jax.nn (floor 6)
     "gmm_jax.examples.train_moe": 7,
     "gmm_jax.tools.aot": 6,
+    "gmm_jax.tools.aot_cases": 6,
+    "gmm_jax.tools.aot_code": 6,
+    "gmm_jax.tools.aot_compile": 6,
+    "gmm_jax.tools.deviceless": 6,  # the targets of aot and aot_pod
     "gmm_jax.tools.aot_pod": 7,  # compiles gmm_jax.nn (floor 6) training steps
+    "gmm_jax.tools.aot_pod_hlo": 7,
+    "gmm_jax.tools.aot_pod_steps": 7,
+    "gmm_jax.tools.aot_pod_compile": 7,
     "gmm_jax._src.tiling.autotune": 6,
     "gmm_jax.demo": 6,
     "gmm_jax.compat": 6,
@@ -136,10 +145,25 @@ SAME_FLOOR = {
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_rules"),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_scales"),
     ("gmm_jax.compat._ascend_rules", "gmm_jax.compat._ascend_scales"),
-    ("gmm_jax.demo", "gmm_jax.tools.bench"),  # the demo prints a benchmark table
-    ("gmm_jax.tools.bench", "gmm_jax._src.tiling.autotune"),  # the benchmark times as the autotuner does
+    ("gmm_jax.demo", "gmm_jax.tools.bench_host"),  # the demo prints a benchmark table
+    # the benchmark times as the autotuner does
+    ("gmm_jax.tools.bench_host", "gmm_jax._src.tiling.autotune"),
+    # The benchmark command on its tables, the accelerator tables on the shared timing.
+    ("gmm_jax.tools.bench", "gmm_jax.tools.bench_host"),
+    ("gmm_jax.tools.bench", "gmm_jax.tools.bench_accel"),
+    ("gmm_jax.tools.bench_accel", "gmm_jax.tools.bench_host"),
     ("gmm_jax.tools.bench_moe", "gmm_jax._src.tiling.autotune"),
-    ("gmm_jax.tools.bench_fallback", "gmm_jax.tools.aot"),  # the same deviceless targets
+    ("gmm_jax.tools.bench_fallback", "gmm_jax.tools.deviceless"),  # the same targets
+    # The deviceless compile commands: a command (its flags and compile processes) on the
+    # modules of its parts, and the targets both share.
+    *(("gmm_jax.tools.aot", f"gmm_jax.tools.{name}")
+      for name in ("aot_cases", "aot_compile", "deviceless")),
+    *(("gmm_jax.tools.aot_compile", f"gmm_jax.tools.{name}")
+      for name in ("aot_cases", "aot_code", "deviceless")),
+    *(("gmm_jax.tools.aot_pod", f"gmm_jax.tools.{name}")
+      for name in ("aot_pod_compile", "aot_pod_steps")),
+    *(("gmm_jax.tools.aot_pod_compile", f"gmm_jax.tools.{name}")
+      for name in ("aot_pod_hlo", "aot_pod_steps")),
     # The routed-experts op moves rows with the routing transports; the layer composes it.
     ("gmm_jax._src.moe.experts", "gmm_jax._src.moe.routing"),
     ("gmm_jax.nn", "gmm_jax._src.moe.experts"),

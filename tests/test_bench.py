@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gmm_jax.tools import bench
+from gmm_jax.tools import bench, bench_host
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -17,7 +17,7 @@ def _rows(text: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("distribution", ["balanced", "skewed"])
 def test_group_sizes_sum_to_m(distribution):
-  sizes = bench.group_sizes(1000, 16, distribution)
+  sizes = bench_host.group_sizes(1000, 16, distribution)
   assert sizes.sum() == 1000 and sizes.min() >= 0
   if distribution == "skewed":
     assert (sizes == 0).sum() == 4 and sizes.max() > 3 * 1000 // 16
@@ -52,7 +52,7 @@ def test_quant_table(capsys):
   rows = _rows(capsys.readouterr().out)
   assert [row[4] for row in rows] == ["fwd", "fwd+bwd"]
   for row in rows:
-    assert len(row) == 5 + 2 * len(bench.QUANT_COLUMNS) - 1
+    assert len(row) == 5 + 2 * len(bench_host.QUANT_COLUMNS) - 1
     assert all(float(cell) > 0 for cell in row[5:])
 
 
@@ -61,12 +61,12 @@ def test_communicated_bytes_parses_tuple_collectives():
          "all-to-all(%a, %b), channel_id=1\n"
          "  %ar = bf16[128,16]{1,0} all-reduce-start(%c), to_apply=%sum\n"
          "  %g = f32[1,64,16]{2,1,0} get-tuple-element(%all-to-all.1), index=0\n")
-  assert bench.communicated_bytes(hlo) == {"all-to-all": 2 * 64 * 32 * 4,
+  assert bench_host.communicated_bytes(hlo) == {"all-to-all": 2 * 64 * 32 * 4,
                                            "all-reduce": 128 * 16 * 2}
 
 
 def test_sharding_case_counts_the_all_to_alls():
-  results = bench.run_sharding_case(2, "routed", experts_per_device=2, tokens_per_device=16,
+  results = bench_host.run_sharding_case(2, "routed", experts_per_device=2, tokens_per_device=16,
                                     kn=32, repeats=1)
   (fwd_seconds, fwd_comm), (_, grad_comm) = results
   assert fwd_seconds > 0

@@ -352,7 +352,7 @@ def _ratio(sizes, m, k, n, num_local):
 
 
 def test_static_cost_row_padding():
-  from gmm_jax.tools.bench import group_sizes
+  from gmm_jax.tools.bench_host import group_sizes
   m, k, n, groups = 8192, 2048, 1408, 64  # 128 rows per expert
   balanced, _ = _ratio(group_sizes(m, groups, "balanced"), m, k, n, groups)
   assert balanced <= 1.10

@@ -36,11 +36,11 @@ import numpy as np
 from jax.experimental import topologies
 
 import gmm_jax
-from gmm_jax.tools import aot
+from gmm_jax.tools import deviceless
 from gmm_jax._src.backends import registry as dispatch
 
 # The targets of `gmm_jax.tools.aot` this compares on.
-TARGETS = {name: aot.TARGETS[name] for name in ("h200", "v5e")}
+TARGETS = {name: deviceless.TARGETS[name] for name in ("h200", "v5e")}
 # (M, K, N, G): rows grouped, contraction, columns, groups (balanced sizes).
 CASES = {
     "g8": (4096, 1024, 2048, 8),        # eight groups of 512 rows
@@ -125,7 +125,7 @@ def measure(target: str, case: str, dtype: str, mode: str, implementation: str) 
   """Lowers and compiles one program for `target` and reads its figures."""
   row = Row(target, case, dtype, mode, implementation)
   m, k, n, g = CASES[case]
-  topology = aot.topology_of(target)
+  topology = deviceless.topology_of(target)
   mesh = topologies.make_mesh(topology, (1,), ("x",))
   placed = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   args = [jax.ShapeDtypeStruct(shape, dt, sharding=placed) for shape, dt in (

@@ -234,7 +234,7 @@ TARGET_DIR = pathlib.Path(__file__).with_name("targets")
 def _register_tpu_partitioner():
   """`custom_partitioning`'s partitioner registered with libtpu, as jax does when a TPU
   backend starts (a deviceless TPU compile of the moe blocks needs it; the same steps as
-  `gmm_jax.tools.aot_pod.register_tpu_partitioner`).
+  `gmm_jax.tools.deviceless.register_tpu_partitioner`).
   """
   if xla_client.pjrt_plugin_loaded("tpu"):
     return
