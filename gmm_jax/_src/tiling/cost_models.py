@@ -11,24 +11,25 @@ without building a kernel.
 * Mosaic TPU (`gmm_jax.pallas.tpu.gmm`): the VMEM footprint of a tiling (`vmem_bytes`,
   `vmem_limit`), a roofline time (`modelled_seconds`), the kernels' work items (`m_items`,
   `k_items`) and `tpu_static_cost`, a model of the DMAs a grid order implies.
-* The chips: `GPU_KINDS` (compute capability and SMs by kind, B200 included) and
-  `gpu_capability`; `TPU_CHIPS` (VMEM, MXU, peak rates, HBM per jax device, by device kind,
-  TPU7x included: no int8 MXU, two devices per chip), `int8_mxu` and `fp8_mxu`.
+* The target as the kernels see it: the GPU (`gpu_target`, `gpu_capability`, `gpu_sm_count`,
+  its shared memory `GPU_SMEM_BYTES`) and the TPU's VMEM (`vmem_capacity`), MXU rows
+  (`mxu_rows`) and fp8 MXU path (`fp8_mxu`), read from the device or else from the chip
+  tables (`chips`).
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig, Tiling
+from gmm_jax._src.tiling import chips
+from gmm_jax._src.tiling.chips import MIB
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -37,9 +38,11 @@ def _cdiv(a: int, b: int) -> int:
 
 # ------------------------------------------------------------------------- GPU target
 
-# H100 / H200 (SXM): streaming multiprocessors when the target does not say, and L2.
-DEFAULT_NUM_SMS = 132
-L2_BYTES = 50 * 2**20
+# Shared memory one block may use on sm_90 (228 KiB per SM, 1 KiB reserved): the kernels'
+# pipeline depth and the tile tables are held to it.
+GPU_SMEM_BYTES = 227 * 1024
+
+
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -68,31 +71,6 @@ def _gpu_candidates(device) -> list:
   return candidates
 
 
-# Compute capability and SMs of the GPU kinds gmm_jax knows, for a target that names only its
-# kind (an abstract device); a jax Device says both itself (``compute_capability``,
-# ``core_count``). Hopper kinds are sm_90 (the Mosaic GPU kernel's wgmma).
-GPU_KINDS = {
-    "NVIDIA H100": ((9, 0), 132),
-    "NVIDIA H200": ((9, 0), 132),
-    "NVIDIA H800": ((9, 0), 132),
-    "NVIDIA H20": ((9, 0), 78),
-    "NVIDIA GH200": ((9, 0), 132),
-    "NVIDIA B200": ((10, 0), 148),
-}
-# Shared memory one block may use on sm_90 (228 KiB per SM, 1 KiB reserved): the kernels'
-# pipeline depth and the tile tables are held to it.
-GPU_SMEM_BYTES = 227 * 1024
-
-
-def _gpu_kind_entry(kind) -> tuple[tuple[int, int], int] | None:
-  """The `GPU_KINDS` entry whose name is in `kind` ("NVIDIA H100 80GB HBM3"), longest first."""
-  kind = str(kind or "")
-  for name in sorted(GPU_KINDS, key=len, reverse=True):
-    if name.removeprefix("NVIDIA ") in kind:
-      return GPU_KINDS[name]
-  return None
-
-
 def _parse_capability(value) -> tuple[int, int] | None:
   if value is None:
     return None
@@ -109,8 +87,8 @@ def gpu_target(device=None) -> tuple[tuple[int, int] | None, int, str]:
   The one reader of the target GPU. Looked up in `device` if given, else jax's default
   device (a deviceless compile names its target so: the target config's
   ``compute_capability`` and ``core_count``), the abstract mesh's device (its kind in
-  `GPU_KINDS`), the first local GPU. With none of them a GPU (interpret mode on a CPU): no
-  capability and `DEFAULT_NUM_SMS` (H100/H200).
+  `chips.GPU_KINDS`), the first local GPU. With none of them a GPU (interpret mode on a
+  CPU): no capability and `chips.DEFAULT_NUM_SMS` (H100/H200).
   """
   where = ("device", "default device", "abstract device", "local device")
   for place, candidate in zip(where if device is not None else where[1:],
@@ -118,13 +96,13 @@ def gpu_target(device=None) -> tuple[tuple[int, int] | None, int, str]:
     if candidate is None or getattr(candidate, "platform", None) not in _GPU_PLATFORMS:
       continue
     kind = getattr(candidate, "device_kind", None)
-    entry = _gpu_kind_entry(kind)
+    entry = chips.gpu_kind_entry(kind)
     capability = _parse_capability(getattr(candidate, "compute_capability", None))
     if capability is None and entry is not None:
       capability = entry[0]
-    cores = _device_sm_count(candidate) or (entry[1] if entry else DEFAULT_NUM_SMS)
+    cores = _device_sm_count(candidate) or (entry[1] if entry else chips.DEFAULT_NUM_SMS)
     return capability, cores, f"{place} {kind}"
-  return None, DEFAULT_NUM_SMS, "no GPU device in sight"
+  return None, chips.DEFAULT_NUM_SMS, "no GPU device in sight"
 
 
 def gpu_sm_count(device=None) -> int:
@@ -144,7 +122,7 @@ TRITON_ALIGN = "group"  # the Triton kernels' work items start at their group's 
 SMALLEST_TILE = 16  # tl.dot needs every dimension >= 16
 # The lhs rows one band of `program_order` keeps in L2 (the rest of L2 holds the weight
 # tiles the band streams through).
-BAND_BYTES = L2_BYTES // 3
+BAND_BYTES = chips.L2_BYTES // 3
 MAX_BAND = 64
 # Split-K writes and re-reads an f32 partial-sum buffer; a chunk of at least this many K
 # rows keeps that round trip small next to the MMA work.
@@ -265,7 +243,7 @@ def split_chunks(k: int, k_chunk: int) -> int:
 
 def triton_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
                        itemsize: int = 2, *, k_chunk: int | None = None,
-                       l2_bytes: int = L2_BYTES, num_sms: int | None = None) -> dict:
+                       l2_bytes: int = chips.L2_BYTES, num_sms: int | None = None) -> dict:
   """What the kernel does for concrete group sizes (a host-side numpy model).
 
   Args:
@@ -369,8 +347,8 @@ def triton_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: T
 
 TPU_ALIGN = "tile"  # the TPU kernels' BlockSpec index maps address whole tiles
 LANE = 128
-MIB = 2**20
-# When neither jax's TPU info nor `TPU_CHIPS` knows the target (CPU interpret mode): v5e's.
+# When neither jax's TPU info nor `chips.TPU_CHIPS` knows the target (CPU interpret mode):
+# v5e's.
 DEFAULT_VMEM_CAPACITY = 128 * MIB
 DEFAULT_MXU_ROWS = 128
 VMEM_RESERVE = 8 * MIB  # left to Mosaic's internal scratch
@@ -379,90 +357,11 @@ DEQUANT_ROWS = 256  # stored weight rows dequantized at a time into the VMEM cac
 STEP_OVERHEAD_S = 0.35e-6  # per grid step (pipeline bookkeeping), the usual Pallas TPU figure
 
 
-@dataclasses.dataclass(frozen=True)
-class TpuChip:
-  """One TPU generation as gmm_jax plans for it, per jax device (a TensorCore on chips
-  whose cores are separate devices, the whole chip on single-core and megacore chips).
-
-  Fields: ``vmem_bytes`` per core; ``mxu`` the systolic array's side (rows = columns);
-  ``bf16_flops``, ``int8_ops``, ``fp8_flops`` dense peak per device (0: the MXU has no
-  such path); ``hbm_bandwidth`` bytes/s and ``hbm_bytes`` per device; ``devices_per_chip``
-  the jax devices one chip shows.
-  """
-
-  name: str
-  vmem_bytes: int
-  mxu: int
-  bf16_flops: float
-  int8_ops: float
-  fp8_flops: float
-  hbm_bandwidth: float
-  hbm_bytes: int
-  devices_per_chip: int = 1
-
-  @property
-  def int8_mxu(self) -> bool:
-    """Whether int8 x int8 products run on the MXU (into int32)."""
-    return self.int8_ops > 0
-
-  @property
-  def fp8_mxu(self) -> bool:
-    """Whether 8-bit float products (e4m3/e5m2) run on the MXU (into f32)."""
-    return self.fp8_flops > 0
-
-
-GIB = 2**30
-_V5E = TpuChip("v5e", 128 * MIB, 128, 197e12, 394e12, 0, 819e9, 16 * GIB)
-_V5P = TpuChip("v5p", 64 * MIB, 128, 459e12, 918e12, 0, 2765e9, 95 * GIB)
-_V6E = TpuChip("v6e", 128 * MIB, 256, 918e12, 1836e12, 0, 1640e9, 32 * GIB)
-# TPU7x (Ironwood): per chip 2.31 PFLOP/s bf16, 4.61 PFLOP/s fp8, no int8 MXU path, 192 GiB
-# HBM at 7.37 TB/s; its two TensorCores are two jax devices, so each gets half of those.
-_TPU7X = TpuChip("TPU7x", 64 * MIB, 256, 2.31e15 / 2, 0, 4.61e15 / 2, 7.37e12 / 2,
-                 96 * GIB, devices_per_chip=2)
-# device_kind (as jax reports it) -> chip.
-TPU_CHIPS = {
-    "TPU v5 lite": _V5E, "TPU v5e": _V5E,
-    "TPU v5": _V5P, "TPU v5p": _V5P,
-    "TPU v6 lite": _V6E, "TPU v6e": _V6E,
-    "TPU7x": _TPU7X,
-}
-
-
-def tpu_kind() -> str | None:
-  """The device kind of the TPU a kernel is compiled for (the default device, else the
-  abstract mesh's device, else the first local TPU), None when none is in sight."""
-  candidates = [jax.config.jax_default_device]
-  try:
-    candidates.append(jax.sharding.get_abstract_mesh().abstract_device)
-  except Exception:  # noqa: BLE001  (older jax: no abstract device)
-    pass
-  for candidate in candidates:
-    if candidate is not None and getattr(candidate, "platform", None) == "tpu":
-      return str(candidate.device_kind)
-  try:
-    return str(jax.devices("tpu")[0].device_kind)
-  except RuntimeError:  # no TPU backend in this process
-    return None
-
-
-def tpu_chip(kind: str | None = None) -> TpuChip | None:
-  """The `TPU_CHIPS` entry of device kind `kind` (default: the target's, `tpu_kind`)."""
-  kind = tpu_kind() if kind is None else kind
-  return TPU_CHIPS.get(kind) if kind is not None else None
-
-
-def int8_mxu(kind: str | None = None) -> bool:
-  """Whether the target TPU (or device kind `kind`) multiplies int8 x int8 on its MXU.
-  False for TPU7x (fp8 instead); True for kinds gmm_jax does not know (as before)."""
-  chip = tpu_chip(kind)
-  return True if chip is None else chip.int8_mxu
-
-
 def fp8_mxu(kind: str | None = None) -> bool:
   """Whether the target TPU (or device kind `kind`) multiplies 8-bit floats on its MXU.
   True for TPU7x; False for v5e/v5p/v6e and for kinds gmm_jax does not know (their kernels
   convert fp8 values to bf16, exactly, before the dot)."""
-  chip = tpu_chip(kind)
+  chip = chips.tpu_chip(kind)
   return False if chip is None else chip.fp8_mxu
 
 
@@ -471,27 +370,18 @@ def fit_tile(tile: int, dim: int) -> int:
   return dim if tile >= dim else tile
 
 
-def _tpu_info():
-  """The target TPU's `TpuInfo` (the default device's), or None when it is not a TPU."""
-  try:  # an optional dependency: this jax's Pallas TPU backend
-    from jax._src.pallas.mosaic import tpu_info
-    return tpu_info.get_tpu_info()
-  except Exception:  # noqa: BLE001  (CPU: ValueError; older jax or no device: others)
-    return None
-
-
 def vmem_capacity() -> int:
-  """Bytes of VMEM of the target TPU core: jax's TPU info, else `TPU_CHIPS` (64 MiB on
+  """Bytes of VMEM of the target TPU core: jax's TPU info, else `chips.TPU_CHIPS` (64 MiB on
   TPU7x), else 128 MiB (v5e/v6e) when neither can say."""
-  return int(getattr(_tpu_info(), "vmem_capacity_bytes", 0)
-             or getattr(tpu_chip(), "vmem_bytes", 0) or DEFAULT_VMEM_CAPACITY)
+  return int(getattr(chips.target_tpu_info(), "vmem_capacity_bytes", 0)
+             or getattr(chips.tpu_chip(), "vmem_bytes", 0) or DEFAULT_VMEM_CAPACITY)
 
 
 def mxu_rows() -> int:
   """Rows of the MXU (128 on v5e, 256 on v6e and TPU7x): the row slice a partial item
-  computes (jax's TPU info, else `TPU_CHIPS`, else 128)."""
-  return int(getattr(_tpu_info(), "mxu_column_size", 0) or getattr(tpu_chip(), "mxu", 0)
-             or DEFAULT_MXU_ROWS)
+  computes (jax's TPU info, else `chips.TPU_CHIPS`, else 128)."""
+  return int(getattr(chips.target_tpu_info(), "mxu_column_size", 0)
+             or getattr(chips.tpu_chip(), "mxu", 0) or DEFAULT_MXU_ROWS)
 
 
 def vmem_bytes(tiling: Tiling, group_type: str, *, lhs_itemsize: int, rhs_itemsize: int,
@@ -542,23 +432,12 @@ def vmem_limit(needed: int, capacity: int | None = None) -> int:
   return int(min(ceiling, -(-limit // MIB) * MIB))
 
 
-def _device_rates() -> tuple[float, float]:
-  """(bf16 MXU flop/s, HBM bytes/s) of the target TPU, per jax device: jax's TPU info, else
-  `TPU_CHIPS`, else v5e's."""
-  info = _tpu_info()
-  flops = float(getattr(info, "bf16_ops_per_second", 0)
-                or getattr(tpu_chip(), "bf16_flops", 0) or 197e12)
-  bandwidth = float(getattr(info, "mem_bw_bytes_per_second", 0)
-                    or getattr(tpu_chip(), "hbm_bandwidth", 0) or 820e9)
-  return flops, bandwidth
-
-
 def modelled_seconds(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig, itemsize: int,
                      row_chunk: int | None = None) -> float:
   """A roofline estimate of one call with balanced groups: max(MXU time of the padded work,
   HBM time of the DMAs the grid order implies) + a fixed cost per grid step. Used to rank
   the tiles that fit in VMEM (`default_tiling`); `static_cost` models concrete counts."""
-  peak, bandwidth = _device_rates()
+  peak, bandwidth = chips.device_rates()
   peak = peak * (2 / itemsize if itemsize > 2 else 1)  # f32 dots take several passes
   row_chunk = mxu_rows() if row_chunk is None else row_chunk
   tm, tk, tn = (fit_tile(tiling.tile_m, m), fit_tile(tiling.tile_k, k),
