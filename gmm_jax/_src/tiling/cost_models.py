@@ -11,6 +11,8 @@ without building a kernel.
 * Mosaic TPU (`gmm_jax.pallas.tpu.gmm`): the VMEM footprint of a tiling (`vmem_bytes`,
   `vmem_limit`), a roofline time (`modelled_seconds`), the kernels' work items (`m_items`,
   `k_items`) and `tpu_static_cost`, a model of the DMAs a grid order implies.
+* The bytes both static models count as read from HBM (an LRU L2, DMAs of consecutive grid
+  steps) are `traffic`'s.
 * The target as the kernels see it: the GPU (`gpu_target`, `gpu_capability`, `gpu_sm_count`,
   its shared memory `GPU_SMEM_BYTES`) and the TPU's VMEM (`vmem_capacity`), MXU rows
   (`mxu_rows`) and fp8 MXU path (`fp8_mxu`), read from the device or else from the chip
@@ -19,7 +21,6 @@ without building a kernel.
 
 from __future__ import annotations
 
-import collections
 import math
 
 import jax
@@ -28,7 +29,7 @@ import numpy as np
 
 from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig, Tiling
-from gmm_jax._src.tiling import chips
+from gmm_jax._src.tiling import chips, traffic
 from gmm_jax._src.tiling.chips import MIB
 
 
@@ -200,41 +201,6 @@ def _triton_windows(counts, dim_size: int, window: int, num_local: int, cover: b
   return items
 
 
-class _L2:
-  """An LRU cache of whole tiles: counts the bytes that miss (read from HBM).
-
-  Programs run in waves of `num_sms` (one 8-warp program per SM); the programs of a wave
-  stream K in step, so a tile they share is read once per wave however long it is. Across
-  waves a tile is reused only if it is still cached.
-  """
-
-  def __init__(self, capacity: int, num_sms: int):
-    self.capacity, self.num_sms, self.used, self.missed = capacity, num_sms, 0, 0
-    self.lines = collections.OrderedDict()
-    self.wave, self.programs = {}, 0
-
-  def read(self, key, size: int):
-    self.wave.setdefault(key, size)
-
-  def program_done(self):
-    self.programs += 1
-    if self.programs % self.num_sms == 0:
-      self.flush()
-
-  def flush(self):
-    for key, size in self.wave.items():
-      if key in self.lines:
-        self.lines.move_to_end(key)
-        continue
-      self.missed += size
-      self.lines[key] = size
-      self.used += size
-    while self.used > self.capacity:
-      _, evicted = self.lines.popitem(last=False)
-      self.used -= evicted
-    self.wave = {}
-
-
 def split_chunks(k: int, k_chunk: int) -> int:
   """Static bound on the split-K chunks of one group (a group's K rows are at most K):
   the leading dimension of the deterministic partial-sum buffer."""
@@ -266,41 +232,52 @@ def triton_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: T
     fixed order; 0 without split).
   """
   counts = np.asarray(counts, np.int64)
-  out_itemsize = np.dtype(cfg.out_dtype).itemsize
-  n_tiles = _cdiv(n, tiling.tile_n)
   num_sms = gpu_sm_count() if num_sms is None else num_sms
-  l2 = _L2(l2_bytes, num_sms)
-  num_local = cfg.num_local
+  l2 = traffic.L2(l2_bytes, num_sms)
   if cfg.group_type == "m":
-    items = _triton_windows(counts[:num_local], m, tiling.tile_m, num_local)
-    num_rows = metadata.max_work_items(m, tiling.tile_m, num_local, TRITON_ALIGN)
-    classes = (*row_classes(tiling.tile_m), tiling.tile_m)
-    lengths = np.array([end - start for _, start, end in items], np.int64)
-    padded = [next(c for c in classes if c >= length) for length in lengths]
-    useful, mma = int(lengths.sum()), int(sum(padded))
-    band = band_rows(tiling.tile_m * k * itemsize, num_rows)
-    programs = np.arange(num_rows * n_tiles)
-    rows, cols = program_order(programs, num_rows, n_tiles, band, xp=np)
-    busy = 0
-    for row, col in zip(rows.tolist(), cols.tolist()):
-      if row >= len(items):
-        continue
-      busy += 1
-      group, start, end = items[row]
-      width = min(tiling.tile_n, n - col * tiling.tile_n)
-      l2.read(("lhs", row), (end - start) * k * itemsize)
-      l2.read(("rhs", group, col), k * width * itemsize)
-      l2.program_done()
-    l2.flush()
-    used_groups = len({group for group, _, _ in items})
-    ideal_in = (useful * k + used_groups * k * n) * itemsize
-    out_bytes = m * n * out_itemsize
-    return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_rows * n_tiles),
-                busy_steps=busy, hbm_bytes=int(l2.missed + out_bytes),
-                ideal_bytes=int(ideal_in + out_bytes), split_buffer_bytes=0)
-
+    return _triton_m_cost(counts, m, k, n, cfg, tiling, itemsize, l2)
   if k_chunk is None:
     k_chunk = default_k_chunk(m, k, n, cfg, tiling, num_sms) or 0
+  return _triton_k_cost(counts, m, k, n, cfg, tiling, itemsize, l2, k_chunk)
+
+
+def _triton_m_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
+                   itemsize: int, l2: traffic.L2) -> dict:
+  """`triton_static_cost` of m-grouping: each program one row window of a group (rounded
+  up to its row class) times one column tile, in banded order."""
+  num_local, n_tiles = cfg.num_local, _cdiv(n, tiling.tile_n)
+  items = _triton_windows(counts[:num_local], m, tiling.tile_m, num_local)
+  num_rows = metadata.max_work_items(m, tiling.tile_m, num_local, TRITON_ALIGN)
+  classes = (*row_classes(tiling.tile_m), tiling.tile_m)
+  lengths = np.array([end - start for _, start, end in items], np.int64)
+  padded = [next(c for c in classes if c >= length) for length in lengths]
+  useful, mma = int(lengths.sum()), int(sum(padded))
+  band = band_rows(tiling.tile_m * k * itemsize, num_rows)
+  rows, cols = program_order(np.arange(num_rows * n_tiles), num_rows, n_tiles, band, xp=np)
+  busy = 0
+  for row, col in zip(rows.tolist(), cols.tolist()):
+    if row >= len(items):
+      continue
+    busy += 1
+    group, start, end = items[row]
+    width = min(tiling.tile_n, n - col * tiling.tile_n)
+    l2.read(("lhs", row), (end - start) * k * itemsize)
+    l2.read(("rhs", group, col), k * width * itemsize)
+    l2.program_done()
+  l2.flush()
+  used_groups = len({group for group, _, _ in items})
+  ideal_in = (useful * k + used_groups * k * n) * itemsize
+  out_bytes = m * n * np.dtype(cfg.out_dtype).itemsize
+  return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_rows * n_tiles),
+              busy_steps=busy, hbm_bytes=int(l2.missed + out_bytes),
+              ideal_bytes=int(ideal_in + out_bytes), split_buffer_bytes=0)
+
+
+def _triton_k_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
+                   itemsize: int, l2: traffic.L2, k_chunk: int) -> dict:
+  """`triton_static_cost` of k-grouping: each program one K window of a group (a whole
+  group, or a split-K chunk of one) times one output tile, in banded order."""
+  num_local, n_tiles = cfg.num_local, _cdiv(n, tiling.tile_n)
   split = 0 < k_chunk < k
   items = _triton_windows(counts[:num_local], k, k_chunk if split else max(k, 1), num_local,
                           cover=not split)
@@ -327,20 +304,25 @@ def triton_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: T
     l2.read(("rhs", item, col), (end - start) * width * itemsize)
     l2.program_done()
   l2.flush()
-  out_bytes = num_local * m * n * out_itemsize
-  hbm = l2.missed + out_bytes
-  partial = num_local * m * n * 4
-  buffer = 0
-  if split and cfg.deterministic:  # zero fill, one write per item tile, the ordered sum
-    buffer = split_chunks(k, k_chunk) * partial
-    hbm += 2 * buffer + len(items) * m * n * 4 + partial
-  elif split:  # zero fill, atomic read-modify-write per item tile, epilogue read
-    buffer = partial
-    hbm += partial * 2 + len(items) * m * n * 4 * 2
+  out_bytes = num_local * m * n * np.dtype(cfg.out_dtype).itemsize
+  split_hbm, buffer = _split_traffic(cfg, m, n, k, k_chunk if split else 0, len(items))
   ideal = useful * (m + n) * itemsize + out_bytes
   return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_items * m_tiles * n_tiles),
-              busy_steps=busy, hbm_bytes=int(hbm), ideal_bytes=int(ideal),
-              split_buffer_bytes=int(buffer))
+              busy_steps=busy, hbm_bytes=int(l2.missed + out_bytes + split_hbm),
+              ideal_bytes=int(ideal), split_buffer_bytes=int(buffer))
+
+
+def _split_traffic(cfg: GmmConfig, m: int, n: int, k: int, k_chunk: int,
+                   num_items: int) -> tuple[int, int]:
+  """(HBM bytes, bytes of the f32 partial-sum buffer) that split-K adds to k-grouping
+  (`k_chunk` 0: no split, none)."""
+  partial = cfg.num_local * m * n * 4
+  if k_chunk and cfg.deterministic:  # zero fill, one write per item tile, the ordered sum
+    buffer = split_chunks(k, k_chunk) * partial
+    return 2 * buffer + num_items * m * n * 4 + partial, buffer
+  if k_chunk:  # zero fill, atomic read-modify-write per item tile, epilogue read
+    return partial * 2 + num_items * m * n * 4 * 2, partial
+  return 0, 0
 
 
 # ------------------------------------------------------------------------- TPU: VMEM
@@ -491,21 +473,6 @@ def k_items(counts, k: int, tile_k: int, group_offset, num_local: int):
   return (meta.group_ids, meta.tile_ids, meta.item_start, meta.item_end), meta.num_items
 
 
-def _block_bytes(index, tile: int, dim: int) -> np.ndarray:
-  """Elements of blocks `index` of `tile` along a dim of `dim` (the edge block is short)."""
-  return np.clip(dim - np.asarray(index) * tile, 0, tile)
-
-
-def _dma_bytes(keys: np.ndarray, sizes: np.ndarray) -> int:
-  """Bytes fetched along a sequence of grid steps: a block is fetched when its index
-  (a row of `keys`) differs from the previous step's."""
-  if keys.shape[0] == 0:
-    return 0
-  changed = np.ones(keys.shape[0], bool)
-  changed[1:] = np.any(keys[1:] != keys[:-1], axis=1)
-  return int(np.sum(sizes[changed]))
-
-
 def tpu_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
                     itemsize: int = 2, *, group_offset: int = 0, row_chunk: int | None = None,
                     out_itemsize: int | None = None) -> dict:
@@ -536,62 +503,81 @@ def tpu_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tili
   out_itemsize = cfg.out_dtype.itemsize if out_itemsize is None else out_itemsize
   row_chunk = mxu_rows() if row_chunk is None else row_chunk
   kb = max(k, 1)
-  tm, tk, tn = (fit_tile(tiling.tile_m, m), fit_tile(tiling.tile_k, kb),
-                fit_tile(tiling.tile_n, n))
-  num_m, num_k, num_n = _cdiv(m, tm), _cdiv(kb, tk), _cdiv(n, tn)
+  tiles = (fit_tile(tiling.tile_m, m), fit_tile(tiling.tile_k, kb), fit_tile(tiling.tile_n, n))
   ideal = (m * kb + cfg.num_local * kb * n if cfg.group_type == "m" else m * kb + kb * n)
   ideal = ideal * itemsize + (m * n if cfg.group_type == "m" else cfg.num_local * m * n) * (
       out_itemsize)
   if cfg.group_type == "m":
-    arrays, count = m_items(counts, m, tm, jnp.int32(group_offset), cfg.num_local, num_k)
-    groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed = (
-        np.asarray(a)[:int(count)] for a in arrays)
-    real = real.astype(bool)
-    owned = ends - starts
-    lo = out_tiles * tm
-    full = (starts <= lo) & (ends >= lo + tm)
-    chunks = tm // row_chunk if row_chunk < tm and tm % row_chunk == 0 else 1
-    if chunks > 1:
-      chunk_lo = lo[:, None] + np.arange(chunks)[None, :] * row_chunk
-      touched = (starts[:, None] < chunk_lo + row_chunk) & (ends[:, None] > chunk_lo)
-      rows = np.where(full, tm, touched.sum(axis=1) * row_chunk)
-    else:
-      rows = np.full_like(starts, tm)
-    mma_rows = int(np.sum(np.where(real, rows, 0)))
-    items = len(groups)
-    n_i, item, k_i = (a.ravel() for a in np.meshgrid(np.arange(num_n), np.arange(items),
-                                                     np.arange(num_k), indexing="ij"))
-    k_eff = np.where(real[item], k_i, k_fixed[item])
-    lhs_keys = np.stack([lhs_tiles[item], k_eff], 1)
-    lhs_sizes = _block_bytes(lhs_tiles[item], tm, m) * _block_bytes(k_eff, tk, kb)
-    rhs_keys = np.stack([groups[item], k_eff, n_i], 1)
-    rhs_sizes = _block_bytes(k_eff, tk, kb) * _block_bytes(n_i, tn, n)
-    out_keys = np.stack([out_tiles[item], n_i], 1)
-    out_sizes = _block_bytes(out_tiles[item], tm, m) * _block_bytes(n_i, tn, n)
-    useful = int(np.sum(np.where(real, owned, 0)))
-    work = int(np.sum(real)) * num_n * num_k
-    group_starts, group_ends = (np.asarray(a) for a in metadata.local_group_bounds(
-        counts, m, jnp.int32(group_offset), cfg.num_local))
-    bound_chunk = min(row_chunk, tm)
-    bound = int(np.sum(-(-(group_ends - group_starts) // bound_chunk)) * bound_chunk)
+    rows, (lhs, rhs, out) = _tpu_m_steps(counts, (m, kb, n), tiles, group_offset,
+                                         cfg.num_local, row_chunk)
   else:
-    arrays, count = k_items(counts, kb if k else 0, tk, jnp.int32(group_offset), cfg.num_local)
-    groups, tiles, starts, ends = (np.asarray(a)[:int(count)] for a in arrays)
-    items = len(groups)
-    useful = int(np.sum(ends - starts))
-    mma_rows = int(np.sum(np.where(ends > starts, tk, 0)))
-    m_i, n_i, item = (a.ravel() for a in np.meshgrid(np.arange(num_m), np.arange(num_n),
-                                                     np.arange(items), indexing="ij"))
-    lhs_keys = np.stack([tiles[item], m_i], 1)
-    lhs_sizes = _block_bytes(tiles[item], tk, kb) * _block_bytes(m_i, tm, m)
-    rhs_keys = np.stack([tiles[item], n_i], 1)
-    rhs_sizes = _block_bytes(tiles[item], tk, kb) * _block_bytes(n_i, tn, n)
-    out_keys = np.stack([groups[item], m_i, n_i], 1)
-    out_sizes = _block_bytes(m_i, tm, m) * _block_bytes(n_i, tn, n)
-    work = int(np.sum(ends > starts)) * num_m * num_n
-    bound = useful
-  hbm = (_dma_bytes(lhs_keys, lhs_sizes) + _dma_bytes(rhs_keys, rhs_sizes)) * itemsize
-  hbm += _dma_bytes(out_keys, out_sizes) * out_itemsize
-  return dict(useful_rows=useful, mma_rows=mma_rows, group_aligned_rows=bound,
-              grid_steps=int(len(lhs_keys)),
-              work_steps=work, hbm_bytes=int(hbm), ideal_bytes=int(ideal), items=items)
+    rows, (lhs, rhs, out) = _tpu_k_steps(counts, (m, k, n), tiles, group_offset,
+                                         cfg.num_local)
+  hbm = (traffic.dma_bytes(*lhs) + traffic.dma_bytes(*rhs)) * itemsize
+  hbm += traffic.dma_bytes(*out) * out_itemsize
+  return dict(useful_rows=rows["useful"], mma_rows=rows["mma"],
+              group_aligned_rows=rows["bound"], grid_steps=int(len(lhs[0])),
+              work_steps=rows["work"], hbm_bytes=int(hbm), ideal_bytes=int(ideal),
+              items=rows["items"])
+
+
+def _mxu_pass_rows(starts, ends, lo, tm: int, row_chunk: int) -> np.ndarray:
+  """Rows each m-grouping item streams through the MXU: the whole tile when it owns the
+  tile (rows ``[lo, lo + tm)``), else the ``row_chunk`` slices its rows touch."""
+  full = (starts <= lo) & (ends >= lo + tm)
+  chunks = tm // row_chunk if row_chunk < tm and tm % row_chunk == 0 else 1
+  if chunks == 1:
+    return np.full_like(starts, tm)
+  chunk_lo = lo[:, None] + np.arange(chunks)[None, :] * row_chunk
+  touched = (starts[:, None] < chunk_lo + row_chunk) & (ends[:, None] > chunk_lo)
+  return np.where(full, tm, touched.sum(axis=1) * row_chunk)
+
+
+def _tpu_m_steps(counts, dims, tiles, group_offset: int, num_local: int, row_chunk: int):
+  """`tpu_static_cost`'s row counts (a dict) and its (keys, sizes) of the lhs, rhs and
+  output blocks at every grid step of the m-grouping kernel (column block, item, K block)."""
+  (m, kb, n), (tm, tk, tn) = dims, tiles
+  num_k, num_n = _cdiv(kb, tk), _cdiv(n, tn)
+  arrays, count = m_items(counts, m, tm, jnp.int32(group_offset), num_local, num_k)
+  groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed = (
+      np.asarray(a)[:int(count)] for a in arrays)
+  real = real.astype(bool)
+  rows = _mxu_pass_rows(starts, ends, out_tiles * tm, tm, row_chunk)
+  n_i, item, k_i = (a.ravel() for a in np.meshgrid(np.arange(num_n), np.arange(len(groups)),
+                                                   np.arange(num_k), indexing="ij"))
+  k_eff = np.where(real[item], k_i, k_fixed[item])
+  lhs = (np.stack([lhs_tiles[item], k_eff], 1),
+         traffic.block_bytes(lhs_tiles[item], tm, m) * traffic.block_bytes(k_eff, tk, kb))
+  rhs = (np.stack([groups[item], k_eff, n_i], 1),
+         traffic.block_bytes(k_eff, tk, kb) * traffic.block_bytes(n_i, tn, n))
+  out = (np.stack([out_tiles[item], n_i], 1),
+         traffic.block_bytes(out_tiles[item], tm, m) * traffic.block_bytes(n_i, tn, n))
+  group_starts, group_ends = (np.asarray(a) for a in metadata.local_group_bounds(
+      counts, m, jnp.int32(group_offset), num_local))
+  bound_chunk = min(row_chunk, tm)
+  bound = int(np.sum(-(-(group_ends - group_starts) // bound_chunk)) * bound_chunk)
+  return dict(useful=int(np.sum(np.where(real, ends - starts, 0))),
+              mma=int(np.sum(np.where(real, rows, 0))), bound=bound,
+              work=int(np.sum(real)) * num_n * num_k, items=len(groups)), (lhs, rhs, out)
+
+
+def _tpu_k_steps(counts, dims, tiles, group_offset: int, num_local: int):
+  """`tpu_static_cost`'s row counts (a dict) and its (keys, sizes) of the lhs, rhs and
+  output blocks at every grid step of the k-grouping kernel (row block, column block, item)."""
+  (m, k, n), (tm, tk, tn) = dims, tiles
+  kb = max(k, 1)
+  num_m, num_n = _cdiv(m, tm), _cdiv(n, tn)
+  arrays, count = k_items(counts, kb if k else 0, tk, jnp.int32(group_offset), num_local)
+  groups, k_tiles, starts, ends = (np.asarray(a)[:int(count)] for a in arrays)
+  useful = int(np.sum(ends - starts))
+  m_i, n_i, item = (a.ravel() for a in np.meshgrid(np.arange(num_m), np.arange(num_n),
+                                                   np.arange(len(groups)), indexing="ij"))
+  lhs = (np.stack([k_tiles[item], m_i], 1),
+         traffic.block_bytes(k_tiles[item], tk, kb) * traffic.block_bytes(m_i, tm, m))
+  rhs = (np.stack([k_tiles[item], n_i], 1),
+         traffic.block_bytes(k_tiles[item], tk, kb) * traffic.block_bytes(n_i, tn, n))
+  out = (np.stack([groups[item], m_i, n_i], 1),
+         traffic.block_bytes(m_i, tm, m) * traffic.block_bytes(n_i, tn, n))
+  return dict(useful=useful, mma=int(np.sum(np.where(ends > starts, tk, 0))), bound=useful,
+              work=int(np.sum(ends > starts)) * num_m * num_n, items=len(groups)), (
+                  lhs, rhs, out)
