@@ -3,7 +3,7 @@
 * GPU: the compute capability of the target decides which kernels may serve. The Mosaic
   GPU gmm is Hopper's (wgmma, sm_90a): a Blackwell target (10.0) skips it up front and
   Triton serves; the SM count of the target (148 on a B200) reaches the Triton schedule.
-* TPU: `cost_models.TPU_CHIPS` holds each generation's VMEM, MXU side, peak rates and HBM
+* TPU: `chips.TPU_CHIPS` holds each generation's VMEM, MXU side, peak rates and HBM
   per jax device. TPU7x has no int8 MXU path (fp8 instead) and shows its two TensorCores
   as two devices: int8 x int8 products there are not the TPU kernel's; the scaled int8 mode
   is composed from a bf16 gmm of the values, checked here against a numpy oracle.
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax._src.backends import builtin as backends, registry as dispatch, quantized
-from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.tiling import chips, cost_models
 from gmm_jax._src.core.config import GmmConfig, Tiling
 
 TARGETS = pathlib.Path(gmm_jax.__file__).parent / "tools" / "targets"
@@ -42,8 +42,8 @@ def test_b200_target_description_states_the_public_figures():
                "shared_memory_per_block_optin: 232448", "shared_memory_per_core: 233472",
                "registers_per_core_limit: 65536", "l2_cache_size: 132644864"):
     assert line in text
-  assert cost_models.GPU_KINDS["NVIDIA B200"] == ((10, 0), 148)
-  assert cost_models.GPU_KINDS["NVIDIA H200"] == ((9, 0), 132)
+  assert chips.GPU_KINDS["NVIDIA B200"] == ((10, 0), 148)
+  assert chips.GPU_KINDS["NVIDIA H200"] == ((9, 0), 132)
 
 
 @pytest.mark.parametrize("capability, chain", [
@@ -113,7 +113,7 @@ PUBLIC = {
 @pytest.mark.parametrize("kind", sorted(PUBLIC))
 def test_tpu_chip_table_per_device(kind):
   bf16, int8, fp8, hbm, bandwidth, vmem, mxu, devices = PUBLIC[kind]
-  chip = cost_models.TPU_CHIPS[kind]
+  chip = chips.TPU_CHIPS[kind]
   assert chip.devices_per_chip == devices
   # Per jax device: a chip's figures divided among the devices it shows.
   assert chip.bf16_flops * devices == pytest.approx(bf16)
@@ -132,7 +132,7 @@ def test_tpu7x_agrees_with_jax_where_jax_describes_it():
     info = tpu_info.get_tpu_info_for_chip(version, 1)
   except Exception as err:  # noqa: BLE001  (older jax: no such table)
     pytest.skip(f"this jax does not describe TPU7x: {err}")
-  chip = cost_models.TPU_CHIPS["TPU7x"]
+  chip = chips.TPU_CHIPS["TPU7x"]
   assert info.vmem_capacity_bytes == chip.vmem_bytes
   assert info.mxu_column_size == chip.mxu
   assert info.int8_ops_per_second == 0 and not chip.int8_mxu
@@ -143,25 +143,25 @@ def test_tpu7x_agrees_with_jax_where_jax_describes_it():
 
 
 def test_int8_mxu_by_kind():
-  assert not cost_models.int8_mxu("TPU7x")
-  assert cost_models.int8_mxu("TPU v5 lite") and cost_models.int8_mxu("TPU v6 lite")
-  assert cost_models.int8_mxu("TPU v99")  # unknown kinds keep the int8 path
+  assert not chips.int8_mxu("TPU7x")
+  assert chips.int8_mxu("TPU v5 lite") and chips.int8_mxu("TPU v6 lite")
+  assert chips.int8_mxu("TPU v99")  # unknown kinds keep the int8 path
 
 
 @pytest.fixture
 def target_tpu(monkeypatch):
   """Sets the TPU kind the dispatcher plans for (what a deviceless compile's device says)."""
   def use(kind):
-    monkeypatch.setattr(cost_models, "tpu_kind", lambda: kind)
+    monkeypatch.setattr(chips, "tpu_kind", lambda: kind)
   return use
 
 
 def test_cost_models_read_the_table_when_jax_cannot_say(target_tpu, monkeypatch):
-  monkeypatch.setattr(cost_models, "_tpu_info", lambda: None)
+  monkeypatch.setattr(chips, "target_tpu_info", lambda: None)
   target_tpu("TPU7x")
   assert cost_models.vmem_capacity() == 64 * 2**20
   assert cost_models.mxu_rows() == 256
-  assert cost_models._device_rates() == (2.31e15 / 2, 7.37e12 / 2)
+  assert chips.device_rates() == (2.31e15 / 2, 7.37e12 / 2)
   target_tpu(None)  # no TPU in sight: v5e's figures, as before
   assert cost_models.vmem_capacity() == 128 * 2**20
 

@@ -20,7 +20,7 @@ from oracle import f64, gmm_oracle, local_rows, tolerances
 import gmm_jax
 from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.core.config import GmmConfig, Tiling
-from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.tiling import chips
 
 mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic_gpu",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")
@@ -345,7 +345,7 @@ def test_target_from_the_abstract_device(kind, hopper):
   with jax.sharding.use_abstract_mesh(mesh):
     capability, num_sms, _ = mosaic.target_gpu()
     if hopper:
-      assert capability == (9, 0) and num_sms == cost_models.DEFAULT_NUM_SMS
+      assert capability == (9, 0) and num_sms == chips.DEFAULT_NUM_SMS
     else:
       with pytest.raises(NotImplementedError, match="sm_90a"):
         mosaic._check_target()

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.tiling import chips, cost_models
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax.pallas.tpu import mosaic_tpu, mosaic_tpu_plan
 from oracle import dequantize, gmm_oracle, tolerances
@@ -92,7 +92,7 @@ def test_check_operands_serves_blocked_fp8_for_both_group_types():
 @pytest.mark.parametrize("kind, expected", [(None, jnp.bfloat16), ("TPU v5 lite", jnp.bfloat16),
                                             ("TPU v6 lite", jnp.bfloat16), ("TPU7x", E4M3)])
 def test_dot_dtype_follows_the_chips_fp8_mxu(monkeypatch, kind, expected):
-  monkeypatch.setattr(cost_models, "tpu_kind", lambda: kind)
+  monkeypatch.setattr(chips, "tpu_kind", lambda: kind)
   assert cost_models.fp8_mxu() == (kind == "TPU7x")
   rng = np.random.default_rng(1)
   counts = jnp.asarray([16, 16], jnp.int32)
@@ -175,7 +175,7 @@ def test_drhs_k_grouped_block_scales_with_boundaries_inside_blocks(grad_type, si
 
 def test_fp8_mxu_chip_feeds_fp8_values_to_the_dot(monkeypatch):
   # TPU7x (fp8 MXU): e4m3 x e4m3 values go to the dot as they are; bf16 output, k-grouped.
-  monkeypatch.setattr(cost_models, "tpu_kind", lambda: "TPU7x")
+  monkeypatch.setattr(chips, "tpu_kind", lambda: "TPU7x")
   rng = np.random.default_rng(5)
   tokens, d, f = 300, 128, 128
   x_q, dy_q = _drhs_operands(rng, tokens, d, f, E4M3)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import dequantize, quantize
-from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.tiling import chips, cost_models
 from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.core.epilogue import apply_epilogue
@@ -281,7 +281,7 @@ def test_split_k_ordered_buffer_and_sum():
 
 def test_sm_count_from_the_target():
   fake = types.SimpleNamespace
-  default = cost_models.DEFAULT_NUM_SMS
+  default = chips.DEFAULT_NUM_SMS
   assert cost_models.gpu_sm_count(fake(platform="gpu", core_count=148)) == 148
   assert cost_models.gpu_sm_count(fake(platform="gpu", num_cores=78)) == 78  # abstract
   assert cost_models.gpu_sm_count(fake(platform="gpu", core_count=None)) == default

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -229,6 +229,134 @@ def _map(fn, x, w, sizes, w_per_outer: bool):
   return jax.vmap(jax.vmap(fn, in_axes=inner_axes), in_axes=outer_axes)(x, w, sizes)
 
 
+class _Dims(NamedTuple):
+  """jax's dot dimension numbers as lists, with the rhs group dims and the lhs dims that
+  are neither contracting nor batch (``lhs_free``)."""
+  lhs_contract: list[int]
+  rhs_contract: list[int]
+  lhs_batch: list[int]
+  rhs_batch: list[int]
+  group_dims: tuple[int, ...]
+  lhs_free: list[int]
+
+
+class _Ragged(NamedTuple):
+  """The lhs ragged dim, its index among the dims of its kind (free or contracting), and
+  the dims of that kind before it (``outer``) and after it (``inner``)."""
+  dim: int
+  position: int
+  outer: list[int]
+  inner: list[int]
+
+
+def _ragged_mode(dims: _Dims, ragged_dims: tuple, lhs_ndim: int, rhs_ndim: int,
+                 sizes_shape: tuple) -> tuple[int, str]:
+  """(the lhs ragged dim, its mode: "non-contracting", "contracting" or "batch"); raises
+  GmmShapeError for ragged or group dims jax would reject, or a scalar group_sizes."""
+  if len(ragged_dims) != 1 or not 0 <= ragged_dims[0] < lhs_ndim:
+    raise GmmShapeError(f"ragged_dot_general needs exactly one lhs ragged dimension in "
+                        f"[0, {lhs_ndim}), got {ragged_dims}")
+  ragged = ragged_dims[0]
+  if len(sizes_shape) == 0:
+    raise GmmShapeError("group_sizes must have rank >= 1, got a scalar")
+  if ragged in dims.lhs_free:
+    mode = "non-contracting"
+  elif ragged in dims.lhs_contract:
+    mode = "contracting"
+  else:
+    mode = "batch"
+  group_dims = dims.group_dims
+  if mode == "non-contracting":
+    if len(group_dims) != 1 or not 0 <= group_dims[0] < rhs_ndim or (
+        group_dims[0] in dims.rhs_contract or group_dims[0] in dims.rhs_batch):
+      raise GmmShapeError(
+          "a ragged non-contracting dimension needs exactly one rhs group dimension, distinct "
+          f"from the contracting and batch dimensions, got {group_dims}")
+  elif group_dims:
+    raise GmmShapeError(f"a ragged {mode} dimension takes no rhs group dimension, got "
+                        f"{group_dims}")
+  return ragged, mode
+
+
+def _ragged_layout(dims: _Dims, ragged: int, mode: str, lhs, rhs, sizes_shape: tuple,
+                   group_offset) -> _Ragged:
+  """Where the ragged dim sits among its kind, once group_offset (ragged non-contracting
+  only) and the shapes of group_sizes and of the rhs groups are checked."""
+  kind = dims.lhs_free if mode == "non-contracting" else dims.lhs_contract
+  position = kind.index(ragged)
+  layout = _Ragged(ragged, position, kind[:position], kind[position + 1:])
+  if mode == "contracting" and group_offset is not None:
+    raise NotImplementedError("group_offset with a ragged contracting dimension (jax "
+                              "does not implement group_offset either)")
+  num_groups = sizes_shape[-1]
+  prefix_shape = [lhs.shape[d] for d in dims.lhs_batch + layout.outer]  # of batched sizes
+  if len(sizes_shape) != 1 and tuple(sizes_shape) != tuple(prefix_shape) + (num_groups,):
+    raise GmmShapeError(f"group_sizes must have shape [g] or {tuple(prefix_shape) + ('g',)}, "
+                        f"got {tuple(sizes_shape)}")
+  group_dim = dims.group_dims[0] if mode == "non-contracting" else None
+  if mode == "non-contracting" and group_offset is None and rhs.shape[group_dim] != num_groups:
+    raise GmmShapeError(f"the rhs group dimension has {rhs.shape[group_dim]} groups, "
+                        f"group_sizes {num_groups}")
+  return layout
+
+
+def _non_contracting(lhs, rhs, group_sizes, dims: _Dims, layout: _Ragged, group_offset,
+                     options: dict):
+  """The ragged non-contracting mode: m-grouped gmms over the batch and outer dims."""
+  ragged, outer, inner, group_dims = layout.dim, layout.outer, layout.inner, dims.group_dims
+  lhs_batch, lhs_contract = dims.lhs_batch, dims.lhs_contract
+  rhs_free = _remaining(rhs.ndim, dims.rhs_contract, dims.rhs_batch, group_dims)
+  # lhs [B, X, R*Y, C]; rhs [B, G, C, N]; sizes [B, X, G].
+  batch, rows = _prod(lhs.shape, lhs_batch), lhs.shape[ragged] * _prod(lhs.shape, inner)
+  x = jnp.transpose(lhs, lhs_batch + outer + [ragged] + inner + lhs_contract).reshape(
+      batch, _prod(lhs.shape, outer), rows, _prod(lhs.shape, lhs_contract))
+  w = jnp.transpose(rhs, dims.rhs_batch + list(group_dims) + dims.rhs_contract + rhs_free
+                    ).reshape(batch, rhs.shape[group_dims[0]],
+                              _prod(rhs.shape, dims.rhs_contract), _prod(rhs.shape, rhs_free))
+  sizes = _group_sizes(group_sizes, x.shape[:2], _prod(lhs.shape, inner), lhs.shape[ragged])
+
+  def one(x, w, sizes):
+    return gmm(x, w, sizes, group_offset=group_offset, **options)
+
+  out = _map(one, x, w, sizes, w_per_outer=False)  # [B, X, R*Y, N]
+  return out.reshape([lhs.shape[d] for d in lhs_batch + dims.lhs_free]
+                     + [rhs.shape[d] for d in rhs_free])
+
+
+def _contracting(lhs, rhs, group_sizes, dims: _Dims, layout: _Ragged, options: dict):
+  """The ragged contracting mode: k-grouped gmms over the batch and outer dims, summed over
+  the outer ones (in f32 / int32)."""
+  ragged, position, outer, inner = layout
+  rhs_ragged = dims.rhs_contract[position]
+  rhs_outer, rhs_inner = dims.rhs_contract[:position], dims.rhs_contract[position + 1:]
+  rhs_free = _remaining(rhs.ndim, dims.rhs_contract, dims.rhs_batch)
+  # lhs [B, X, M, R*Y]; rhs [B, X, R*Y, N]; sizes [B, X, G]; summed over X.
+  batch, columns = _prod(lhs.shape, dims.lhs_batch), lhs.shape[ragged] * _prod(lhs.shape, inner)
+  num_outer = _prod(lhs.shape, outer)
+  x = jnp.transpose(lhs, dims.lhs_batch + outer + dims.lhs_free + [ragged] + inner).reshape(
+      batch, num_outer, _prod(lhs.shape, dims.lhs_free), columns)
+  w = jnp.transpose(rhs, dims.rhs_batch + rhs_outer + [rhs_ragged] + rhs_inner + rhs_free
+                    ).reshape(batch, num_outer, columns, _prod(rhs.shape, rhs_free))
+  sizes = _group_sizes(group_sizes, x.shape[:2], _prod(lhs.shape, inner), lhs.shape[ragged])
+  if num_outer == 1:
+    k_options = options
+  else:  # the outer contracting dims are summed over: accumulate the sum in f32 / int32
+    final = jax.eval_shape(lambda: gmm(x[0, 0], w[0, 0], sizes if sizes.ndim == 1 else
+                                       sizes[0, 0], group_type="k", **options)).dtype
+    k_options = dict(options, preferred_element_type=(
+        jnp.int32 if jnp.issubdtype(final, jnp.integer) else jnp.float32))
+
+  def one_k(x, w, sizes):
+    return gmm(x, w, sizes, group_type="k", **k_options)
+
+  out = _map(one_k, x, w, sizes, w_per_outer=True)  # [B, X, G, M, N]
+  out = out[:, 0] if num_outer == 1 else out.sum(axis=1).astype(final)
+  out = jnp.moveaxis(out, 1, 0)  # [G, B, M, N]
+  return out.reshape([np.shape(group_sizes)[-1]]
+                     + [lhs.shape[d] for d in dims.lhs_batch + dims.lhs_free]
+                     + [rhs.shape[d] for d in rhs_free])
+
+
 def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=None,
                        preferred_element_type=None, group_offset=None, out_sharding=None, *,
                        implementation=None, interpret: bool = False):
@@ -267,32 +395,11 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   lhs, rhs = _jax_types(jnp.asarray(lhs), jnp.asarray(rhs), out_dtype)
   if preferred_element_type is None:
     preferred_element_type = out_dtype
-  lhs_contract, rhs_contract = list(lhs_contract), list(rhs_contract)
-  lhs_batch, rhs_batch = list(lhs_batch), list(rhs_batch)
-  if len(ragged_dims) != 1 or not 0 <= ragged_dims[0] < lhs.ndim:
-    raise GmmShapeError(f"ragged_dot_general needs exactly one lhs ragged dimension in "
-                        f"[0, {lhs.ndim}), got {ragged_dims}")
-  ragged = ragged_dims[0]
+  lhs_contract, lhs_batch = list(lhs_contract), list(lhs_batch)
+  dims = _Dims(lhs_contract, list(rhs_contract), lhs_batch, list(rhs_batch), group_dims,
+               _remaining(lhs.ndim, lhs_contract, lhs_batch))
   sizes_shape = np.shape(group_sizes)
-  if len(sizes_shape) == 0:
-    raise GmmShapeError("group_sizes must have rank >= 1, got a scalar")
-  num_groups = sizes_shape[-1]
-  lhs_free = _remaining(lhs.ndim, lhs_contract, lhs_batch)
-  if ragged in lhs_free:
-    mode = "non-contracting"
-  elif ragged in lhs_contract:
-    mode = "contracting"
-  else:
-    mode = "batch"
-  if mode == "non-contracting":
-    if len(group_dims) != 1 or not 0 <= group_dims[0] < rhs.ndim or (
-        group_dims[0] in rhs_contract or group_dims[0] in rhs_batch):
-      raise GmmShapeError(
-          "a ragged non-contracting dimension needs exactly one rhs group dimension, distinct "
-          f"from the contracting and batch dimensions, got {group_dims}")
-  elif group_dims:
-    raise GmmShapeError(f"a ragged {mode} dimension takes no rhs group dimension, got "
-                        f"{group_dims}")
+  ragged, mode = _ragged_mode(dims, ragged_dims, lhs.ndim, rhs.ndim, sizes_shape)
   if mode == "batch":
     if group_offset is not None:
       raise NotImplementedError("group_offset with a ragged batch dimension (jax does not "
@@ -304,73 +411,12 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
     out = _jax_ragged_dot_general(lhs, rhs, group_sizes, numbers, precision,
                                   preferred_element_type, group_offset)
     return _constrain(out, out_sharding)
-
-  if mode == "non-contracting":
-    position = lhs_free.index(ragged)
-    outer, inner = lhs_free[:position], lhs_free[position + 1:]
-  else:
-    position = lhs_contract.index(ragged)
-    outer, inner = lhs_contract[:position], lhs_contract[position + 1:]
-    if group_offset is not None:
-      raise NotImplementedError("group_offset with a ragged contracting dimension (jax "
-                                "does not implement group_offset either)")
-  prefix_shape = [lhs.shape[d] for d in lhs_batch + outer]  # of a batched group_sizes
-  if len(sizes_shape) != 1 and tuple(sizes_shape) != tuple(prefix_shape) + (num_groups,):
-    raise GmmShapeError(f"group_sizes must have shape [g] or {tuple(prefix_shape) + ('g',)}, "
-                        f"got {tuple(sizes_shape)}")
-  if mode == "non-contracting" and group_offset is None and rhs.shape[group_dims[0]] != num_groups:
-    raise GmmShapeError(f"the rhs group dimension has {rhs.shape[group_dims[0]]} groups, "
-                        f"group_sizes {num_groups}")
+  layout = _ragged_layout(dims, ragged, mode, lhs, rhs, sizes_shape, group_offset)
   _check_concrete_sizes(group_sizes, lhs.shape[ragged])
-  batch = _prod(lhs.shape, lhs_batch)
   options = dict(precision=precision, preferred_element_type=preferred_element_type,
                  implementation=implementation, interpret=interpret)
-
   if mode == "non-contracting":
-    rhs_free = _remaining(rhs.ndim, rhs_contract, rhs_batch, group_dims)
-    # lhs [B, X, R*Y, C]; rhs [B, G, C, N]; sizes [B, X, G].
-    rows = lhs.shape[ragged] * _prod(lhs.shape, inner)
-    x = jnp.transpose(lhs, lhs_batch + outer + [ragged] + inner + lhs_contract).reshape(
-        batch, _prod(lhs.shape, outer), rows, _prod(lhs.shape, lhs_contract))
-    w = jnp.transpose(rhs, rhs_batch + list(group_dims) + rhs_contract + rhs_free).reshape(
-        batch, rhs.shape[group_dims[0]], _prod(rhs.shape, rhs_contract),
-        _prod(rhs.shape, rhs_free))
-    sizes = _group_sizes(group_sizes, x.shape[:2], _prod(lhs.shape, inner),
-                         lhs.shape[ragged])
-
-    def one(x, w, sizes):
-      return gmm(x, w, sizes, group_offset=group_offset, **options)
-
-    out = _map(one, x, w, sizes, w_per_outer=False)  # [B, X, R*Y, N]
-    shape = ([lhs.shape[d] for d in lhs_batch + lhs_free]
-             + [rhs.shape[d] for d in rhs_free])
-    return _constrain(out.reshape(shape), out_sharding)
-
-  rhs_ragged = rhs_contract[position]
-  rhs_outer, rhs_inner = rhs_contract[:position], rhs_contract[position + 1:]
-  rhs_free = _remaining(rhs.ndim, rhs_contract, rhs_batch)
-  # lhs [B, X, M, R*Y]; rhs [B, X, R*Y, N]; sizes [B, X, G]; summed over X.
-  columns = lhs.shape[ragged] * _prod(lhs.shape, inner)
-  num_outer = _prod(lhs.shape, outer)
-  x = jnp.transpose(lhs, lhs_batch + outer + lhs_free + [ragged] + inner).reshape(
-      batch, num_outer, _prod(lhs.shape, lhs_free), columns)
-  w = jnp.transpose(rhs, rhs_batch + rhs_outer + [rhs_ragged] + rhs_inner + rhs_free).reshape(
-      batch, num_outer, columns, _prod(rhs.shape, rhs_free))
-  sizes = _group_sizes(group_sizes, x.shape[:2], _prod(lhs.shape, inner), lhs.shape[ragged])
-  if num_outer == 1:
-    k_options = options
-  else:  # the outer contracting dims are summed over: accumulate the sum in f32 / int32
-    final = jax.eval_shape(lambda: gmm(x[0, 0], w[0, 0], sizes if sizes.ndim == 1 else
-                                       sizes[0, 0], group_type="k", **options)).dtype
-    k_options = dict(options, preferred_element_type=(
-        jnp.int32 if jnp.issubdtype(final, jnp.integer) else jnp.float32))
-
-  def one_k(x, w, sizes):
-    return gmm(x, w, sizes, group_type="k", **k_options)
-
-  out = _map(one_k, x, w, sizes, w_per_outer=True)  # [B, X, G, M, N]
-  out = out[:, 0] if num_outer == 1 else out.sum(axis=1).astype(final)
-  out = jnp.moveaxis(out, 1, 0)  # [G, B, M, N]
-  shape = ([num_groups] + [lhs.shape[d] for d in lhs_batch + lhs_free]
-           + [rhs.shape[d] for d in rhs_free])
-  return _constrain(out.reshape(shape), out_sharding)
+    out = _non_contracting(lhs, rhs, group_sizes, dims, layout, group_offset, options)
+  else:
+    out = _contracting(lhs, rhs, group_sizes, dims, layout, options)
+  return _constrain(out, out_sharding)

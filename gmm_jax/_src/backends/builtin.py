@@ -13,7 +13,7 @@ import importlib
 
 import jax.numpy as jnp
 
-from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.tiling import chips, cost_models
 from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.backends import lax_ragged_dot as lax_ragged, reference, xla
 from gmm_jax._src.core.qarray import QArray
@@ -74,15 +74,15 @@ def _integer_product(lhs, rhs) -> bool:
 
 def _check_tpu_chip(lhs, rhs, cfg) -> None:
   """NotImplementedError for integer x integer products (plain int8 operands or the scaled
-  int8 x int8 mode) on a TPU without an int8 MXU path (TPU7x: `cost_models.TPU_CHIPS`): the
+  int8 x int8 mode) on a TPU without an int8 MXU path (TPU7x: `chips.TPU_CHIPS`): the
   kernel's dot would ask for int8 MXU passes the chip does not have. Plain integer gmms go
   to the next implementation (XLA's, exact int32); `quantized` composes the scaled mode from
   a bf16 gmm of the values (exact in bf16) instead."""
   del cfg  # the chip, not the call's options, decides (interpret mode included)
   if not _integer_product(lhs, rhs):
     return
-  kind = cost_models.tpu_kind()
-  if not cost_models.int8_mxu(kind):
+  kind = chips.tpu_kind()
+  if not chips.int8_mxu(kind):
     raise NotImplementedError(
         f"{kind} has no int8 MXU path (integer x integer products are not the TPU "
         "kernel's there)")

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gmm_jax._src.tiling import cost_models
+from gmm_jax._src.tiling import chips
 from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.core import metadata
 from gmm_jax._src import op
@@ -109,7 +109,7 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
   platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
   served = {p: not int_bias and dispatch.serves(lhs, rhs, cfg, p) for p in platforms}
   # A TPU without an int8 MXU path (TPU7x) multiplies integer values in bf16 (exact).
-  no_int8 = {p: p == "tpu" and not cost_models.int8_mxu() for p in platforms}
+  no_int8 = {p: p == "tpu" and not chips.int8_mxu() for p in platforms}
   plan = {p: (served[p], no_int8[p]) for p in platforms}
   operands = (lhs, rhs, counts, group_offset, bias, output_scale, output_offset)
 

@@ -241,66 +241,75 @@ def gmm_xla(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling
     tiling = tuning.choose(problem, cfg.tiling,
                            lambda: default_tiling(m, k, n, counts.shape[0]))
   acc_dtype = accumulator_dtype(lhs.dtype, rhs.dtype)
-  lhs_k_axis = 0 if cfg.transpose_lhs else 1
-  rhs_k_axis = 1 if cfg.transpose_rhs else 0  # of one group's [K, N] / [N, K] matrix
-
   n_out = out_columns(n, cfg)
   out_m = m if cfg.out_rows is None else cfg.out_rows
   if cfg.num_local == 0 or counts.shape[0] == 0:  # no group: nothing is written
     shape = (out_m, n_out) if cfg.group_type == "m" else (cfg.num_local, m, n_out)
     return jnp.zeros(shape, cfg.out_dtype)
   if cfg.group_type == "m":
-    storage = _storage_dtype(cfg.out_dtype)
-    # The batched head pass reads rows by position and writes them in place: not with row
-    # operands.
-    head = head_capacity(m, cfg.num_local, tiling.tile_m, lhs.dtype) if (
-        head and not cfg.has_rows) else 0
-    meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
-                                      ALIGN, skip=head)
-
-    def run_items(out):
-      lhs_bits, lhs_view = _as_bits(lhs, carry_bits, tie=rhs)
-      rhs_bits, rhs_view = _as_bits(rhs, carry_bits, tie=lhs)
-
-      def body(window, start, end, group, out):
-        first = jnp.minimum(start, m - window)
-        if cfg.gather_rows is not None:
-          indices = lax.dynamic_slice_in_dim(rows.lhs_indices, first, window)
-          x = lhs_view(gather_rows(lhs_bits, indices))
-        else:
-          x = lhs_view(lax.dynamic_slice_in_dim(lhs_bits, first, window, axis=1 - lhs_k_axis))
-        w = rhs_view(lax.dynamic_index_in_dim(rhs_bits, group, 0, keepdims=False))
-        acc = lax.dot_general(x, w, (((lhs_k_axis,), (rhs_k_axis,)), ((), ())),
-                              precision=cfg.precision, preferred_element_type=acc_dtype)
-        group_bias = None if bias is None else lax.dynamic_index_in_dim(bias, group, 0)
-        weights = (lax.dynamic_slice_in_dim(rows.row_weights, first, window)
-                   if cfg.row_weights else None)
-        y = _to_storage(apply_epilogue(acc, group_bias, cfg.activation, cfg.out_dtype, weights),
-                        storage)
-        row_ids = first + lax.iota(jnp.int32, window)
-        keep = (row_ids >= start) & (row_ids < end)
-        if cfg.out_rows is not None:
-          targets = scatter_targets(lax.dynamic_slice_in_dim(rows.out_indices, first, window),
-                                    keep, cfg.out_rows)
-          return out.at[targets].set(y, mode="drop", unique_indices=True)
-        old = lax.dynamic_slice_in_dim(out, first, window, axis=0)
-        return lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, old), first,
-                                               axis=0)
-
-      return _for_each_item(meta, metadata.size_classes(tiling.tile_m, m), body, out)
-
-    if head:
-      out = _to_storage(
-          _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, head, acc_dtype), storage)
-      # Only when some group is longer than the head do the loops (and the bit-pattern
-      # copies of the operands they need) run; one cond outside the loops copies [M, N] once.
-      out = lax.cond(meta.num_items > 0, run_items, lambda out: out, out)
-    else:
-      out = run_items(jnp.zeros((out_m, n_out), storage))
-    return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
-
+    return _gmm_m(lhs, rhs, counts, group_offset, bias, cfg, tiling, head, carry_bits, rows,
+                  acc_dtype)
   return _gmm_k(lhs, rhs, counts, group_offset, bias, cfg, tiling.tile_k, carry_bits, rows,
                 acc_dtype)
+
+
+def _gmm_m(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tiling: Tiling, head: bool,
+           carry_bits: bool, rows: Rows, acc_dtype):
+  """m-grouping: the batched head pass (if `head`) for the first rows of each group, then
+  one loop step per work item of the rest, each writing its rows of the result in place
+  (or scattering them to ``rows.out_indices``)."""
+  m, _, n = problem_dims(lhs.shape, rhs.shape, cfg)
+  lhs_k_axis = 0 if cfg.transpose_lhs else 1
+  rhs_k_axis = 1 if cfg.transpose_rhs else 0  # of one group's [K, N] / [N, K] matrix
+  storage = _storage_dtype(cfg.out_dtype)
+  # The batched head pass reads rows by position and writes them in place: not with row
+  # operands.
+  head = head_capacity(m, cfg.num_local, tiling.tile_m, lhs.dtype) if (
+      head and not cfg.has_rows) else 0
+  meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,
+                                    ALIGN, skip=head)
+
+  def run_items(out):
+    lhs_bits, lhs_view = _as_bits(lhs, carry_bits, tie=rhs)
+    rhs_bits, rhs_view = _as_bits(rhs, carry_bits, tie=lhs)
+
+    def body(window, start, end, group, out):
+      first = jnp.minimum(start, m - window)
+      if cfg.gather_rows is not None:
+        indices = lax.dynamic_slice_in_dim(rows.lhs_indices, first, window)
+        x = lhs_view(gather_rows(lhs_bits, indices))
+      else:
+        x = lhs_view(lax.dynamic_slice_in_dim(lhs_bits, first, window, axis=1 - lhs_k_axis))
+      w = rhs_view(lax.dynamic_index_in_dim(rhs_bits, group, 0, keepdims=False))
+      acc = lax.dot_general(x, w, (((lhs_k_axis,), (rhs_k_axis,)), ((), ())),
+                            precision=cfg.precision, preferred_element_type=acc_dtype)
+      group_bias = None if bias is None else lax.dynamic_index_in_dim(bias, group, 0)
+      weights = (lax.dynamic_slice_in_dim(rows.row_weights, first, window)
+                 if cfg.row_weights else None)
+      y = _to_storage(apply_epilogue(acc, group_bias, cfg.activation, cfg.out_dtype, weights),
+                      storage)
+      row_ids = first + lax.iota(jnp.int32, window)
+      keep = (row_ids >= start) & (row_ids < end)
+      if cfg.out_rows is not None:
+        targets = scatter_targets(lax.dynamic_slice_in_dim(rows.out_indices, first, window),
+                                  keep, cfg.out_rows)
+        return out.at[targets].set(y, mode="drop", unique_indices=True)
+      old = lax.dynamic_slice_in_dim(out, first, window, axis=0)
+      return lax.dynamic_update_slice_in_dim(out, jnp.where(keep[:, None], y, old), first,
+                                             axis=0)
+
+    return _for_each_item(meta, metadata.size_classes(tiling.tile_m, m), body, out)
+
+  if head:
+    out = _to_storage(
+        _gmm_m_heads(lhs, rhs, counts, group_offset, bias, cfg, head, acc_dtype), storage)
+    # Only when some group is longer than the head do the loops (and the bit-pattern
+    # copies of the operands they need) run; one cond outside the loops copies [M, N] once.
+    out = lax.cond(meta.num_items > 0, run_items, lambda out: out, out)
+  else:
+    out_m = m if cfg.out_rows is None else cfg.out_rows
+    out = run_items(jnp.zeros((out_m, out_columns(n, cfg)), storage))
+  return out if storage == cfg.out_dtype else lax.bitcast_convert_type(out, cfg.out_dtype)
 
 
 def _gmm_k(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tile_k: int, carry_bits: bool,

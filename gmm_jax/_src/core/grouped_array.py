@@ -31,8 +31,37 @@ def _check_variable_dim(value, name: str) -> None:
     raise ValueError(f"{name} must be 0 or 1, got {value!r}")
 
 
+class _GroupedValues:
+  """What the grouped layouts share: the shape and dtype of their ``values``, and the
+  pytree protocol of two array fields (`_CHILDREN`, traced through jit, grad and vmap) and
+  one static field (`_STATIC`): flattening reads them, unflattening sets them on a new
+  object without running ``__init__``'s checks."""
+
+  _CHILDREN: tuple[str, str]
+  _STATIC: str
+
+  def tree_flatten(self):
+    return tuple(getattr(self, name) for name in self._CHILDREN), getattr(self, self._STATIC)
+
+  @classmethod
+  def tree_unflatten(cls, static, children):
+    obj = object.__new__(cls)
+    for name, child in zip(cls._CHILDREN, children):
+      setattr(obj, name, child)
+    setattr(obj, cls._STATIC, static)
+    return obj
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(np.shape(self.values))
+
+  @property
+  def dtype(self):
+    return jnp.result_type(self.values)
+
+
 @jax.tree_util.register_pytree_node_class
-class GroupedArray:
+class GroupedArray(_GroupedValues):
   """oneDNN's grouped memory format: concatenated groups plus int32 end offsets.
 
   ``values`` is a 2-D array whose dimension `variable_dim` is split into ``num_groups``
@@ -42,6 +71,8 @@ class GroupedArray:
   ``offsets[-1]`` belong to no group. A registered pytree: it passes through jit, grad and
   vmap-free transformations; `variable_dim` is static.
   """
+
+  _CHILDREN, _STATIC = ("values", "offsets"), "variable_dim"
 
   def __init__(self, values, offsets, variable_dim: int = 0):
     _check_variable_dim(variable_dim, "variable_dim")
@@ -55,16 +86,6 @@ class GroupedArray:
     self.offsets = offsets
     self.variable_dim = variable_dim
 
-  def tree_flatten(self):
-    return (self.values, self.offsets), self.variable_dim
-
-  @classmethod
-  def tree_unflatten(cls, variable_dim, children):
-    obj = object.__new__(cls)
-    obj.values, obj.offsets = children
-    obj.variable_dim = variable_dim
-    return obj
-
   @property
   def num_groups(self) -> int:
     return int(np.shape(self.offsets)[0])
@@ -72,14 +93,6 @@ class GroupedArray:
   @property
   def group_sizes(self) -> jax.Array:
     return group_list.to_counts(self.offsets, "cumsum")
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return tuple(np.shape(self.values))
-
-  @property
-  def dtype(self):
-    return jnp.result_type(self.values)
 
   @classmethod
   def from_list(cls, arrays: Sequence, variable_dim: int = 0) -> "GroupedArray":
@@ -188,7 +201,7 @@ def check_counts(counts, max_rows: int, what: str = "counts") -> None:
 
 
 @jax.tree_util.register_pytree_node_class
-class MaskedArray:
+class MaskedArray(_GroupedValues):
   """Grouped rows in fixed-size slots: ``values [G, max_rows, K]`` and int32 ``counts [G]``.
 
   Group g's rows are ``values[g, :counts[g]]``; rows past a group's count are padding
@@ -202,6 +215,8 @@ class MaskedArray:
   are padding. Concrete counts summing past it raise ValueError; traced ones keep the
   first num_rows rows (in group order).
   """
+
+  _CHILDREN, _STATIC = ("values", "counts"), "_num_rows"
 
   def __init__(self, values, counts, num_rows: int | None = None):
     if np.ndim(values) != 3:
@@ -226,16 +241,6 @@ class MaskedArray:
     self.counts = jnp.asarray(counts, jnp.int32)
     self._num_rows = num_rows
 
-  def tree_flatten(self):
-    return (self.values, self.counts), self._num_rows
-
-  @classmethod
-  def tree_unflatten(cls, num_rows, children):
-    obj = object.__new__(cls)
-    obj.values, obj.counts = children
-    obj._num_rows = num_rows
-    return obj
-
   @property
   def num_rows(self) -> int:
     """The static bound on the rows of all groups together (default G * max_rows)."""
@@ -250,14 +255,6 @@ class MaskedArray:
   @property
   def max_rows(self) -> int:
     return int(np.shape(self.values)[1])
-
-  @property
-  def shape(self) -> tuple[int, ...]:
-    return tuple(np.shape(self.values))
-
-  @property
-  def dtype(self):
-    return jnp.result_type(self.values)
 
   def to_ragged(self, num_rows: int | None = None):
     """The ragged form ``(rows [num_rows, K], counts [G])``: see `gmm_jax.to_ragged`."""

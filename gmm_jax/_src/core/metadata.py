@@ -157,6 +157,19 @@ def max_work_items(dim_size: int, tile: int, num_local: int, align: str = "tile"
   return num_tiles + groups
 
 
+def _check_tiling(tile: int, align: str, skip: int, granule: int) -> None:
+  """ValueError unless `make_tile_metadata`'s tile, align, skip and granule go together."""
+  if tile <= 0:
+    raise ValueError(f"tile must be positive, got {tile}")
+  if align not in ALIGNMENTS:
+    raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
+  if skip < 0 or (skip and align != "group"):
+    raise ValueError(f"skip must be >= 0 and needs align='group', got {skip} with {align!r}")
+  if granule <= 0 or (granule > 1 and (align != "group" or tile % granule)):
+    raise ValueError(f"granule must be >= 1, and > 1 only with align='group' and a tile "
+                     f"that is a multiple of it, got {granule} with {align!r}, tile {tile}")
+
+
 def make_tile_metadata(
     counts: jax.Array, dim_size: int, tile: int, group_offset=0, num_local: int | None = None,
     align: str = "tile", skip: int = 0, cover: bool = False, granule: int = 1,
@@ -195,15 +208,7 @@ def make_tile_metadata(
   Returns:
     A `TileMetadata`.
   """
-  if tile <= 0:
-    raise ValueError(f"tile must be positive, got {tile}")
-  if align not in ALIGNMENTS:
-    raise ValueError(f"align must be one of {ALIGNMENTS}, got {align!r}")
-  if skip < 0 or (skip and align != "group"):
-    raise ValueError(f"skip must be >= 0 and needs align='group', got {skip} with {align!r}")
-  if granule <= 0 or (granule > 1 and (align != "group" or tile % granule)):
-    raise ValueError(f"granule must be >= 1, and > 1 only with align='group' and a tile "
-                     f"that is a multiple of it, got {granule} with {align!r}, tile {tile}")
+  _check_tiling(tile, align, skip, granule)
   num_total = counts.shape[0]
   num_local = num_total if num_local is None else num_local
   bounds = bounds_from_counts(counts, dim_size)

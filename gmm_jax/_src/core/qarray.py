@@ -281,32 +281,13 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
     raise ValueError(f"quantize needs a float array, got {describe(x)}")
   ndim = x.ndim
   channelwise = _normalize_axes(channelwise_axes, ndim, "channelwise_axes")
-  if tiled_axes is None:
-    tiled_axes = {}
-  if not isinstance(tiled_axes, Mapping):
-    raise ValueError(f"tiled_axes must be a dict {{axis: tile}}, got {tiled_axes!r}")
-  tiled = dict(zip(_normalize_axes(tuple(tiled_axes.keys()), ndim, "tiled_axes"),
-                   tiled_axes.values()))
-  if set(channelwise) & set(tiled):
-    raise ValueError(f"an axis cannot be both channelwise and tiled: {channelwise} and "
-                     f"{sorted(tiled)}")
-  for axis, t in tiled.items():
-    if not is_index(t) or t <= 0:
-      raise ValueError(f"tiled_axes tile sizes must be positive ints, got {t!r} for axis "
-                       f"{axis}")
-
+  tiled = _check_tiled(tiled_axes, channelwise, ndim)
   tile = []
   for axis, size in enumerate(x.shape):
     tile.append(1 if axis in channelwise else
                 min(int(tiled[axis]), max(size, 1)) if axis in tiled else max(size, 1))
-  # Reduce each tile: pad to whole tiles (edge values keep min/max), split and reduce.
   xf = x.astype(jnp.float32)
-  pads = [(0, -size % t) for size, t in zip(x.shape, tile)]
-  padded = jnp.pad(xf, pads, mode="edge") if any(p[1] for p in pads) and xf.size else xf
-  split = []
-  for size, t in zip(padded.shape, tile):
-    split += [size // t if t else 0, t]
-  blocks = jnp.reshape(padded, split, out_sharding=_split_sharding(padded))
+  blocks = _tile_blocks(xf, tile)
   reduce_axes = tuple(range(1, 2 * ndim, 2))
   qmin, qmax = _qrange(dtype)
   if zero_point:
@@ -332,6 +313,36 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
     q = xf / full_scale  # the cast rounds to nearest even
   q = jnp.clip(q, qmin, qmax).astype(dtype)
   return QArray(q, scale, zp, tile=tile)
+
+
+def _check_tiled(tiled_axes, channelwise: tuple[int, ...], ndim: int) -> dict[int, int]:
+  """`quantize`'s `tiled_axes` as ``{axis: tile}`` with normalized axes, checked: a mapping
+  of positive int tiles on axes that are not channelwise."""
+  if tiled_axes is None:
+    tiled_axes = {}
+  if not isinstance(tiled_axes, Mapping):
+    raise ValueError(f"tiled_axes must be a dict {{axis: tile}}, got {tiled_axes!r}")
+  tiled = dict(zip(_normalize_axes(tuple(tiled_axes.keys()), ndim, "tiled_axes"),
+                   tiled_axes.values()))
+  if set(channelwise) & set(tiled):
+    raise ValueError(f"an axis cannot be both channelwise and tiled: {channelwise} and "
+                     f"{sorted(tiled)}")
+  for axis, t in tiled.items():
+    if not is_index(t) or t <= 0:
+      raise ValueError(f"tiled_axes tile sizes must be positive ints, got {t!r} for axis "
+                       f"{axis}")
+  return tiled
+
+
+def _tile_blocks(xf, tile: list[int]):
+  """`xf` split into tiles to reduce: padded to whole tiles (edge values keep min/max) and
+  reshaped to ``[d0 // t0, t0, d1 // t1, t1, ...]``."""
+  pads = [(0, -size % t) for size, t in zip(xf.shape, tile)]
+  padded = jnp.pad(xf, pads, mode="edge") if any(p[1] for p in pads) and xf.size else xf
+  split = []
+  for size, t in zip(padded.shape, tile):
+    split += [size // t if t else 0, t]
+  return jnp.reshape(padded, split, out_sharding=_split_sharding(padded))
 
 
 def _check_bound(bound, zero_point: bool) -> float | None:

@@ -68,7 +68,9 @@ def _transpose_composed(ct, operands, cfg, trees, has_bias, out_hint):
                         out_hint=out_hint), ct, operands)
 
 
-def gmm_transpose(ct, *operands, cfg, trees, has_bias, out_hint):
+def _check_linear(operands, cfg, trees, has_bias):
+  """The operands unpacked (lhs, rhs, counts, group_offset, bias) and the row operands,
+  once gmm is known to be linear in the undefined ones (ValueError, NotImplementedError)."""
   if cfg.activation is not None:
     raise ValueError("a gmm with an activation is not linear; only its tangent gmms (which "
                      "carry no activation) are transposed")
@@ -80,6 +82,11 @@ def gmm_transpose(ct, *operands, cfg, trees, has_bias, out_hint):
     raise NotImplementedError(
         "transposing gmm with respect to its row operands is not supported (the op "
         "differentiates row_weights in its jvp; indices are not differentiable)")
+  return (lhs, rhs, counts, group_offset, bias), rows
+
+
+def gmm_transpose(ct, *operands, cfg, trees, has_bias, out_hint):
+  (lhs, rhs, counts, group_offset, bias), rows = _check_linear(operands, cfg, trees, has_bias)
   results = [None] * len(operands)
   if _is_zero(ct):
     return results
@@ -100,60 +107,78 @@ def gmm_transpose(ct, *operands, cfg, trees, has_bias, out_hint):
       raise NotImplementedError(
           f"transposing gmm with respect to the components of a QArray {name} is not "
           "supported; transpose with respect to a float operand (or dequantize it first)")
-  # A fixed Tiling was chosen for the forward's shapes: the transposed gmms take their
-  # `Tilings` entries (or the same callable), else the tuned/table/heuristic choice.
-  base = cfg.replace(tiling=None)
-  dlhs_tiling = tuning.backward_tiling(cfg.tiling, "dlhs")
-  drhs_tiling = tuning.backward_tiling(cfg.tiling, "drhs")
-  tl, tr = cfg.transpose_lhs, cfg.transpose_rhs
-  ct_lhs = ct_rhs = ct_bias = None
   if cfg.group_type == "k" and cfg.has_rows:
     return _transpose_gathered_k(ct, operands, lhs, rows, cfg, trees, has_bias)
+  # A fixed Tiling was chosen for the forward's shapes: the transposed gmms take their
+  # `Tilings` entries (or the same callable), else the tuned/table/heuristic choice.
+  tilings = (tuning.backward_tiling(cfg.tiling, "dlhs"),
+             tuning.backward_tiling(cfg.tiling, "drhs"))
   if cfg.has_rows:
-    ct_lhs, ct_rhs, ct_bias = _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows,
-                                              cfg, base, dlhs_tiling, drhs_tiling)
+    cts = _transpose_rows(ct, lhs, rhs, counts, group_offset, bias, rows, cfg,
+                          cfg.replace(tiling=None), *tilings)
   elif cfg.group_type == "m":
-    if ad.is_undefined_primal(lhs):
-      ct_lhs = gmm(ct, rhs, counts, group_offset, None,
-                     base.replace(transpose_lhs=False, transpose_rhs=not tr,
-                                  out_dtype=lhs.aval.dtype, tiling=dlhs_tiling))  # [M, K]
-      ct_lhs = ct_lhs.T if tl else ct_lhs
-    if ad.is_undefined_primal(rhs):
-      k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype, tiling=drhs_tiling)
-      hint = _spec_hint(rhs)  # the weight gradient is laid out like the weights
-      if tr:  # [L, N, K] = ct_g^T lhs_g
-        ct_rhs = gmm(ct, as_float(lhs), counts, group_offset, None,
-                     k_cfg.replace(transpose_lhs=True, transpose_rhs=tl), hint)
-      else:  # [L, K, N] = lhs_g^T ct_g
-        ct_rhs = gmm(as_float(lhs), ct, counts, group_offset, None,
-                     k_cfg.replace(transpose_lhs=not tl, transpose_rhs=False), hint)
-    if bias is not None and ad.is_undefined_primal(bias):
-      ids = metadata.row_group_ids(counts, ct.shape[0], group_offset, cfg.num_local)
-      ids = jnp.where(ids >= 0, ids, cfg.num_local)  # rows of no local group are dropped
-      ct_bias = jax.ops.segment_sum(ct.astype(jnp.float32), ids, cfg.num_local + 1)
-      ct_bias = ct_bias[:cfg.num_local].astype(bias.aval.dtype)
+    cts = _transpose_m(ct, lhs, rhs, counts, group_offset, bias, cfg, tilings)
   else:
-    m_cfg = base.replace(group_type="m")
-    if ad.is_undefined_primal(lhs):
-      ct_lhs_t = gmm(as_float(rhs), ct, counts, group_offset, None,
-                       m_cfg.replace(transpose_lhs=tr, transpose_rhs=True,
-                                     out_dtype=lhs.aval.dtype, tiling=dlhs_tiling))  # [K, M]
-      ct_lhs = ct_lhs_t if tl else ct_lhs_t.T
-    if ad.is_undefined_primal(rhs):
-      ct_rhs = gmm(as_float(lhs), ct, counts, group_offset, None,
-                     m_cfg.replace(transpose_lhs=not tl, transpose_rhs=False,
-                                   out_dtype=rhs.aval.dtype, tiling=drhs_tiling))  # [K, N]
-      ct_rhs = ct_rhs.T if tr else ct_rhs
-    if bias is not None and ad.is_undefined_primal(bias):
-      ct_bias = jnp.sum(ct.astype(jnp.float32), axis=1).astype(bias.aval.dtype)
-  num_lhs, num_rhs = trees[0].num_leaves, trees[1].num_leaves
-  if ct_lhs is not None:
-    results[0] = _typed_like(ct_lhs, lhs)
-  if ct_rhs is not None:
-    results[num_lhs] = _typed_like(ct_rhs, rhs)
-  if ct_bias is not None:
-    results[num_lhs + num_rhs + 2] = _typed_like(ct_bias, bias)
+    cts = _transpose_k(ct, lhs, rhs, counts, group_offset, bias, cfg, tilings)
+  for index, value, primal in zip(_cotangent_slots(trees), cts, (lhs, rhs, bias)):
+    if value is not None:
+      results[index] = _typed_like(value, primal)
   return results
+
+
+def _cotangent_slots(trees) -> tuple[int, int, int]:
+  """Where the cotangents of lhs, rhs and the bias go among the flat operands."""
+  num_lhs, num_rhs = trees[0].num_leaves, trees[1].num_leaves
+  return 0, num_lhs, num_lhs + num_rhs + 2
+
+
+def _transpose_m(ct, lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tilings):
+  """(ct_lhs, ct_rhs, ct_bias) of an m-grouped gmm (None where the primal is defined):
+  ``ct rhs^T`` (m-grouped), ``lhs^T ct`` (k-grouped) and the per-group sum of ct's rows."""
+  base, (dlhs_tiling, drhs_tiling) = cfg.replace(tiling=None), tilings
+  tl, tr = cfg.transpose_lhs, cfg.transpose_rhs
+  ct_lhs = ct_rhs = ct_bias = None
+  if ad.is_undefined_primal(lhs):
+    ct_lhs = gmm(ct, rhs, counts, group_offset, None,
+                 base.replace(transpose_lhs=False, transpose_rhs=not tr,
+                              out_dtype=lhs.aval.dtype, tiling=dlhs_tiling))  # [M, K]
+    ct_lhs = ct_lhs.T if tl else ct_lhs
+  if ad.is_undefined_primal(rhs):
+    k_cfg = base.replace(group_type="k", out_dtype=rhs.aval.dtype, tiling=drhs_tiling)
+    hint = _spec_hint(rhs)  # the weight gradient is laid out like the weights
+    if tr:  # [L, N, K] = ct_g^T lhs_g
+      ct_rhs = gmm(ct, as_float(lhs), counts, group_offset, None,
+                   k_cfg.replace(transpose_lhs=True, transpose_rhs=tl), hint)
+    else:  # [L, K, N] = lhs_g^T ct_g
+      ct_rhs = gmm(as_float(lhs), ct, counts, group_offset, None,
+                   k_cfg.replace(transpose_lhs=not tl, transpose_rhs=False), hint)
+  if bias is not None and ad.is_undefined_primal(bias):
+    ids = metadata.row_group_ids(counts, ct.shape[0], group_offset, cfg.num_local)
+    ids = jnp.where(ids >= 0, ids, cfg.num_local)  # rows of no local group are dropped
+    ct_bias = jax.ops.segment_sum(ct.astype(jnp.float32), ids, cfg.num_local + 1)
+    ct_bias = ct_bias[:cfg.num_local].astype(bias.aval.dtype)
+  return ct_lhs, ct_rhs, ct_bias
+
+
+def _transpose_k(ct, lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, tilings):
+  """(ct_lhs, ct_rhs, ct_bias) of a k-grouped gmm (None where the primal is defined): two
+  m-grouped gmms of ct and the other operand, and ct summed over its rows."""
+  m_cfg, (dlhs_tiling, drhs_tiling) = cfg.replace(tiling=None, group_type="m"), tilings
+  tl, tr = cfg.transpose_lhs, cfg.transpose_rhs
+  ct_lhs = ct_rhs = ct_bias = None
+  if ad.is_undefined_primal(lhs):
+    ct_lhs_t = gmm(as_float(rhs), ct, counts, group_offset, None,
+                   m_cfg.replace(transpose_lhs=tr, transpose_rhs=True,
+                                 out_dtype=lhs.aval.dtype, tiling=dlhs_tiling))  # [K, M]
+    ct_lhs = ct_lhs_t if tl else ct_lhs_t.T
+  if ad.is_undefined_primal(rhs):
+    ct_rhs = gmm(as_float(lhs), ct, counts, group_offset, None,
+                 m_cfg.replace(transpose_lhs=not tl, transpose_rhs=False,
+                               out_dtype=rhs.aval.dtype, tiling=drhs_tiling))  # [K, N]
+    ct_rhs = ct_rhs.T if tr else ct_rhs
+  if bias is not None and ad.is_undefined_primal(bias):
+    ct_bias = jnp.sum(ct.astype(jnp.float32), axis=1).astype(bias.aval.dtype)
+  return ct_lhs, ct_rhs, ct_bias
 
 
 def _typed_like(ct, x):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import pathlib
 import time
 from typing import Sequence
@@ -134,7 +135,31 @@ def autotune(m: int, k: int, n: int, num_groups: int, *, group_type: str = "m",
       raise ValueError(f"autotune needs positive int dims, got {name}={value!r}")
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")
-  grouped = m if group_type == "m" else k
+  distributions = _distributions(m if group_type == "m" else k, num_groups, group_sizes)
+  lhs, rhs = _operands(m, k, n, num_groups, group_type, dtype, weight_dtype, transpose_lhs,
+                       transpose_rhs, seed)
+  options = dict(group_type=group_type, transpose_lhs=transpose_lhs,
+                 transpose_rhs=transpose_rhs, activation=activation,
+                 preferred_element_type=out_dtype, implementation=implementation,
+                 interpret=interpret)
+  counts = [jnp.asarray(s) for s in distributions]
+  program = functools.partial(_program, weights_differentiable=weight_dtype is None)
+  results = []
+  for role in (ROLES if backward else ("fwd",)):
+    result = _tune_role(role, program, options, (lhs, rhs), counts, candidates, repeats)
+    results.append(result)
+    if write:
+      tuning.cache_store(result.problem, result.best, {
+          "seconds": result.seconds, "default_seconds": result.default_seconds,
+          "group_sizes": [s.tolist() for s in distributions], "repeats": repeats,
+          "jax": jax.__version__, "date": datetime.date.today().isoformat(),
+          "candidates": len(result.timings)}, None if cache is None else pathlib.Path(cache))
+  return tuple(results)
+
+
+def _distributions(grouped: int, num_groups: int, group_sizes) -> list[np.ndarray]:
+  """The group-size vectors `autotune` times (default one balanced vector), checked: each
+  `num_groups` non-negative sizes summing to at most `grouped` (M, or K for k-grouping)."""
   if group_sizes is None:
     group_sizes = [_balanced(grouped, num_groups)]
   distributions = []
@@ -145,7 +170,13 @@ def autotune(m: int, k: int, n: int, num_groups: int, *, group_type: str = "m",
           f"each group_sizes vector must be {num_groups} non-negative sizes summing to at "
           f"most {grouped}, got {sizes.tolist()}")
     distributions.append(sizes)
+  return distributions
 
+
+def _operands(m: int, k: int, n: int, num_groups: int, group_type: str, dtype, weight_dtype,
+              transpose_lhs: bool, transpose_rhs: bool, seed: int):
+  """Random lhs and rhs of the tuned gmm (rhs quantized per expert and output channel when
+  `weight_dtype` is given)."""
   rng = np.random.default_rng(seed)
   lhs_shape = (k, m) if transpose_lhs else (m, k)
   if group_type == "m":
@@ -158,61 +189,54 @@ def autotune(m: int, k: int, n: int, num_groups: int, *, group_type: str = "m",
     n_axis = rhs.ndim - 2 if transpose_rhs else rhs.ndim - 1
     rhs = quantize(rhs.astype(jnp.float32), weight_dtype,
                    channelwise_axes=(0, n_axis) if group_type == "m" else (n_axis,))
-  options = dict(group_type=group_type, transpose_lhs=transpose_lhs,
-                 transpose_rhs=transpose_rhs, activation=activation,
-                 preferred_element_type=out_dtype, implementation=implementation,
-                 interpret=interpret)
-  counts = [jnp.asarray(s) for s in distributions]
+  return lhs, rhs
 
-  def program(tilings, role, gmm_options):
-    def forward(x, w, sizes):
-      return api.gmm(x, w, sizes, tiling=tilings, **gmm_options)
-    if role == "fwd":
-      return jax.jit(forward)
-    # The backward gmms run inside the gradient (the forward's value is unused and
-    # dropped); the other gmms keep their choice, so differences come from the tuned one.
-    loss = lambda x, w, sizes: jnp.sum(forward(x, w, sizes).astype(jnp.float32))
-    return jax.jit(jax.grad(loss, argnums=(0, 1) if weight_dtype is None else (0,)))
 
-  roles = ROLES if backward else ("fwd",)
-  results = []
-  for role in roles:
-    problem, _ = _problem_of(lambda t, role=role: program(t, role, options), lhs, rhs,
-                             counts[0], role)
-    if problem is None:
-      raise ValueError(f"the {role} gmm of this call is served by no implementation that "
-                       "takes a tiling")
-    # The implementation is pinned: a tiling it refuses raises instead of silently timing
-    # the next implementation of the chain.
-    pinned = dict(options, implementation=problem.implementation)
+def _program(tilings, role: str, gmm_options: dict, *, weights_differentiable: bool):
+  """The jitted program whose `role` gmm is timed: the forward, or the gradient that runs
+  a backward gmm (with respect to lhs, and rhs unless it is quantized)."""
+  def forward(x, w, sizes):
+    return api.gmm(x, w, sizes, tiling=tilings, **gmm_options)
+  if role == "fwd":
+    return jax.jit(forward)
+  # The backward gmms run inside the gradient (the forward's value is unused and
+  # dropped); the other gmms keep their choice, so differences come from the tuned one.
+  loss = lambda x, w, sizes: jnp.sum(forward(x, w, sizes).astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1) if weights_differentiable else (0,)))
 
-    def run_with(tiling, role=role, problem=problem, pinned=pinned):
-      choose = lambda p, t=tiling: t if p == problem else None
-      fn = program(Tilings(**{role: choose}), role, pinned)
-      return sum(min_wall_time(fn, (lhs, rhs, c), repeats) for c in counts)
 
-    default_seconds = run_with(None)
-    timings = []
-    for tiling in (candidates or default_candidates(problem)):
-      try:
-        seconds = run_with(tiling)
-      except NotImplementedError:
-        seconds = None
-      timings.append((tiling, seconds))
-    measured = [(s, t) for t, s in timings if s is not None]
-    if not measured:
-      raise ValueError(f"no candidate tiling ran for {problem}: "
-                       f"{[t for t, _ in timings]}")
-    seconds, best = min(measured, key=lambda st: st[0])
-    result = TuneResult(role, problem, best, seconds, default_seconds, tuple(timings))
-    results.append(result)
-    if write:
-      tuning.cache_store(problem, best, {
-          "seconds": seconds, "default_seconds": default_seconds,
-          "group_sizes": [s.tolist() for s in distributions], "repeats": repeats,
-          "jax": jax.__version__, "date": datetime.date.today().isoformat(),
-          "candidates": len(timings)}, None if cache is None else pathlib.Path(cache))
-  return tuple(results)
+def _tune_role(role: str, program, options: dict, operands, counts, candidates,
+               repeats: int) -> TuneResult:
+  """Times the default and each candidate tiling of the `role` gmm, with the implementation
+  that serves it pinned."""
+  lhs, rhs = operands
+  problem, _ = _problem_of(lambda t: program(t, role, options), lhs, rhs, counts[0], role)
+  if problem is None:
+    raise ValueError(f"the {role} gmm of this call is served by no implementation that "
+                     "takes a tiling")
+  # The implementation is pinned: a tiling it refuses raises instead of silently timing
+  # the next implementation of the chain.
+  pinned = dict(options, implementation=problem.implementation)
+
+  def run_with(tiling):
+    choose = lambda p, t=tiling: t if p == problem else None
+    fn = program(Tilings(**{role: choose}), role, pinned)
+    return sum(min_wall_time(fn, (lhs, rhs, c), repeats) for c in counts)
+
+  default_seconds = run_with(None)
+  timings = []
+  for tiling in (candidates or default_candidates(problem)):
+    try:
+      seconds = run_with(tiling)
+    except NotImplementedError:
+      seconds = None
+    timings.append((tiling, seconds))
+  measured = [(s, t) for t, s in timings if s is not None]
+  if not measured:
+    raise ValueError(f"no candidate tiling ran for {problem}: "
+                     f"{[t for t, _ in timings]}")
+  seconds, best = min(measured, key=lambda st: st[0])
+  return TuneResult(role, problem, best, seconds, default_seconds, tuple(timings))
 
 
 def _problem_of(program, lhs, rhs, counts, role):

@@ -11,24 +11,26 @@ without building a kernel.
 * Mosaic TPU (`gmm_jax.pallas.tpu.gmm`): the VMEM footprint of a tiling (`vmem_bytes`,
   `vmem_limit`), a roofline time (`modelled_seconds`), the kernels' work items (`m_items`,
   `k_items`) and `tpu_static_cost`, a model of the DMAs a grid order implies.
-* The chips: `GPU_KINDS` (compute capability and SMs by kind, B200 included) and
-  `gpu_capability`; `TPU_CHIPS` (VMEM, MXU, peak rates, HBM per jax device, by device kind,
-  TPU7x included: no int8 MXU, two devices per chip), `int8_mxu` and `fp8_mxu`.
+* The bytes both static models count as read from HBM (an LRU L2, DMAs of consecutive grid
+  steps) are `traffic`'s.
+* The target as the kernels see it: the GPU (`gpu_target`, `gpu_capability`, `gpu_sm_count`,
+  its shared memory `GPU_SMEM_BYTES`) and the TPU's VMEM (`vmem_capacity`), MXU rows
+  (`mxu_rows`) and fp8 MXU path (`fp8_mxu`), read from the device or else from the chip
+  tables (`chips`).
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig, Tiling
+from gmm_jax._src.tiling import chips, traffic
+from gmm_jax._src.tiling.chips import MIB
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -37,9 +39,11 @@ def _cdiv(a: int, b: int) -> int:
 
 # ------------------------------------------------------------------------- GPU target
 
-# H100 / H200 (SXM): streaming multiprocessors when the target does not say, and L2.
-DEFAULT_NUM_SMS = 132
-L2_BYTES = 50 * 2**20
+# Shared memory one block may use on sm_90 (228 KiB per SM, 1 KiB reserved): the kernels'
+# pipeline depth and the tile tables are held to it.
+GPU_SMEM_BYTES = 227 * 1024
+
+
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -68,31 +72,6 @@ def _gpu_candidates(device) -> list:
   return candidates
 
 
-# Compute capability and SMs of the GPU kinds gmm_jax knows, for a target that names only its
-# kind (an abstract device); a jax Device says both itself (``compute_capability``,
-# ``core_count``). Hopper kinds are sm_90 (the Mosaic GPU kernel's wgmma).
-GPU_KINDS = {
-    "NVIDIA H100": ((9, 0), 132),
-    "NVIDIA H200": ((9, 0), 132),
-    "NVIDIA H800": ((9, 0), 132),
-    "NVIDIA H20": ((9, 0), 78),
-    "NVIDIA GH200": ((9, 0), 132),
-    "NVIDIA B200": ((10, 0), 148),
-}
-# Shared memory one block may use on sm_90 (228 KiB per SM, 1 KiB reserved): the kernels'
-# pipeline depth and the tile tables are held to it.
-GPU_SMEM_BYTES = 227 * 1024
-
-
-def _gpu_kind_entry(kind) -> tuple[tuple[int, int], int] | None:
-  """The `GPU_KINDS` entry whose name is in `kind` ("NVIDIA H100 80GB HBM3"), longest first."""
-  kind = str(kind or "")
-  for name in sorted(GPU_KINDS, key=len, reverse=True):
-    if name.removeprefix("NVIDIA ") in kind:
-      return GPU_KINDS[name]
-  return None
-
-
 def _parse_capability(value) -> tuple[int, int] | None:
   if value is None:
     return None
@@ -109,8 +88,8 @@ def gpu_target(device=None) -> tuple[tuple[int, int] | None, int, str]:
   The one reader of the target GPU. Looked up in `device` if given, else jax's default
   device (a deviceless compile names its target so: the target config's
   ``compute_capability`` and ``core_count``), the abstract mesh's device (its kind in
-  `GPU_KINDS`), the first local GPU. With none of them a GPU (interpret mode on a CPU): no
-  capability and `DEFAULT_NUM_SMS` (H100/H200).
+  `chips.GPU_KINDS`), the first local GPU. With none of them a GPU (interpret mode on a
+  CPU): no capability and `chips.DEFAULT_NUM_SMS` (H100/H200).
   """
   where = ("device", "default device", "abstract device", "local device")
   for place, candidate in zip(where if device is not None else where[1:],
@@ -118,13 +97,13 @@ def gpu_target(device=None) -> tuple[tuple[int, int] | None, int, str]:
     if candidate is None or getattr(candidate, "platform", None) not in _GPU_PLATFORMS:
       continue
     kind = getattr(candidate, "device_kind", None)
-    entry = _gpu_kind_entry(kind)
+    entry = chips.gpu_kind_entry(kind)
     capability = _parse_capability(getattr(candidate, "compute_capability", None))
     if capability is None and entry is not None:
       capability = entry[0]
-    cores = _device_sm_count(candidate) or (entry[1] if entry else DEFAULT_NUM_SMS)
+    cores = _device_sm_count(candidate) or (entry[1] if entry else chips.DEFAULT_NUM_SMS)
     return capability, cores, f"{place} {kind}"
-  return None, DEFAULT_NUM_SMS, "no GPU device in sight"
+  return None, chips.DEFAULT_NUM_SMS, "no GPU device in sight"
 
 
 def gpu_sm_count(device=None) -> int:
@@ -144,7 +123,7 @@ TRITON_ALIGN = "group"  # the Triton kernels' work items start at their group's 
 SMALLEST_TILE = 16  # tl.dot needs every dimension >= 16
 # The lhs rows one band of `program_order` keeps in L2 (the rest of L2 holds the weight
 # tiles the band streams through).
-BAND_BYTES = L2_BYTES // 3
+BAND_BYTES = chips.L2_BYTES // 3
 MAX_BAND = 64
 # Split-K writes and re-reads an f32 partial-sum buffer; a chunk of at least this many K
 # rows keeps that round trip small next to the MMA work.
@@ -222,41 +201,6 @@ def _triton_windows(counts, dim_size: int, window: int, num_local: int, cover: b
   return items
 
 
-class _L2:
-  """An LRU cache of whole tiles: counts the bytes that miss (read from HBM).
-
-  Programs run in waves of `num_sms` (one 8-warp program per SM); the programs of a wave
-  stream K in step, so a tile they share is read once per wave however long it is. Across
-  waves a tile is reused only if it is still cached.
-  """
-
-  def __init__(self, capacity: int, num_sms: int):
-    self.capacity, self.num_sms, self.used, self.missed = capacity, num_sms, 0, 0
-    self.lines = collections.OrderedDict()
-    self.wave, self.programs = {}, 0
-
-  def read(self, key, size: int):
-    self.wave.setdefault(key, size)
-
-  def program_done(self):
-    self.programs += 1
-    if self.programs % self.num_sms == 0:
-      self.flush()
-
-  def flush(self):
-    for key, size in self.wave.items():
-      if key in self.lines:
-        self.lines.move_to_end(key)
-        continue
-      self.missed += size
-      self.lines[key] = size
-      self.used += size
-    while self.used > self.capacity:
-      _, evicted = self.lines.popitem(last=False)
-      self.used -= evicted
-    self.wave = {}
-
-
 def split_chunks(k: int, k_chunk: int) -> int:
   """Static bound on the split-K chunks of one group (a group's K rows are at most K):
   the leading dimension of the deterministic partial-sum buffer."""
@@ -265,7 +209,7 @@ def split_chunks(k: int, k_chunk: int) -> int:
 
 def triton_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
                        itemsize: int = 2, *, k_chunk: int | None = None,
-                       l2_bytes: int = L2_BYTES, num_sms: int | None = None) -> dict:
+                       l2_bytes: int = chips.L2_BYTES, num_sms: int | None = None) -> dict:
   """What the kernel does for concrete group sizes (a host-side numpy model).
 
   Args:
@@ -288,41 +232,52 @@ def triton_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: T
     fixed order; 0 without split).
   """
   counts = np.asarray(counts, np.int64)
-  out_itemsize = np.dtype(cfg.out_dtype).itemsize
-  n_tiles = _cdiv(n, tiling.tile_n)
   num_sms = gpu_sm_count() if num_sms is None else num_sms
-  l2 = _L2(l2_bytes, num_sms)
-  num_local = cfg.num_local
+  l2 = traffic.L2(l2_bytes, num_sms)
   if cfg.group_type == "m":
-    items = _triton_windows(counts[:num_local], m, tiling.tile_m, num_local)
-    num_rows = metadata.max_work_items(m, tiling.tile_m, num_local, TRITON_ALIGN)
-    classes = (*row_classes(tiling.tile_m), tiling.tile_m)
-    lengths = np.array([end - start for _, start, end in items], np.int64)
-    padded = [next(c for c in classes if c >= length) for length in lengths]
-    useful, mma = int(lengths.sum()), int(sum(padded))
-    band = band_rows(tiling.tile_m * k * itemsize, num_rows)
-    programs = np.arange(num_rows * n_tiles)
-    rows, cols = program_order(programs, num_rows, n_tiles, band, xp=np)
-    busy = 0
-    for row, col in zip(rows.tolist(), cols.tolist()):
-      if row >= len(items):
-        continue
-      busy += 1
-      group, start, end = items[row]
-      width = min(tiling.tile_n, n - col * tiling.tile_n)
-      l2.read(("lhs", row), (end - start) * k * itemsize)
-      l2.read(("rhs", group, col), k * width * itemsize)
-      l2.program_done()
-    l2.flush()
-    used_groups = len({group for group, _, _ in items})
-    ideal_in = (useful * k + used_groups * k * n) * itemsize
-    out_bytes = m * n * out_itemsize
-    return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_rows * n_tiles),
-                busy_steps=busy, hbm_bytes=int(l2.missed + out_bytes),
-                ideal_bytes=int(ideal_in + out_bytes), split_buffer_bytes=0)
-
+    return _triton_m_cost(counts, m, k, n, cfg, tiling, itemsize, l2)
   if k_chunk is None:
     k_chunk = default_k_chunk(m, k, n, cfg, tiling, num_sms) or 0
+  return _triton_k_cost(counts, m, k, n, cfg, tiling, itemsize, l2, k_chunk)
+
+
+def _triton_m_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
+                   itemsize: int, l2: traffic.L2) -> dict:
+  """`triton_static_cost` of m-grouping: each program one row window of a group (rounded
+  up to its row class) times one column tile, in banded order."""
+  num_local, n_tiles = cfg.num_local, _cdiv(n, tiling.tile_n)
+  items = _triton_windows(counts[:num_local], m, tiling.tile_m, num_local)
+  num_rows = metadata.max_work_items(m, tiling.tile_m, num_local, TRITON_ALIGN)
+  classes = (*row_classes(tiling.tile_m), tiling.tile_m)
+  lengths = np.array([end - start for _, start, end in items], np.int64)
+  padded = [next(c for c in classes if c >= length) for length in lengths]
+  useful, mma = int(lengths.sum()), int(sum(padded))
+  band = band_rows(tiling.tile_m * k * itemsize, num_rows)
+  rows, cols = program_order(np.arange(num_rows * n_tiles), num_rows, n_tiles, band, xp=np)
+  busy = 0
+  for row, col in zip(rows.tolist(), cols.tolist()):
+    if row >= len(items):
+      continue
+    busy += 1
+    group, start, end = items[row]
+    width = min(tiling.tile_n, n - col * tiling.tile_n)
+    l2.read(("lhs", row), (end - start) * k * itemsize)
+    l2.read(("rhs", group, col), k * width * itemsize)
+    l2.program_done()
+  l2.flush()
+  used_groups = len({group for group, _, _ in items})
+  ideal_in = (useful * k + used_groups * k * n) * itemsize
+  out_bytes = m * n * np.dtype(cfg.out_dtype).itemsize
+  return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_rows * n_tiles),
+              busy_steps=busy, hbm_bytes=int(l2.missed + out_bytes),
+              ideal_bytes=int(ideal_in + out_bytes), split_buffer_bytes=0)
+
+
+def _triton_k_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
+                   itemsize: int, l2: traffic.L2, k_chunk: int) -> dict:
+  """`triton_static_cost` of k-grouping: each program one K window of a group (a whole
+  group, or a split-K chunk of one) times one output tile, in banded order."""
+  num_local, n_tiles = cfg.num_local, _cdiv(n, tiling.tile_n)
   split = 0 < k_chunk < k
   items = _triton_windows(counts[:num_local], k, k_chunk if split else max(k, 1), num_local,
                           cover=not split)
@@ -349,28 +304,33 @@ def triton_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: T
     l2.read(("rhs", item, col), (end - start) * width * itemsize)
     l2.program_done()
   l2.flush()
-  out_bytes = num_local * m * n * out_itemsize
-  hbm = l2.missed + out_bytes
-  partial = num_local * m * n * 4
-  buffer = 0
-  if split and cfg.deterministic:  # zero fill, one write per item tile, the ordered sum
-    buffer = split_chunks(k, k_chunk) * partial
-    hbm += 2 * buffer + len(items) * m * n * 4 + partial
-  elif split:  # zero fill, atomic read-modify-write per item tile, epilogue read
-    buffer = partial
-    hbm += partial * 2 + len(items) * m * n * 4 * 2
+  out_bytes = num_local * m * n * np.dtype(cfg.out_dtype).itemsize
+  split_hbm, buffer = _split_traffic(cfg, m, n, k, k_chunk if split else 0, len(items))
   ideal = useful * (m + n) * itemsize + out_bytes
   return dict(useful_rows=useful, mma_rows=mma, grid_steps=int(num_items * m_tiles * n_tiles),
-              busy_steps=busy, hbm_bytes=int(hbm), ideal_bytes=int(ideal),
-              split_buffer_bytes=int(buffer))
+              busy_steps=busy, hbm_bytes=int(l2.missed + out_bytes + split_hbm),
+              ideal_bytes=int(ideal), split_buffer_bytes=int(buffer))
+
+
+def _split_traffic(cfg: GmmConfig, m: int, n: int, k: int, k_chunk: int,
+                   num_items: int) -> tuple[int, int]:
+  """(HBM bytes, bytes of the f32 partial-sum buffer) that split-K adds to k-grouping
+  (`k_chunk` 0: no split, none)."""
+  partial = cfg.num_local * m * n * 4
+  if k_chunk and cfg.deterministic:  # zero fill, one write per item tile, the ordered sum
+    buffer = split_chunks(k, k_chunk) * partial
+    return 2 * buffer + num_items * m * n * 4 + partial, buffer
+  if k_chunk:  # zero fill, atomic read-modify-write per item tile, epilogue read
+    return partial * 2 + num_items * m * n * 4 * 2, partial
+  return 0, 0
 
 
 # ------------------------------------------------------------------------- TPU: VMEM
 
 TPU_ALIGN = "tile"  # the TPU kernels' BlockSpec index maps address whole tiles
 LANE = 128
-MIB = 2**20
-# When neither jax's TPU info nor `TPU_CHIPS` knows the target (CPU interpret mode): v5e's.
+# When neither jax's TPU info nor `chips.TPU_CHIPS` knows the target (CPU interpret mode):
+# v5e's.
 DEFAULT_VMEM_CAPACITY = 128 * MIB
 DEFAULT_MXU_ROWS = 128
 VMEM_RESERVE = 8 * MIB  # left to Mosaic's internal scratch
@@ -379,90 +339,11 @@ DEQUANT_ROWS = 256  # stored weight rows dequantized at a time into the VMEM cac
 STEP_OVERHEAD_S = 0.35e-6  # per grid step (pipeline bookkeeping), the usual Pallas TPU figure
 
 
-@dataclasses.dataclass(frozen=True)
-class TpuChip:
-  """One TPU generation as gmm_jax plans for it, per jax device (a TensorCore on chips
-  whose cores are separate devices, the whole chip on single-core and megacore chips).
-
-  Fields: ``vmem_bytes`` per core; ``mxu`` the systolic array's side (rows = columns);
-  ``bf16_flops``, ``int8_ops``, ``fp8_flops`` dense peak per device (0: the MXU has no
-  such path); ``hbm_bandwidth`` bytes/s and ``hbm_bytes`` per device; ``devices_per_chip``
-  the jax devices one chip shows.
-  """
-
-  name: str
-  vmem_bytes: int
-  mxu: int
-  bf16_flops: float
-  int8_ops: float
-  fp8_flops: float
-  hbm_bandwidth: float
-  hbm_bytes: int
-  devices_per_chip: int = 1
-
-  @property
-  def int8_mxu(self) -> bool:
-    """Whether int8 x int8 products run on the MXU (into int32)."""
-    return self.int8_ops > 0
-
-  @property
-  def fp8_mxu(self) -> bool:
-    """Whether 8-bit float products (e4m3/e5m2) run on the MXU (into f32)."""
-    return self.fp8_flops > 0
-
-
-GIB = 2**30
-_V5E = TpuChip("v5e", 128 * MIB, 128, 197e12, 394e12, 0, 819e9, 16 * GIB)
-_V5P = TpuChip("v5p", 64 * MIB, 128, 459e12, 918e12, 0, 2765e9, 95 * GIB)
-_V6E = TpuChip("v6e", 128 * MIB, 256, 918e12, 1836e12, 0, 1640e9, 32 * GIB)
-# TPU7x (Ironwood): per chip 2.31 PFLOP/s bf16, 4.61 PFLOP/s fp8, no int8 MXU path, 192 GiB
-# HBM at 7.37 TB/s; its two TensorCores are two jax devices, so each gets half of those.
-_TPU7X = TpuChip("TPU7x", 64 * MIB, 256, 2.31e15 / 2, 0, 4.61e15 / 2, 7.37e12 / 2,
-                 96 * GIB, devices_per_chip=2)
-# device_kind (as jax reports it) -> chip.
-TPU_CHIPS = {
-    "TPU v5 lite": _V5E, "TPU v5e": _V5E,
-    "TPU v5": _V5P, "TPU v5p": _V5P,
-    "TPU v6 lite": _V6E, "TPU v6e": _V6E,
-    "TPU7x": _TPU7X,
-}
-
-
-def tpu_kind() -> str | None:
-  """The device kind of the TPU a kernel is compiled for (the default device, else the
-  abstract mesh's device, else the first local TPU), None when none is in sight."""
-  candidates = [jax.config.jax_default_device]
-  try:
-    candidates.append(jax.sharding.get_abstract_mesh().abstract_device)
-  except Exception:  # noqa: BLE001  (older jax: no abstract device)
-    pass
-  for candidate in candidates:
-    if candidate is not None and getattr(candidate, "platform", None) == "tpu":
-      return str(candidate.device_kind)
-  try:
-    return str(jax.devices("tpu")[0].device_kind)
-  except RuntimeError:  # no TPU backend in this process
-    return None
-
-
-def tpu_chip(kind: str | None = None) -> TpuChip | None:
-  """The `TPU_CHIPS` entry of device kind `kind` (default: the target's, `tpu_kind`)."""
-  kind = tpu_kind() if kind is None else kind
-  return TPU_CHIPS.get(kind) if kind is not None else None
-
-
-def int8_mxu(kind: str | None = None) -> bool:
-  """Whether the target TPU (or device kind `kind`) multiplies int8 x int8 on its MXU.
-  False for TPU7x (fp8 instead); True for kinds gmm_jax does not know (as before)."""
-  chip = tpu_chip(kind)
-  return True if chip is None else chip.int8_mxu
-
-
 def fp8_mxu(kind: str | None = None) -> bool:
   """Whether the target TPU (or device kind `kind`) multiplies 8-bit floats on its MXU.
   True for TPU7x; False for v5e/v5p/v6e and for kinds gmm_jax does not know (their kernels
   convert fp8 values to bf16, exactly, before the dot)."""
-  chip = tpu_chip(kind)
+  chip = chips.tpu_chip(kind)
   return False if chip is None else chip.fp8_mxu
 
 
@@ -471,27 +352,18 @@ def fit_tile(tile: int, dim: int) -> int:
   return dim if tile >= dim else tile
 
 
-def _tpu_info():
-  """The target TPU's `TpuInfo` (the default device's), or None when it is not a TPU."""
-  try:  # an optional dependency: this jax's Pallas TPU backend
-    from jax._src.pallas.mosaic import tpu_info
-    return tpu_info.get_tpu_info()
-  except Exception:  # noqa: BLE001  (CPU: ValueError; older jax or no device: others)
-    return None
-
-
 def vmem_capacity() -> int:
-  """Bytes of VMEM of the target TPU core: jax's TPU info, else `TPU_CHIPS` (64 MiB on
+  """Bytes of VMEM of the target TPU core: jax's TPU info, else `chips.TPU_CHIPS` (64 MiB on
   TPU7x), else 128 MiB (v5e/v6e) when neither can say."""
-  return int(getattr(_tpu_info(), "vmem_capacity_bytes", 0)
-             or getattr(tpu_chip(), "vmem_bytes", 0) or DEFAULT_VMEM_CAPACITY)
+  return int(getattr(chips.target_tpu_info(), "vmem_capacity_bytes", 0)
+             or getattr(chips.tpu_chip(), "vmem_bytes", 0) or DEFAULT_VMEM_CAPACITY)
 
 
 def mxu_rows() -> int:
   """Rows of the MXU (128 on v5e, 256 on v6e and TPU7x): the row slice a partial item
-  computes (jax's TPU info, else `TPU_CHIPS`, else 128)."""
-  return int(getattr(_tpu_info(), "mxu_column_size", 0) or getattr(tpu_chip(), "mxu", 0)
-             or DEFAULT_MXU_ROWS)
+  computes (jax's TPU info, else `chips.TPU_CHIPS`, else 128)."""
+  return int(getattr(chips.target_tpu_info(), "mxu_column_size", 0)
+             or getattr(chips.tpu_chip(), "mxu", 0) or DEFAULT_MXU_ROWS)
 
 
 def vmem_bytes(tiling: Tiling, group_type: str, *, lhs_itemsize: int, rhs_itemsize: int,
@@ -542,23 +414,12 @@ def vmem_limit(needed: int, capacity: int | None = None) -> int:
   return int(min(ceiling, -(-limit // MIB) * MIB))
 
 
-def _device_rates() -> tuple[float, float]:
-  """(bf16 MXU flop/s, HBM bytes/s) of the target TPU, per jax device: jax's TPU info, else
-  `TPU_CHIPS`, else v5e's."""
-  info = _tpu_info()
-  flops = float(getattr(info, "bf16_ops_per_second", 0)
-                or getattr(tpu_chip(), "bf16_flops", 0) or 197e12)
-  bandwidth = float(getattr(info, "mem_bw_bytes_per_second", 0)
-                    or getattr(tpu_chip(), "hbm_bandwidth", 0) or 820e9)
-  return flops, bandwidth
-
-
 def modelled_seconds(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig, itemsize: int,
                      row_chunk: int | None = None) -> float:
   """A roofline estimate of one call with balanced groups: max(MXU time of the padded work,
   HBM time of the DMAs the grid order implies) + a fixed cost per grid step. Used to rank
   the tiles that fit in VMEM (`default_tiling`); `static_cost` models concrete counts."""
-  peak, bandwidth = _device_rates()
+  peak, bandwidth = chips.device_rates()
   peak = peak * (2 / itemsize if itemsize > 2 else 1)  # f32 dots take several passes
   row_chunk = mxu_rows() if row_chunk is None else row_chunk
   tm, tk, tn = (fit_tile(tiling.tile_m, m), fit_tile(tiling.tile_k, k),
@@ -612,21 +473,6 @@ def k_items(counts, k: int, tile_k: int, group_offset, num_local: int):
   return (meta.group_ids, meta.tile_ids, meta.item_start, meta.item_end), meta.num_items
 
 
-def _block_bytes(index, tile: int, dim: int) -> np.ndarray:
-  """Elements of blocks `index` of `tile` along a dim of `dim` (the edge block is short)."""
-  return np.clip(dim - np.asarray(index) * tile, 0, tile)
-
-
-def _dma_bytes(keys: np.ndarray, sizes: np.ndarray) -> int:
-  """Bytes fetched along a sequence of grid steps: a block is fetched when its index
-  (a row of `keys`) differs from the previous step's."""
-  if keys.shape[0] == 0:
-    return 0
-  changed = np.ones(keys.shape[0], bool)
-  changed[1:] = np.any(keys[1:] != keys[:-1], axis=1)
-  return int(np.sum(sizes[changed]))
-
-
 def tpu_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tiling,
                     itemsize: int = 2, *, group_offset: int = 0, row_chunk: int | None = None,
                     out_itemsize: int | None = None) -> dict:
@@ -657,62 +503,81 @@ def tpu_static_cost(counts, m: int, k: int, n: int, cfg: GmmConfig, tiling: Tili
   out_itemsize = cfg.out_dtype.itemsize if out_itemsize is None else out_itemsize
   row_chunk = mxu_rows() if row_chunk is None else row_chunk
   kb = max(k, 1)
-  tm, tk, tn = (fit_tile(tiling.tile_m, m), fit_tile(tiling.tile_k, kb),
-                fit_tile(tiling.tile_n, n))
-  num_m, num_k, num_n = _cdiv(m, tm), _cdiv(kb, tk), _cdiv(n, tn)
+  tiles = (fit_tile(tiling.tile_m, m), fit_tile(tiling.tile_k, kb), fit_tile(tiling.tile_n, n))
   ideal = (m * kb + cfg.num_local * kb * n if cfg.group_type == "m" else m * kb + kb * n)
   ideal = ideal * itemsize + (m * n if cfg.group_type == "m" else cfg.num_local * m * n) * (
       out_itemsize)
   if cfg.group_type == "m":
-    arrays, count = m_items(counts, m, tm, jnp.int32(group_offset), cfg.num_local, num_k)
-    groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed = (
-        np.asarray(a)[:int(count)] for a in arrays)
-    real = real.astype(bool)
-    owned = ends - starts
-    lo = out_tiles * tm
-    full = (starts <= lo) & (ends >= lo + tm)
-    chunks = tm // row_chunk if row_chunk < tm and tm % row_chunk == 0 else 1
-    if chunks > 1:
-      chunk_lo = lo[:, None] + np.arange(chunks)[None, :] * row_chunk
-      touched = (starts[:, None] < chunk_lo + row_chunk) & (ends[:, None] > chunk_lo)
-      rows = np.where(full, tm, touched.sum(axis=1) * row_chunk)
-    else:
-      rows = np.full_like(starts, tm)
-    mma_rows = int(np.sum(np.where(real, rows, 0)))
-    items = len(groups)
-    n_i, item, k_i = (a.ravel() for a in np.meshgrid(np.arange(num_n), np.arange(items),
-                                                     np.arange(num_k), indexing="ij"))
-    k_eff = np.where(real[item], k_i, k_fixed[item])
-    lhs_keys = np.stack([lhs_tiles[item], k_eff], 1)
-    lhs_sizes = _block_bytes(lhs_tiles[item], tm, m) * _block_bytes(k_eff, tk, kb)
-    rhs_keys = np.stack([groups[item], k_eff, n_i], 1)
-    rhs_sizes = _block_bytes(k_eff, tk, kb) * _block_bytes(n_i, tn, n)
-    out_keys = np.stack([out_tiles[item], n_i], 1)
-    out_sizes = _block_bytes(out_tiles[item], tm, m) * _block_bytes(n_i, tn, n)
-    useful = int(np.sum(np.where(real, owned, 0)))
-    work = int(np.sum(real)) * num_n * num_k
-    group_starts, group_ends = (np.asarray(a) for a in metadata.local_group_bounds(
-        counts, m, jnp.int32(group_offset), cfg.num_local))
-    bound_chunk = min(row_chunk, tm)
-    bound = int(np.sum(-(-(group_ends - group_starts) // bound_chunk)) * bound_chunk)
+    rows, (lhs, rhs, out) = _tpu_m_steps(counts, (m, kb, n), tiles, group_offset,
+                                         cfg.num_local, row_chunk)
   else:
-    arrays, count = k_items(counts, kb if k else 0, tk, jnp.int32(group_offset), cfg.num_local)
-    groups, tiles, starts, ends = (np.asarray(a)[:int(count)] for a in arrays)
-    items = len(groups)
-    useful = int(np.sum(ends - starts))
-    mma_rows = int(np.sum(np.where(ends > starts, tk, 0)))
-    m_i, n_i, item = (a.ravel() for a in np.meshgrid(np.arange(num_m), np.arange(num_n),
-                                                     np.arange(items), indexing="ij"))
-    lhs_keys = np.stack([tiles[item], m_i], 1)
-    lhs_sizes = _block_bytes(tiles[item], tk, kb) * _block_bytes(m_i, tm, m)
-    rhs_keys = np.stack([tiles[item], n_i], 1)
-    rhs_sizes = _block_bytes(tiles[item], tk, kb) * _block_bytes(n_i, tn, n)
-    out_keys = np.stack([groups[item], m_i, n_i], 1)
-    out_sizes = _block_bytes(m_i, tm, m) * _block_bytes(n_i, tn, n)
-    work = int(np.sum(ends > starts)) * num_m * num_n
-    bound = useful
-  hbm = (_dma_bytes(lhs_keys, lhs_sizes) + _dma_bytes(rhs_keys, rhs_sizes)) * itemsize
-  hbm += _dma_bytes(out_keys, out_sizes) * out_itemsize
-  return dict(useful_rows=useful, mma_rows=mma_rows, group_aligned_rows=bound,
-              grid_steps=int(len(lhs_keys)),
-              work_steps=work, hbm_bytes=int(hbm), ideal_bytes=int(ideal), items=items)
+    rows, (lhs, rhs, out) = _tpu_k_steps(counts, (m, k, n), tiles, group_offset,
+                                         cfg.num_local)
+  hbm = (traffic.dma_bytes(*lhs) + traffic.dma_bytes(*rhs)) * itemsize
+  hbm += traffic.dma_bytes(*out) * out_itemsize
+  return dict(useful_rows=rows["useful"], mma_rows=rows["mma"],
+              group_aligned_rows=rows["bound"], grid_steps=int(len(lhs[0])),
+              work_steps=rows["work"], hbm_bytes=int(hbm), ideal_bytes=int(ideal),
+              items=rows["items"])
+
+
+def _mxu_pass_rows(starts, ends, lo, tm: int, row_chunk: int) -> np.ndarray:
+  """Rows each m-grouping item streams through the MXU: the whole tile when it owns the
+  tile (rows ``[lo, lo + tm)``), else the ``row_chunk`` slices its rows touch."""
+  full = (starts <= lo) & (ends >= lo + tm)
+  chunks = tm // row_chunk if row_chunk < tm and tm % row_chunk == 0 else 1
+  if chunks == 1:
+    return np.full_like(starts, tm)
+  chunk_lo = lo[:, None] + np.arange(chunks)[None, :] * row_chunk
+  touched = (starts[:, None] < chunk_lo + row_chunk) & (ends[:, None] > chunk_lo)
+  return np.where(full, tm, touched.sum(axis=1) * row_chunk)
+
+
+def _tpu_m_steps(counts, dims, tiles, group_offset: int, num_local: int, row_chunk: int):
+  """`tpu_static_cost`'s row counts (a dict) and its (keys, sizes) of the lhs, rhs and
+  output blocks at every grid step of the m-grouping kernel (column block, item, K block)."""
+  (m, kb, n), (tm, tk, tn) = dims, tiles
+  num_k, num_n = _cdiv(kb, tk), _cdiv(n, tn)
+  arrays, count = m_items(counts, m, tm, jnp.int32(group_offset), num_local, num_k)
+  groups, out_tiles, lhs_tiles, starts, ends, real, k_fixed = (
+      np.asarray(a)[:int(count)] for a in arrays)
+  real = real.astype(bool)
+  rows = _mxu_pass_rows(starts, ends, out_tiles * tm, tm, row_chunk)
+  n_i, item, k_i = (a.ravel() for a in np.meshgrid(np.arange(num_n), np.arange(len(groups)),
+                                                   np.arange(num_k), indexing="ij"))
+  k_eff = np.where(real[item], k_i, k_fixed[item])
+  lhs = (np.stack([lhs_tiles[item], k_eff], 1),
+         traffic.block_bytes(lhs_tiles[item], tm, m) * traffic.block_bytes(k_eff, tk, kb))
+  rhs = (np.stack([groups[item], k_eff, n_i], 1),
+         traffic.block_bytes(k_eff, tk, kb) * traffic.block_bytes(n_i, tn, n))
+  out = (np.stack([out_tiles[item], n_i], 1),
+         traffic.block_bytes(out_tiles[item], tm, m) * traffic.block_bytes(n_i, tn, n))
+  group_starts, group_ends = (np.asarray(a) for a in metadata.local_group_bounds(
+      counts, m, jnp.int32(group_offset), num_local))
+  bound_chunk = min(row_chunk, tm)
+  bound = int(np.sum(-(-(group_ends - group_starts) // bound_chunk)) * bound_chunk)
+  return dict(useful=int(np.sum(np.where(real, ends - starts, 0))),
+              mma=int(np.sum(np.where(real, rows, 0))), bound=bound,
+              work=int(np.sum(real)) * num_n * num_k, items=len(groups)), (lhs, rhs, out)
+
+
+def _tpu_k_steps(counts, dims, tiles, group_offset: int, num_local: int):
+  """`tpu_static_cost`'s row counts (a dict) and its (keys, sizes) of the lhs, rhs and
+  output blocks at every grid step of the k-grouping kernel (row block, column block, item)."""
+  (m, k, n), (tm, tk, tn) = dims, tiles
+  kb = max(k, 1)
+  num_m, num_n = _cdiv(m, tm), _cdiv(n, tn)
+  arrays, count = k_items(counts, kb if k else 0, tk, jnp.int32(group_offset), num_local)
+  groups, k_tiles, starts, ends = (np.asarray(a)[:int(count)] for a in arrays)
+  useful = int(np.sum(ends - starts))
+  m_i, n_i, item = (a.ravel() for a in np.meshgrid(np.arange(num_m), np.arange(num_n),
+                                                   np.arange(len(groups)), indexing="ij"))
+  lhs = (np.stack([k_tiles[item], m_i], 1),
+         traffic.block_bytes(k_tiles[item], tk, kb) * traffic.block_bytes(m_i, tm, m))
+  rhs = (np.stack([k_tiles[item], n_i], 1),
+         traffic.block_bytes(k_tiles[item], tk, kb) * traffic.block_bytes(n_i, tn, n))
+  out = (np.stack([groups[item], m_i, n_i], 1),
+         traffic.block_bytes(m_i, tm, m) * traffic.block_bytes(n_i, tn, n))
+  return dict(useful=useful, mma=int(np.sum(np.where(ends > starts, tk, 0))), bound=useful,
+              work=int(np.sum(ends > starts)) * num_m * num_n, items=len(groups)), (
+                  lhs, rhs, out)

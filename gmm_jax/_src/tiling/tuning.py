@@ -264,14 +264,19 @@ _RECORDERS: list[list[Choice]] = []
 
 
 @contextlib.contextmanager
+def _recording(recorders: list[list]):
+  """A list, in `recorders` while the block runs, of what is noted inside it."""
+  noted: list = []
+  recorders.append(noted)
+  try:
+    yield noted
+  finally:
+    recorders.remove(noted)
+
+
 def record():
   """Collects the `Choice`s of the gmms traced inside the block."""
-  choices: list[Choice] = []
-  _RECORDERS.append(choices)
-  try:
-    yield choices
-  finally:
-    _RECORDERS.remove(choices)
+  return _recording(_RECORDERS)
 
 
 def choose(problem: Problem, tiling, default: Callable[[], Tiling]) -> Tiling:
@@ -336,15 +341,9 @@ class Launch:
 _LAUNCH_RECORDERS: list[list[Launch]] = []
 
 
-@contextlib.contextmanager
 def record_launches():
   """Collects the `Launch`es of the kernels traced inside the block."""
-  launches: list[Launch] = []
-  _LAUNCH_RECORDERS.append(launches)
-  try:
-    yield launches
-  finally:
-    _LAUNCH_RECORDERS.remove(launches)
+  return _recording(_LAUNCH_RECORDERS)
 
 
 def note_launch(launch: Launch) -> None:
