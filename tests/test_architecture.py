@@ -68,7 +68,8 @@ FLOORS = {
     "gmm_jax.nn": 6,
     **{f"gmm_jax.nn.{name}": 6 for name in (
         "params", "grouped_linear", "router", "expert_ffn", "shared", "dispatch", "config",
-        "presets", "moe", "linen", "hf", "hf_unsupported")},
+        "presets", "moe", "linen", "hf", "hf_architectures", "hf_options", "hf_weights",
+        "hf_unsupported")},
     "gmm_jax.tools": 6,  # the tools' package face
     "gmm_jax.tools.bench": 6,
     "gmm_jax.tools.bench_host": 6,
@@ -175,12 +176,14 @@ SAME_FLOOR = {
                        "gmm_jax.nn.router", "gmm_jax.nn.expert_ffn", "gmm_jax.nn.shared",
                        "gmm_jax.nn.dispatch", "gmm_jax.nn.config", "gmm_jax.nn.presets",
                        "gmm_jax.nn.moe", "gmm_jax.nn.linen", "gmm_jax.nn.hf",
-                       "gmm_jax.nn.hf_unsupported")
+                       "gmm_jax.nn.hf_architectures", "gmm_jax.nn.hf_options",
+                       "gmm_jax.nn.hf_weights", "gmm_jax.nn.hf_unsupported")
       for b in ("gmm_jax._src.moe.experts", "gmm_jax.nn.params", "gmm_jax.nn.grouped_linear",
                 "gmm_jax.nn.router", "gmm_jax.nn.expert_ffn", "gmm_jax.nn.shared",
                 "gmm_jax.nn.dispatch", "gmm_jax.nn.config", "gmm_jax.nn.presets",
                 "gmm_jax.nn.moe", "gmm_jax.nn.linen", "gmm_jax.nn.hf",
-                "gmm_jax.nn.hf_unsupported")),
+                "gmm_jax.nn.hf_architectures", "gmm_jax.nn.hf_options",
+                "gmm_jax.nn.hf_weights", "gmm_jax.nn.hf_unsupported")),
 }
 # Function-level (or try-guarded) imports are for optional dependencies only: Pallas, flax,
 # the comparison libraries, and jax's private table of primitives that need devices while

@@ -634,7 +634,7 @@ def test_every_unsupported_entry_names_itself():
   """Each refusal of the registry, by config (its model_type and other model_types), by
   block and by name, says which model_type and block classes and why; a model_type that
   loads (its other block does) refuses only the classes listed."""
-  from gmm_jax.nn.hf import ARCHITECTURES
+  from gmm_jax.nn.hf_architectures import ARCHITECTURES
   from gmm_jax.nn.hf_unsupported import UNSUPPORTED
   known = {name for arch in ARCHITECTURES.values() for name in (arch.name, *arch.model_types)}
   state = _state_dict(_load("mixtral"))
@@ -680,7 +680,7 @@ def _docs_table():
 def test_docs_list_every_block():
   """Each architecture here and each one refused has its row, with its status (a model type
   whose block loads and another is refused: supported, naming the refused block)."""
-  from gmm_jax.nn.hf import ARCHITECTURES
+  from gmm_jax.nn.hf_architectures import ARCHITECTURES
   from gmm_jax.nn.hf_unsupported import UNSUPPORTED
   rows = _docs_table()
   for arch in ARCHITECTURES.values():
@@ -698,12 +698,13 @@ def test_docs_list_every_block():
 
 
 def test_imports_neither_torch_nor_transformers():
-  """gmm_jax.nn's converter reads tensors by duck typing: no import of torch or
-  transformers (module or function level)."""
+  """gmm_jax.nn's converter (its hf* modules) reads tensors by duck typing: no import of
+  torch or transformers (module or function level)."""
   import ast
-  source = (pathlib.Path(nn.__file__).parent / "hf.py").read_text()
   imported = set()
-  for node in ast.walk(ast.parse(source)):
+  sources = sorted(pathlib.Path(nn.__file__).parent.glob("hf*.py"))
+  assert len(sources) > 1, sources
+  for node in (n for p in sources for n in ast.walk(ast.parse(p.read_text()))):
     if isinstance(node, ast.Import):
       imported |= {alias.name.split(".")[0] for alias in node.names}
     elif isinstance(node, ast.ImportFrom) and node.module:

@@ -227,32 +227,9 @@ def m_parameters(kind, e, m, k, n, weight_transposed, int8_out, params):
   elif kind in ("a8w8", "fp8", "a8w8_packed", "fp8_packed", "a4w4", "a8w4"):
     value, out_offset = scale.astype(jnp.float32), params["packed_offset"]
     if kind == "a8w4":
-      want = (e, 1, n) if params["offset"] is not None else (e, k // 256, n)
-      if params["offset"] is None and (k % 256 or k > 18432 or n % 8):
-        raise ValueError(f"per-group A8W4 needs K % 256 == 0, K <= 18432 and N % 8 == 0, got "
-                         f"K={k}, N={n}")
-      if value.shape != want:
-        raise ValueError(f"A8W4 scale must be {list(want)}, got {list(value.shape)}")
-      per_expert["scale"] = value
-      if params["offset"] is not None:
-        offset = params["offset"]
-        if offset.shape != (e, 1, n) or dtype(offset) != F32:
-          raise ValueError(f"A8W4 offset must be f32 [E, 1, N]={[e, 1, n]}, got "
-                           f"{offset.dtype} {list(offset.shape)}")
-        per_expert["offset"] = offset
+      per_expert.update(_a8w4_parameters(value, params["offset"], e, k, n))
     elif kind == "a4w4":
-      if n % 8:
-        raise ValueError(f"A4W4 needs N % 8 == 0, got N={n}")
-      if value.ndim == 3 and value.shape[0] == e and value.shape[2] == n:
-        groups = value.shape[1]
-        if k % groups or (k // groups) % 2:
-          raise ValueError(f"per-group A4W4 scale {list(value.shape)}: K={k} must split into "
-                           f"{groups} groups of an even size")
-        per_expert["scale"] = value
-      elif value.shape == (e, n):
-        per_expert["scale"] = value[:, None, :]
-      else:
-        raise ValueError(f"A4W4 scale must be [E, N] or [E, G, N], got {list(value.shape)}")
+      per_expert["scale"] = _a4w4_scale(value, e, k, n)
     else:
       per_expert["scale"] = channel_scale(value, e, n, int8_out)
       if out_offset is not None:
@@ -287,6 +264,39 @@ def m_parameters(kind, e, m, k, n, weight_transposed, int8_out, params):
     per_expert["scale"] = mx_weight_scale(scale, e, k, n, weight_transposed)
     per_row["token_scale"] = mx_token_scale(pts, m, k)
   return per_expert, per_row
+
+
+def _a8w4_parameters(value, offset, e, k, n):
+  """A8W4's f32 scale, ``[E, 1, N]`` with an offset (also ``[E, 1, N]``) or per group of
+  256 rows of K ``[E, K/256, N]`` without one: {"scale", "offset" where given}."""
+  want = (e, 1, n) if offset is not None else (e, k // 256, n)
+  if offset is None and (k % 256 or k > 18432 or n % 8):
+    raise ValueError(f"per-group A8W4 needs K % 256 == 0, K <= 18432 and N % 8 == 0, got "
+                     f"K={k}, N={n}")
+  if value.shape != want:
+    raise ValueError(f"A8W4 scale must be {list(want)}, got {list(value.shape)}")
+  if offset is None:
+    return {"scale": value}
+  if offset.shape != (e, 1, n) or dtype(offset) != F32:
+    raise ValueError(f"A8W4 offset must be f32 [E, 1, N]={[e, 1, n]}, got "
+                     f"{offset.dtype} {list(offset.shape)}")
+  return {"scale": value, "offset": offset}
+
+
+def _a4w4_scale(value, e, k, n):
+  """A4W4's f32 scale ``[E, N]`` (per channel) or ``[E, G, N]`` (per group of K, each of an
+  even size) -> ``[E, 1 or G, N]``."""
+  if n % 8:
+    raise ValueError(f"A4W4 needs N % 8 == 0, got N={n}")
+  if value.ndim == 3 and value.shape[0] == e and value.shape[2] == n:
+    groups = value.shape[1]
+    if k % groups or (k // groups) % 2:
+      raise ValueError(f"per-group A4W4 scale {list(value.shape)}: K={k} must split into "
+                       f"{groups} groups of an even size")
+    return value
+  if value.shape == (e, n):
+    return value[:, None, :]
+  raise ValueError(f"A4W4 scale must be [E, N] or [E, G, N], got {list(value.shape)}")
 
 
 def channel_scale(value, e, n, int8_out):

@@ -313,6 +313,20 @@ def _m_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
   if bias is not None and bias.shape != (num_groups, n):
     raise ValueError(f"bias must be [E, N]={[num_groups, n]}, got {list(bias.shape)}")
 
+  per_expert, per_row = _m_scales(kind, params, (num_groups, m, k, n), weight_transposed,
+                                  out_dtype)
+  per_expert["weight"], per_expert["bias"] = w, bias
+  if experts is not None:
+    per_expert = _per_entry(per_expert, experts, sizes, num_groups)
+  if "tensor_scale" in per_expert:  # FP8 per-tensor x scale: each row takes its group's
+    ids = jnp.maximum(metadata.row_group_ids(sizes, m), 0)
+    per_row["token_scale"] = per_expert.pop("tensor_scale")[ids][:, None]
+  return [_m_gmm(kind, x2, sizes, per_expert, per_row, activation, out_dtype)]
+
+
+def _m_scales(kind, params, dims, weight_transposed, out_dtype):
+  """The scenario's scales and offsets (`scales.m_parameters`) of an ``[E, K, N]`` weight
+  and x's M rows, ``dims = (E, M, K, N)``: (per expert, per row); a packed scale decoded."""
   scale, packed_offset = array(params["scale"]), None
   if scales.is_packed(scale):  # decoded on the host: JAX holds no 64-bit ints without x64
     scale, packed_offset = scales.decode_packed(scale)
@@ -320,26 +334,23 @@ def _m_grouping(xs, weights, kind, params, group_list, group_list_type, split_it
                 antiquant_scale=array(params["antiquant_scale"]),
                 antiquant_offset=array(params["antiquant_offset"]),
                 per_token_scale=array(params["per_token_scale"]))
-  per_expert, per_row = scales.m_parameters(kind, num_groups, m, k, n, weight_transposed,
-                                            out_dtype == np.dtype(jnp.int8), arrays)
-  per_expert["weight"], per_expert["bias"] = w, bias
-  if experts is not None:
-    # Sparse: entry i takes the next sizes[i] rows with expert experts[i]'s weights (any
-    # order, stopping at the first empty entry): one gmm group per entry.
-    known_experts, known_sizes = concrete(experts), concrete(sizes)
-    if known_experts is not None and known_sizes is not None:
-      used = known_experts[known_sizes > 0]
-      if ((used < 0) | (used >= num_groups)).any():
-        raise ValueError(f"sparse group_list expert indices must lie in [0, {num_groups}), "
-                         f"got {known_experts.tolist()}")
-    # A traced index out of range reads the nearest expert (Ascend's result is undefined).
-    index = jnp.clip(experts, 0, num_groups - 1)
-    per_expert = {name: None if value is None else value[index]
-                  for name, value in per_expert.items()}
-  if "tensor_scale" in per_expert:  # FP8 per-tensor x scale: each row takes its group's
-    ids = jnp.maximum(metadata.row_group_ids(sizes, m), 0)
-    per_row["token_scale"] = per_expert.pop("tensor_scale")[ids][:, None]
-  return [_m_gmm(kind, x2, sizes, per_expert, per_row, activation, out_dtype)]
+  return scales.m_parameters(kind, *dims, weight_transposed,
+                             out_dtype == np.dtype(jnp.int8), arrays)
+
+
+def _per_entry(per_expert, experts, sizes, num_groups):
+  """A sparse group list's parameters: entry i takes the next sizes[i] rows with expert
+  experts[i]'s weights (any order, stopping at the first empty entry): one gmm group per
+  entry, each per-expert parameter gathered by entry."""
+  known_experts, known_sizes = concrete(experts), concrete(sizes)
+  if known_experts is not None and known_sizes is not None:
+    used = known_experts[known_sizes > 0]
+    if ((used < 0) | (used >= num_groups)).any():
+      raise ValueError(f"sparse group_list expert indices must lie in [0, {num_groups}), "
+                       f"got {known_experts.tolist()}")
+  # A traced index out of range reads the nearest expert (Ascend's result is undefined).
+  index = jnp.clip(experts, 0, num_groups - 1)
+  return {name: None if value is None else value[index] for name, value in per_expert.items()}
 
 
 def _m_gmm(kind, x, sizes, per_expert, per_row, activation, out_dtype):

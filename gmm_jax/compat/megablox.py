@@ -376,14 +376,21 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   if partial_sum is not None:
     out = (out + partial_sum.astype(acc_dtype)).astype(out_dtype)
   if existing_out is not None:
-    first = 0 if group_offset is None else jnp.reshape(group_offset, ()).astype(jnp.int32)
-    # The rows of the local groups: [bounds[first], bounds[first + num_local]).
-    bounds = gmm_jax.make_tile_metadata(jnp.asarray(group_sizes), m, max(m, 1)).bounds
-    last = jnp.minimum(first + num_local, np.shape(group_sizes)[0])
-    rows = jnp.arange(m, dtype=jnp.int32)
-    local = (rows >= bounds[first]) & (rows < bounds[last])
-    out = jnp.where(local[:, None], out, existing_out)
+    out = _local_rows_into(existing_out, out, group_sizes, group_offset, num_local)
   return _vary(out, vary)
+
+
+def _local_rows_into(existing_out, out, group_sizes, group_offset, num_local: int):
+  """`existing_out` with the rows of the `num_local` groups from `group_offset` on (rhs's
+  local groups) taken from `out`, both ``[m, n]``."""
+  m = np.shape(out)[0]
+  first = 0 if group_offset is None else jnp.reshape(group_offset, ()).astype(jnp.int32)
+  # The rows of the local groups: [bounds[first], bounds[first + num_local]).
+  bounds = gmm_jax.make_tile_metadata(jnp.asarray(group_sizes), m, max(m, 1)).bounds
+  last = jnp.minimum(first + num_local, np.shape(group_sizes)[0])
+  rows = jnp.arange(m, dtype=jnp.int32)
+  local = (rows >= bounds[first]) & (rows < bounds[last])
+  return jnp.where(local[:, None], out, existing_out)
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,

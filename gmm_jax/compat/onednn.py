@@ -272,46 +272,78 @@ def matmul(src: Memory, weights, bias=None, *, src_scales=None, wei_scales=None,
                md.data_type if md.data_type in _FLOATS else np.dtype(jnp.float32))
   if dst_dtype not in _FLOATS:
     raise ValueError(f"dst must be f32, bf16 or f16 (no s32/s8 destinations), got {dst_dtype}")
-
   if md.variable_dim_idx == 1:  # var-K
-    if not isinstance(weights, Memory) or weights.desc.variable_dim_idx != 0:
-      raise ValueError("var-K needs grouped weights [total_K, N] with variable_dim_idx 0")
-    if weights.desc.num_groups != num_groups:
-      raise ValueError(f"group counts differ: src {num_groups}, weights "
-                       f"{weights.desc.num_groups}")
-    if weights.desc.dims[0] != md.dims[1]:
-      raise ValueError(f"src {md.dims} and weights {weights.desc.dims} disagree on total_K")
-    if (bias is not None or post_ops or src_scales is not None or wei_scales is not None
-        or src_zero_points is not None or wei_zero_points is not None):
-      raise ValueError("var-K takes default attributes only: no bias, scales, zero points "
-                       "or post-ops")
-    types = {md.data_type, weights.desc.data_type, dst_dtype}
-    if len(types) != 1 or md.data_type not in _FLOATS:
-      raise ValueError(f"var-K needs one type among f32/bf16/f16 for src, weights and dst, "
-                       f"got {sorted(str(t) for t in types)}")
-    # (weights' offsets must equal src's: checked when concrete, as oneDNN's execute does)
-    if not isinstance(offsets, jax.core.Tracer) and not isinstance(weights.offsets,
-                                                                   jax.core.Tracer):
-      if not np.array_equal(np.asarray(offsets), np.asarray(weights.offsets)):
-        raise ValueError("var-K weights offsets must equal src offsets")
-    return gmm(src.values, weights.values, offsets, group_type="k",
-               group_list_type="cumsum", preferred_element_type=dst_dtype)
+    attributes = bool(bias is not None or post_ops or src_scales is not None
+                      or wei_scales is not None or src_zero_points is not None
+                      or wei_zero_points is not None)
+    return _var_k(src, weights, dst_dtype, attributes)
+  weights, transposed = _var_m_weights(md, weights, weights_format)
+  n = weights.shape[1] if transposed else weights.shape[2]
+  _check_var_m_types(md.data_type, np.dtype(weights.dtype), src_scales, wei_scales, bias)
+  lhs, rhs = _var_m_operands(src, weights, transposed, (src_scales, src_zero_points),
+                             (wei_scales, wei_zero_points))
+  eltwise_first = bool(post_ops) and post_ops[0][0] == "eltwise"
+  activation = None
+  if eltwise_first:
+    _, name, alpha, beta = post_ops[0]
+    fn = ELTWISE[name]
+    activation = lambda x, fn=fn, alpha=alpha, beta=beta: fn(x, alpha, beta)  # noqa: E731
+  rest = post_ops[1:] if eltwise_first else post_ops
+  out = gmm(lhs, rhs, offsets, group_list_type="cumsum", bias=bias, activation=activation,
+            transpose_rhs=transposed,
+            preferred_element_type=jnp.float32 if rest else dst_dtype)
+  if rest:
+    out = _after_gmm(out, rest, offsets, num_groups, (md.dims[0], n), dst_dtype)
+  dst_md = memory_desc_grouped((md.dims[0], n), dst_dtype, 0, num_groups)
+  return Memory(dst_md, (out, offsets))
 
-  # var-M
+
+def _var_k(src: Memory, weights, dst_dtype, attributes: bool):
+  """var-K: src ``[M, total_K]`` x grouped weights ``[total_K, N]`` -> ``[G, M, N]``, after
+  oneDNN's checks (`attributes`: a bias, scales, zero points or post-ops were given)."""
+  md, num_groups, offsets = src.desc, src.desc.num_groups, src.offsets
+  if not isinstance(weights, Memory) or weights.desc.variable_dim_idx != 0:
+    raise ValueError("var-K needs grouped weights [total_K, N] with variable_dim_idx 0")
+  if weights.desc.num_groups != num_groups:
+    raise ValueError(f"group counts differ: src {num_groups}, weights "
+                     f"{weights.desc.num_groups}")
+  if weights.desc.dims[0] != md.dims[1]:
+    raise ValueError(f"src {md.dims} and weights {weights.desc.dims} disagree on total_K")
+  if attributes:
+    raise ValueError("var-K takes default attributes only: no bias, scales, zero points "
+                     "or post-ops")
+  types = {md.data_type, weights.desc.data_type, dst_dtype}
+  if len(types) != 1 or md.data_type not in _FLOATS:
+    raise ValueError(f"var-K needs one type among f32/bf16/f16 for src, weights and dst, "
+                     f"got {sorted(str(t) for t in types)}")
+  # (weights' offsets must equal src's: checked when concrete, as oneDNN's execute does)
+  if not isinstance(offsets, jax.core.Tracer) and not isinstance(weights.offsets,
+                                                                 jax.core.Tracer):
+    if not np.array_equal(np.asarray(offsets), np.asarray(weights.offsets)):
+      raise ValueError("var-K weights offsets must equal src offsets")
+  return gmm(src.values, weights.values, offsets, group_type="k",
+             group_list_type="cumsum", preferred_element_type=dst_dtype)
+
+
+def _var_m_weights(md: MemoryDesc, weights, weights_format: str):
+  """var-M's dense weights, checked against src's descriptor: (weights, transposed)."""
   if isinstance(weights, Memory):
     raise ValueError("var-M weights are dense [G, K, N]")
   weights = jnp.asarray(weights)
   if weights_format not in ("abc", "acb"):
     raise ValueError(f"var-M weights format must be 'abc' or 'acb', got {weights_format!r}")
   transposed = weights_format == "acb"
-  if weights.ndim != 3 or weights.shape[0] != num_groups:
-    raise ValueError(f"var-M weights must be [G={num_groups}, K, N], got {weights.shape}")
+  if weights.ndim != 3 or weights.shape[0] != md.num_groups:
+    raise ValueError(f"var-M weights must be [G={md.num_groups}, K, N], got {weights.shape}")
   k = weights.shape[2] if transposed else weights.shape[1]
-  n = weights.shape[1] if transposed else weights.shape[2]
-  total_m = md.dims[0]
   if md.dims[1] != k:
     raise ValueError(f"src {md.dims} has K={md.dims[1]}, weights {weights.shape} K={k}")
-  src_type, wei_type = md.data_type, np.dtype(weights.dtype)
+  return weights, transposed
+
+
+def _check_var_m_types(src_type, wei_type, src_scales, wei_scales, bias):
+  """oneDNN's data-type rules of a var-M matmul: integer pairs, scales on 8/4-bit tensors
+  only, weight-only quantization with weight scales, no bias with f8/f4 src."""
   if src_type in _INTS and wei_type not in _INTS:
     raise ValueError(f"an integer src needs integer weights, got {src_type} x {wei_type}")
   for scales, type_, name in ((src_scales, src_type, "src"), (wei_scales, wei_type, "wei")):
@@ -323,6 +355,10 @@ def matmul(src: Memory, weights, bias=None, *, src_scales=None, wei_scales=None,
   if bias is not None and (src_type in _FP_LOW):
     raise ValueError("no bias with f8/f4 src (oneDNN's data-type table)")
 
+
+def _var_m_operands(src: Memory, weights, transposed: bool, src_quant, wei_quant):
+  """gmm's lhs and rhs of a var-M matmul: QArrays where (scales, zero points) are given or
+  src is low-precision (a missing scale is 1), else the arrays."""
   # src scales [total_M] / [total_M, K/gK] -> [M, 1] / [M, Kb]; wei [G, N] / [G, Kb, N].
   def as_rows(x):
     if x is None:
@@ -337,49 +373,42 @@ def matmul(src: Memory, weights, bias=None, *, src_scales=None, wei_scales=None,
     x = x[:, None, :] if x.ndim == 2 else x
     return jnp.swapaxes(x, 1, 2) if transposed else x
 
-  lhs = _scale_operand(src.values, as_rows(src_scales), as_rows(src_zero_points), "src")
-  rhs = _scale_operand(weights, as_wei(wei_scales), as_wei(wei_zero_points), "wei")
-  if src_type in _INTS + _FP_LOW:
+  lhs = _scale_operand(src.values, *map(as_rows, src_quant), "src")
+  rhs = _scale_operand(weights, *map(as_wei, wei_quant), "wei")
+  if src.desc.data_type in _INTS + _FP_LOW:
     # Low-precision src: both sides are quantized operands; a missing scale is 1 (the
     # stored values are the numbers).
     if not isinstance(lhs, QArray):
       lhs = QArray(src.values, jnp.ones((1, 1), jnp.float32))
     if not isinstance(rhs, QArray):
       rhs = QArray(weights, jnp.ones((1, 1, 1), jnp.float32))
+  return lhs, rhs
 
-  eltwise_first = bool(post_ops) and post_ops[0][0] == "eltwise"
-  activation = None
-  if eltwise_first:
-    _, name, alpha, beta = post_ops[0]
-    fn = ELTWISE[name]
-    activation = lambda x, fn=fn, alpha=alpha, beta=beta: fn(x, alpha, beta)  # noqa: E731
-  rest = post_ops[1:] if eltwise_first else post_ops
-  out = gmm(lhs, rhs, offsets, group_list_type="cumsum", bias=bias, activation=activation,
-            transpose_rhs=transposed,
-            preferred_element_type=jnp.float32 if rest else dst_dtype)
-  if rest:
-    group_of_row = metadata.row_group_ids(group_list.to_counts(offsets, "cumsum", num_groups),
+
+def _after_gmm(out, post_ops, offsets, num_groups: int, dst_dims, dst_dtype):
+  """The post-ops after gmm's epilogue, in order, on its f32 ``[total_M, N]`` result; rows
+  past the last offset set to 0, then cast to `dst_dtype`."""
+  total_m, n = dst_dims
+  group_of_row = metadata.row_group_ids(group_list.to_counts(offsets, "cumsum", num_groups),
                                         total_m)
-    for op in rest:
-      if op[0] == "eltwise":
-        out = ELTWISE[op[1]](out, op[2], op[3])
-      elif op[0] == "binary_mul":
-        other = op[1]
-        if isinstance(other, Memory):
-          if other.desc.dims != (total_m, n):
-            raise ValueError(f"a grouped binary src1 must be [total_M, N]={[total_m, n]}, "
-                             f"got {list(other.desc.dims)}")
-          other = other.values
-        other = jnp.asarray(other)
-        if other.shape in ((total_m, n), (total_m, 1)):
-          out = out * other
-        elif other.shape == (num_groups, 1):
-          out = out * other[jnp.maximum(group_of_row, 0)]
-        else:
-          raise ValueError(f"binary mul src1 must be [total_M, N], [total_M, 1] or [G, 1]; "
-                           f"got {list(other.shape)} (no [1, 1] scalar)")
+  for op in post_ops:
+    if op[0] == "eltwise":
+      out = ELTWISE[op[1]](out, op[2], op[3])
+    elif op[0] == "binary_mul":
+      other = op[1]
+      if isinstance(other, Memory):
+        if other.desc.dims != (total_m, n):
+          raise ValueError(f"a grouped binary src1 must be [total_M, N]={[total_m, n]}, "
+                           f"got {list(other.desc.dims)}")
+        other = other.values
+      other = jnp.asarray(other)
+      if other.shape in ((total_m, n), (total_m, 1)):
+        out = out * other
+      elif other.shape == (num_groups, 1):
+        out = out * other[jnp.maximum(group_of_row, 0)]
       else:
-        raise ValueError(f"unsupported post-op {op[0]!r}: eltwise and binary_mul only")
-    out = jnp.where((group_of_row >= 0)[:, None], out, 0.0).astype(dst_dtype)
-  dst_md = memory_desc_grouped((total_m, n), dst_dtype, 0, num_groups)
-  return Memory(dst_md, (out, offsets))
+        raise ValueError(f"binary mul src1 must be [total_M, N], [total_M, 1] or [G, 1]; "
+                         f"got {list(other.shape)} (no [1, 1] scalar)")
+    else:
+      raise ValueError(f"unsupported post-op {op[0]!r}: eltwise and binary_mul only")
+  return jnp.where((group_of_row >= 0)[:, None], out, 0.0).astype(dst_dtype)

@@ -261,14 +261,61 @@ def main(argv: Sequence[str] | None = None, *, stream=None) -> dict[str, Any]:
   """Trains as the command line says; returns the results (see the keys below)."""
   args = parse_args(argv)
   out = stream if stream is not None else sys.stdout
-  dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-
   data = np.frombuffer(load_text(), dtype=np.uint8)
   split = int(0.9 * len(data))
   train, held_out = data[:split], data[split:]
   if len(held_out) < args.seq + 2:
     raise ValueError(f"--seq {args.seq} is longer than the held-out text ({len(held_out)})")
+  model, optimizer = _model_and_optimizer(args)
+  params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  graphdef, state = nnx.split((model, optimizer))
+  train_step, evaluate = _step_functions(
+      graphdef, eval_batches(held_out, args.batch, args.seq, count=4))
+  print(f"gmm_jax MoE LM: {args.layers} layers, {args.experts} experts (top-{args.top_k}), "
+        f"embed {args.embed}, mlp {args.mlp}, {params:,} parameters, {args.dtype}"
+        f"{'' if args.quantization == 'none' else ' + ' + args.quantization + ' experts'}, "
+        f"{jax.default_backend()}", file=out)
+  print(f"text: {len(data):,} bytes ({len(train):,} train, {len(held_out):,} held out); "
+        f"{args.steps} steps of {args.batch}x{args.seq} bytes", file=out)
+  log_every = args.log_every or max(1, args.steps // 10)
+  stream_of_batches = batches(train, args.batch, args.seq, np.random.default_rng(args.seed))
+  initial_loss = evaluate(state)
+  print(f"held-out loss before training: {initial_loss:.3f} "
+        f"(uniform over bytes: {math.log(VOCAB):.3f})", file=out)
+  state, run = _train(args, state, train_step, evaluate, stream_of_batches, log_every, out)
+  run["evals"].insert(0, (0, initial_loss))
+  model, optimizer = nnx.merge(graphdef, state)
+  load_history = np.stack(run["loads"])  # [steps, layers, experts]
+  _print_summary(run, load_history, log_every, out)
+  sample = ""
+  if args.sample:
+    sample = generate(model, PROMPT, args.sample, args.seq, seed=args.seed)
+    print("sample: " + repr(sample), file=out)
+  plot = None
+  if not args.no_plot:
+    plot = write_plot(args.plot, run["losses"], run["evals"], load_history, args)
+    print(f"plot: {plot}", file=out)
+  return {
+      "initial_loss": initial_loss,        # held-out cross-entropy (nats/byte) at step 0
+      "final_loss": run["evals"][-1][1],   # held-out cross-entropy after the last step
+      "train_losses": run["losses"],       # per step
+      "eval_losses": run["evals"],         # (step, held-out loss) pairs
+      "load_balancing_losses": run["balance"],  # per step (mean over layers)
+      "expert_load": load_history,         # [steps, layers, experts], rows sum to 1
+      "tokens_per_s": run["tokens_per_s"],  # training throughput after compilation
+      "compile_seconds": run["compile_seconds"],  # the first step, compilation included
+      "seconds": run["seconds"],           # the training loop, evaluations included
+      "parameters": params,
+      "sample": sample,
+      "plot": plot,
+      "model": model,
+      "args": vars(args),
+  }
 
+
+def _model_and_optimizer(args: argparse.Namespace) -> tuple[MoELM, nnx.Optimizer]:
+  """The model the arguments describe and its AdamW (warmup, cosine decay, clipping)."""
+  dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
   model = MoELM(seq=args.seq, embed=args.embed, heads=args.heads, mlp=args.mlp,
                 layers=args.layers, experts=args.experts, top_k=args.top_k, dtype=dtype,
                 rngs=nnx.Rngs(args.seed),
@@ -278,10 +325,12 @@ def main(argv: Sequence[str] | None = None, *, stream=None) -> dict[str, Any]:
       decay_steps=max(2, args.steps), end_value=0.1 * args.lr)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(schedule, b2=0.95, weight_decay=0.01))
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-  params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
-  graphdef, state = nnx.split((model, optimizer))
+  return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
+
+def _step_functions(graphdef, held_out_batches):
+  """The jitted training step ``(state, x, y) -> (state, ce, aux)`` on the split (model,
+  optimizer) state (donated), and the held-out loss ``state -> float``."""
   @functools.partial(jax.jit, donate_argnums=0)
   def train_step(state, x, y):
     model, optimizer = nnx.merge(graphdef, state)
@@ -294,26 +343,17 @@ def main(argv: Sequence[str] | None = None, *, stream=None) -> dict[str, Any]:
     model, _ = nnx.merge(graphdef, state)
     return loss_fn(model, x, y)[1][0]
 
-  held_out_batches = eval_batches(held_out, args.batch, args.seq, count=4)
-
   def evaluate(state):
     return float(np.mean([eval_step(state, x, y) for x, y in held_out_batches]))
 
-  print(f"gmm_jax MoE LM: {args.layers} layers, {args.experts} experts (top-{args.top_k}), "
-        f"embed {args.embed}, mlp {args.mlp}, {params:,} parameters, {args.dtype}"
-        f"{'' if args.quantization == 'none' else ' + ' + args.quantization + ' experts'}, "
-        f"{jax.default_backend()}", file=out)
-  print(f"text: {len(data):,} bytes ({len(train):,} train, {len(held_out):,} held out); "
-        f"{args.steps} steps of {args.batch}x{args.seq} bytes", file=out)
+  return train_step, evaluate
 
-  log_every = args.log_every or max(1, args.steps // 10)
-  stream_of_batches = batches(train, args.batch, args.seq, np.random.default_rng(args.seed))
-  tokens_per_step = args.batch * args.seq
-  initial_loss = evaluate(state)
-  print(f"held-out loss before training: {initial_loss:.3f} "
-        f"(uniform over bytes: {math.log(VOCAB):.3f})", file=out)
 
-  losses, balance, loads, evals = [], [], [], [(0, initial_loss)]
+def _train(args, state, train_step, evaluate, stream_of_batches, log_every: int, out):
+  """The training loop, with its progress bar and the held-out loss every `log_every` steps:
+  (the final state, the run's record: per-step losses, balance losses and expert loads, the
+  (step, held-out loss) pairs, tokens/s, compile and total seconds)."""
+  losses, balance, loads, evals = [], [], [], []
   bar = ProgressBar(args.steps, out)
   start = time.perf_counter()
   timed_start = None  # the first step (compilation) is not counted in tokens/s
@@ -329,7 +369,7 @@ def main(argv: Sequence[str] | None = None, *, stream=None) -> dict[str, Any]:
     if timed_start is None:
       timed_start, compile_seconds = now, now - start
     elif now > timed_start + eval_seconds:
-      tokens_per_s = (step - 1) * tokens_per_step / (now - timed_start - eval_seconds)
+      tokens_per_s = (step - 1) * args.batch * args.seq / (now - timed_start - eval_seconds)
     bar.update(step, losses[-1], tokens_per_s)
     if step % log_every == 0 or step == args.steps:
       t0 = time.perf_counter()
@@ -339,46 +379,23 @@ def main(argv: Sequence[str] | None = None, *, stream=None) -> dict[str, Any]:
                 f"held-out loss {evals[-1][1]:.3f}  load-balancing loss {balance[-1]:.3f}")
   bar.update(args.steps, losses[-1], tokens_per_s, force=True)
   bar.close()
-  seconds = time.perf_counter() - start
-  final_loss = evals[-1][1]
-  model, optimizer = nnx.merge(graphdef, state)
+  return state, dict(losses=losses, balance=balance, loads=loads, evals=evals,
+                     tokens_per_s=tokens_per_s, compile_seconds=compile_seconds,
+                     seconds=time.perf_counter() - start)
 
-  load_history = np.stack(loads)  # [steps, layers, experts]
-  last = load_history[-max(1, len(loads) // 10):].mean(axis=0)
-  print(f"held-out loss: {initial_loss:.3f} -> {final_loss:.3f}; train loss "
+
+def _print_summary(run: dict, load_history: np.ndarray, log_every: int, out) -> None:
+  """The losses before and after, the throughput and each layer's expert load over the
+  last 10% of the steps."""
+  losses, evals = run["losses"], run["evals"]
+  last = load_history[-max(1, len(losses) // 10):].mean(axis=0)
+  print(f"held-out loss: {evals[0][1]:.3f} -> {evals[-1][1]:.3f}; train loss "
         f"{losses[0]:.3f} -> {np.mean(losses[-log_every:]):.3f}", file=out)
-  print(f"{tokens_per_s:,.0f} tokens/s after compilation ({compile_seconds:.1f} s); "
-        f"{seconds:.1f} s in all", file=out)
+  print(f"{run['tokens_per_s']:,.0f} tokens/s after compilation "
+        f"({run['compile_seconds']:.1f} s); {run['seconds']:.1f} s in all", file=out)
   for layer, row in enumerate(last):
     print(f"expert load, layer {layer} (fraction of assignments, last 10% of steps): "
           + " ".join(f"{v:.2f}" for v in row), file=out)
-
-  sample = ""
-  if args.sample:
-    sample = generate(model, PROMPT, args.sample, args.seq, seed=args.seed)
-    print("sample: " + repr(sample), file=out)
-
-  plot = None
-  if not args.no_plot:
-    plot = write_plot(args.plot, losses, evals, load_history, args)
-    print(f"plot: {plot}", file=out)
-
-  return {
-      "initial_loss": initial_loss,        # held-out cross-entropy (nats/byte) at step 0
-      "final_loss": final_loss,            # held-out cross-entropy after the last step
-      "train_losses": losses,              # per step
-      "eval_losses": evals,                # (step, held-out loss) pairs
-      "load_balancing_losses": balance,    # per step (mean over layers)
-      "expert_load": load_history,         # [steps, layers, experts], rows sum to 1
-      "tokens_per_s": tokens_per_s,        # training throughput after compilation
-      "compile_seconds": compile_seconds,  # the first step, compilation included
-      "seconds": seconds,                  # the training loop, evaluations included
-      "parameters": params,
-      "sample": sample,
-      "plot": plot,
-      "model": model,
-      "args": vars(args),
-  }
 
 
 def generate(model: MoELM, prompt: bytes, length: int, seq: int, *, seed: int = 0,

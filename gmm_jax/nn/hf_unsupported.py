@@ -30,6 +30,11 @@ _CLAMPED_SILU = ("needs a clamped SwiGLU without gpt-oss's alpha and +1: silu(mi
 _ACT_THEN_CLAMP = ("needs the activation clamped after it is applied, min(act(gate), limit) "
                    "* clip(up, -limit, limit), with one limit per layer (swiglu_limits"
                    "[layer_idx]: the block is built for a layer)")
+_SOFT_CAPPED_SWIGLU = ("needs a soft-capped SwiGLU: c_g tanh(gate / c_g) * sigmoid(gate) * "
+                       "c_u tanh(up / c_u) (mlp_gate_softcap, mlp_up_softcap)")
+_LOGIT_SELECTION = ("needs the selection by the logits plus the correction bias (nn.MoE's "
+                    "routing bias adds to the scores), weights the sigmoid of the chosen "
+                    "logits")
 
 UNSUPPORTED: dict[str, Unsupported] = {k: Unsupported(*v) for k, v in {
     "afmoe": (("AfmoeSparseMoeBlock",), _NOT_YET.format(
@@ -76,21 +81,13 @@ UNSUPPORTED: dict[str, Unsupported] = {k: Unsupported(*v) for k, v in {
     "inkling": (("InklingMoE",), "needs shared experts weighted by the router: the router "
                 "scores routed and shared experts together (softmax over the log-sigmoids "
                 "of the top-k and the shared logits) times a learned global scale"),
-    "inkling2": (("Inkling2SparseMoeBlock",), "needs a soft-capped SwiGLU: "
-                 "c_g tanh(gate / c_g) * sigmoid(gate) * c_u tanh(up / c_u) "
-                 "(mlp_gate_softcap, mlp_up_softcap)"),
-    "inkling2_loop": (("Inkling2LoopSparseMoeBlock",), "needs a soft-capped SwiGLU: "
-                      "c_g tanh(gate / c_g) * sigmoid(gate) * c_u tanh(up / c_u) "
-                      "(mlp_gate_softcap, mlp_up_softcap)"),
+    "inkling2": (("Inkling2SparseMoeBlock",), _SOFT_CAPPED_SWIGLU),
+    "inkling2_loop": (("Inkling2LoopSparseMoeBlock",), _SOFT_CAPPED_SWIGLU),
     "jetmoe": (("JetMoeMoA",), "not a routed FFN: JetMoE's mixture of attention experts "
                "routes tokens to per-expert query and output projections around attention; "
                "its JetMoeMoE (the MLP experts) loads"),
-    "kolibri1": (("Kolibri1SparseMoeBlock",), "needs the selection by the logits plus the "
-                 "correction bias (nn.MoE's routing bias adds to the scores), weights the "
-                 "sigmoid of the chosen logits"),
-    "kolibri1_1": (("Kolibri1_1SparseMoeBlock",), "needs the selection by the logits plus "
-                   "the correction bias (nn.MoE's routing bias adds to the scores), weights "
-                   "the sigmoid of the chosen logits"),
+    "kolibri1": (("Kolibri1SparseMoeBlock",), _LOGIT_SELECTION),
+    "kolibri1_1": (("Kolibri1_1SparseMoeBlock",), _LOGIT_SELECTION),
     "laguna": (("LagunaSparseMoeBlock",), "needs router logit soft-capping "
                "(tanh(logits / c) * c, moe_router_logit_softcapping)"),
     "minimax_m3_vl": (("MiniMaxM3VLSparseMoeBlock",), _NOT_YET.format(

@@ -26,6 +26,51 @@ from gmm_jax.nn.shared import SharedExperts
 Array = jax.Array
 
 
+def _layer_config(sizes: tuple, config: MoEConfig | None, options: dict) -> MoEConfig:
+  """The layer's config from its keyword form (`sizes` and `options`) or its config form;
+  TypeError for both forms, or neither."""
+  if config is None:
+    if None in sizes:
+      raise TypeError(f"MoE takes num_experts, embed and mlp (got {sizes}) or "
+                      f"config=MoEConfig(...)")
+    return MoEConfig(*sizes, **options)
+  if not isinstance(config, MoEConfig):
+    raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+  if options or sizes != (None, None, None):
+    given = [name for name, size in zip(("num_experts", "embed", "mlp"), sizes)
+             if size is not None] + sorted(options)
+    raise TypeError(f"MoE(config=...) holds every option: {given} beside it would be "
+                    f"ignored (dataclasses.replace(config, ...) makes a variant)")
+  return config
+
+
+def _layer_router(config: MoEConfig, router: nnx.Module | None, rngs: nnx.Rngs) -> nnx.Module:
+  """The built-in `Router` of the config's router options, or the replacement `router`,
+  checked: it has a ``route`` method and the config leaves the router options alone."""
+  if router is None:
+    return Router(config.embed, config.num_experts + config.num_identity_experts,
+                  top_k=config.top_k, use_bias=config.router_bias,
+                  param_dtype=config.param_dtype, rngs=rngs,
+                  **{name: getattr(config, name) for name in ROUTER_OPTIONS
+                     if name != "router_bias"})
+  if config.num_identity_experts:
+    raise NotImplementedError(IDENTITY_EXPERTS_ALONE)
+  changed = config.changed_router_options()
+  if changed:
+    raise ValueError(f"router= replaces the built-in router: its options {changed} "
+                     "do not apply (give them to the router)")
+  if not callable(getattr(router, "route", None)):
+    raise ValueError(f"router must have a route(tokens) -> Routing method, got "
+                     f"{type(router).__name__}")
+  return router
+
+
+def _router_setting(name: str) -> property:
+  """A read-only property of `MoE`: its router's `name` (None for a replacement router
+  without it)."""
+  return property(lambda self: getattr(self.router, name, None))
+
+
 class MoE(nnx.Module):
   """A top-k routed mixture of experts (dropless by default), with optional shared experts.
 
@@ -110,38 +155,12 @@ class MoE(nnx.Module):
                router: nnx.Module | None = None, expert_parallel=None, data_parallel=None,
                kernel_metadata: Mapping[str, Any] | None = None, out_sharding=None,
                rngs: nnx.Rngs, **options):
-    sizes = (num_experts, embed, mlp)
-    if config is None:
-      if None in sizes:
-        raise TypeError(f"MoE takes num_experts, embed and mlp (got {sizes}) or "
-                        f"config=MoEConfig(...)")
-      config = MoEConfig(*sizes, **options)
-    elif not isinstance(config, MoEConfig):
-      raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    elif options or sizes != (None, None, None):
-      given = [name for name, size in zip(("num_experts", "embed", "mlp"), sizes)
-               if size is not None] + sorted(options)
-      raise TypeError(f"MoE(config=...) holds every option: {given} beside it would be "
-                      f"ignored (dataclasses.replace(config, ...) makes a variant)")
+    config = _layer_config((num_experts, embed, mlp), config, options)
     if config.layout == "masked" and (expert_parallel is not None
                                       or data_parallel is not None):
       raise NotImplementedError(MASKED_NEEDS_ONE_DEVICE)
     num_experts, embed, mlp = config.num_experts, config.embed, config.mlp
-    if router is None:
-      router = Router(embed, num_experts + config.num_identity_experts, top_k=config.top_k,
-                      use_bias=config.router_bias, param_dtype=config.param_dtype, rngs=rngs,
-                      **{name: getattr(config, name) for name in ROUTER_OPTIONS
-                         if name != "router_bias"})
-    else:
-      if config.num_identity_experts:
-        raise NotImplementedError(IDENTITY_EXPERTS_ALONE)
-      changed = config.changed_router_options()
-      if changed:
-        raise ValueError(f"router= replaces the built-in router: its options {changed} "
-                         "do not apply (give them to the router)")
-      if not callable(getattr(router, "route", None)):
-        raise ValueError(f"router must have a route(tokens) -> Routing method, got "
-                         f"{type(router).__name__}")
+    router = _layer_router(config, router, rngs)
     self.config = config
     self.num_experts, self.embed, self.mlp, self.top_k = num_experts, embed, mlp, config.top_k
     self.activation, self.gated, self.fused = config.activation, config.gated, config.fused
@@ -193,33 +212,13 @@ class MoE(nnx.Module):
   # The built-in router's settings, read through the layer (None for a replacement
   # router without them).
 
-  @property
-  def score(self):
-    return getattr(self.router, "score", None)
-
-  @property
-  def normalize_top_k(self):
-    return getattr(self.router, "normalize_top_k", None)
-
-  @property
-  def normalize_epsilon(self):
-    return getattr(self.router, "normalize_epsilon", None)
-
-  @property
-  def num_expert_groups(self):
-    return getattr(self.router, "num_expert_groups", None)
-
-  @property
-  def top_k_groups(self):
-    return getattr(self.router, "top_k_groups", None)
-
-  @property
-  def group_score(self):
-    return getattr(self.router, "group_score", None)
-
-  @property
-  def routed_scaling_factor(self):
-    return getattr(self.router, "routed_scaling_factor", None)
+  score = _router_setting("score")
+  normalize_top_k = _router_setting("normalize_top_k")
+  normalize_epsilon = _router_setting("normalize_epsilon")
+  num_expert_groups = _router_setting("num_expert_groups")
+  top_k_groups = _router_setting("top_k_groups")
+  group_score = _router_setting("group_score")
+  routed_scaling_factor = _router_setting("routed_scaling_factor")
 
   @property
   def routing_bias(self):
