@@ -308,10 +308,10 @@ def test_backends_never_import_the_layers_above_them(graph):
               "gmm_jax.pallas.common",
               *(f"gmm_jax.pallas.tpu.{name}" for name in (
                   "mosaic_tpu", "mosaic_tpu_plan", "mosaic_tpu_kernel", "mosaic_tpu_fp8",
-                  "mosaic_tpu_tile"))]
+                  "mosaic_tpu_tile")),
               *(f"gmm_jax.pallas.gpu.{name}" for name in (
                   "triton", "triton_kernel", "triton_fp8", "triton_large", "mosaic_gpu",
-                  "mosaic_gpu_kernel")),
+                  "mosaic_gpu_kernel"))]
   forbidden = {"gmm_jax._src.backends.registry", "gmm_jax._src.op", "gmm_jax._src.backends.quantized",
                "gmm_jax._src.api"}
   for module in backends:

@@ -168,8 +168,8 @@ PROXY_TARGETS = (("pallas_triton", "gpu", "NVIDIA H200"), ("pallas_tpu", "tpu", 
 
 def _kernel_module(implementation):
   """The kernel module (an optional dependency: this jax's Pallas backend)."""
-  name = "gpu" if implementation == "pallas_triton" else "tpu"
-  return importlib.import_module(f"gmm_jax.pallas.{name}.gmm")
+  name = "gpu.triton" if implementation == "pallas_triton" else "tpu.mosaic_tpu_plan"
+  return importlib.import_module(f"gmm_jax.pallas.{name}")
 
 
 def run_proxies(shapes, distributions=("balanced", "skewed")) -> list[str]:

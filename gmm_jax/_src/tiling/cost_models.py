@@ -4,11 +4,11 @@ Floor 1 (beside `tuning`): the kernels (floor 2) import their schedule helpers a
 from here, never the reverse, so a model can be read, tested and used by the benchmarks
 without building a kernel.
 
-* Triton (`gmm_jax.pallas.gpu.gmm`): the partial-window row classes, the banded program
+* Triton (`gmm_jax.pallas.gpu.triton`): the partial-window row classes, the banded program
   order (L2 reuse), the split-K chunk choice, and `triton_static_cost`, a wave model of
   the launch (programs in waves of one per SM, an LRU L2 of whole tiles). The number of SMs
   comes from the compile target (`gpu_sm_count`).
-* Mosaic TPU (`gmm_jax.pallas.tpu.gmm`): the VMEM footprint of a tiling (`vmem_bytes`,
+* Mosaic TPU (`gmm_jax.pallas.tpu.mosaic_tpu_plan`): the VMEM footprint of a tiling (`vmem_bytes`,
   `vmem_limit`), a roofline time (`modelled_seconds`), the kernels' work items (`m_items`,
   `k_items`) and `tpu_static_cost`, a model of the DMAs a grid order implies.
 * The bytes both static models count as read from HBM (an LRU L2, DMAs of consecutive grid
