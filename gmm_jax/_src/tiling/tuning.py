@@ -30,6 +30,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from gmm_jax._src.core import recording
 from gmm_jax._src.core.config import GmmConfig, Problem, Tiling, Tilings
 
 TABLE_PATH = pathlib.Path(__file__).with_name("tile_tables.json")
@@ -263,15 +264,9 @@ class Choice:
 _RECORDERS: list[list[Choice]] = []
 
 
-@contextlib.contextmanager
 def record():
   """Collects the `Choice`s of the gmms traced inside the block."""
-  choices: list[Choice] = []
-  _RECORDERS.append(choices)
-  try:
-    yield choices
-  finally:
-    _RECORDERS.remove(choices)
+  return recording.collecting(_RECORDERS)
 
 
 def choose(problem: Problem, tiling, default: Callable[[], Tiling]) -> Tiling:
