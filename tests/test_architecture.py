@@ -25,7 +25,8 @@ FLOORS = {
     "gmm_jax._src.core.qarray": 0,
     "gmm_jax._src.core.group_list": 0,
     "gmm_jax._src.core.metadata": 0,
-    "gmm_jax._src.core.errors": 0,  # GmmShapeError, describe, is_index: imports nothing
+    "gmm_jax._src.core.errors": 0,
+    "gmm_jax._src.core.recording": 0,  # GmmShapeError, describe, is_index: imports nothing
     "gmm_jax._src.cli": 0,  # absl flags and the progress bar of the console scripts
     "gmm_jax._src.core.grouped_array": 1,
     "gmm_jax._src.backends.registry": 1,
@@ -42,6 +43,8 @@ FLOORS = {
     "gmm_jax._src.op.transpose": 2,
     "gmm_jax._src.op.batching": 2,
     "gmm_jax._src.op.prologue_tangent": 2,
+    "gmm_jax._src.op.gated_tangent": 2,
+    "gmm_jax._src.op.rows_sum": 2,
     "gmm_jax.pallas": 2,
     "gmm_jax.pallas.common": 2,
     "gmm_jax.pallas.gpu": 2,
@@ -100,6 +103,11 @@ SAME_FLOOR = {
     # gmm's own transpose rule.
     ("gmm_jax._src.op.jvp", "gmm_jax._src.op.prologue_tangent"),
     ("gmm_jax._src.op.prologue_tangent", "gmm_jax._src.op.transpose"),
+    # The rules and the primitive's composed form use the op's two small primitives (the
+    # one-op gated tangent, the fixed-order row sum).
+    *((f"gmm_jax._src.op.{name}", "gmm_jax._src.op.gated_tangent")
+      for name in ("primitive", "jvp", "transpose")),
+    ("gmm_jax._src.op.transpose", "gmm_jax._src.op.rows_sum"),
     ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.gmm"), ("gmm_jax.pallas.gpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.tpu", "gmm_jax.pallas.tpu.gmm"), ("gmm_jax.pallas.tpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.gpu.gmm", "gmm_jax.pallas.common"),

@@ -18,7 +18,7 @@ from jax.test_util import check_grads
 
 import gmm_jax
 from gmm_jax._src.backends import registry as dispatch  # the decisions of the gmms lowered
-from gmm_jax._src.core.epilogue import rows_sum  # the transpose of the gather
+from gmm_jax._src.op.rows_sum import rows_sum  # the transpose of the gather
 from oracle import GATED, rows_oracle, tolerances
 
 # The implementations that run on CPU: the reference, the XLA path (gathers and scatters in

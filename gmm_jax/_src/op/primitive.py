@@ -23,8 +23,9 @@ from gmm_jax._src.backends import registry as dispatch
 from gmm_jax._src.core import metadata
 from gmm_jax._src.sharding import strategy
 from gmm_jax._src.core.config import GmmConfig, output_shape
-from gmm_jax._src.core.epilogue import NO_ROWS, Rows, gated_cotangent, gated_input
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, gated_cotangent
 from gmm_jax._src.core.qarray import QArray, dequantize
+from gmm_jax._src.op.gated_tangent import gated_input
 
 # Whether a trace has concrete devices is private to jax (`jax.sharding.get_mesh` refuses
 # to run inside jit); without it every trace binds `gmm_p` (see `_primitive`).
