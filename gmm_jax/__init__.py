@@ -45,7 +45,7 @@ def _checkout_kernels():
 if (_finder := _checkout_kernels()) is not None:
     _sys.meta_path.insert(0, _finder)
 
-from gmm_jax._src.api import explain as explain
+from gmm_jax._src.explain import explain as explain
 from gmm_jax._src.api import gmm as gmm
 from gmm_jax._src.tiling.autotune import TuneResult as TuneResult
 from gmm_jax._src.tiling.autotune import autotune as autotune

@@ -57,6 +57,8 @@ FLOORS = {
     "gmm_jax._src.sharding.spec": 4,
     "gmm_jax._src.backends.fp8_training": 4,
     "gmm_jax._src.api": 5,
+    "gmm_jax._src.validate": 5,
+    "gmm_jax._src.explain": 6,
     "gmm_jax._src.moe.routing": 6,
     "gmm_jax._src.moe.experts": 6,
     "gmm_jax._src.ragged_dot": 6,
@@ -121,6 +123,8 @@ SAME_FLOOR = {
     ("gmm_jax.tools.bench", "gmm_jax._src.tiling.autotune"),  # the benchmark times as the autotuner does
     ("gmm_jax.tools.bench_moe", "gmm_jax._src.tiling.autotune"),
     ("gmm_jax.tools.bench_fallback", "gmm_jax.tools.aot"),  # the same deviceless targets
+    # The public gmm routes the call its argument checks made canonical.
+    ("gmm_jax._src.api", "gmm_jax._src.validate"),
     # The routed-experts op moves rows with the routing transports; the layer composes it.
     ("gmm_jax._src.moe.experts", "gmm_jax._src.moe.routing"),
     ("gmm_jax.nn", "gmm_jax._src.moe.experts"),
