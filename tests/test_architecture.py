@@ -61,6 +61,8 @@ FLOORS = {
     "gmm_jax._src.explain": 6,
     "gmm_jax._src.moe.routing": 6,
     "gmm_jax._src.moe.experts": 6,
+    "gmm_jax._src.moe.layout": 6,
+    "gmm_jax._src.moe.partitioned": 6,
     "gmm_jax._src.ragged_dot": 6,
     "gmm_jax.nn": 6,
     **{f"gmm_jax.nn.{name}": 6 for name in (
@@ -125,8 +127,13 @@ SAME_FLOOR = {
     ("gmm_jax.tools.bench_fallback", "gmm_jax.tools.aot"),  # the same deviceless targets
     # The public gmm routes the call its argument checks made canonical.
     ("gmm_jax._src.api", "gmm_jax._src.validate"),
-    # The routed-experts op moves rows with the routing transports; the layer composes it.
+    # The experts' FFN routes its tokens; the routed-experts op splits it by its layouts and
+    # moves rows with the routing transports; the layer composes them (and checks its
+    # transport among the routing's).
     ("gmm_jax._src.moe.experts", "gmm_jax._src.moe.routing"),
+    *(("gmm_jax._src.moe.partitioned", f"gmm_jax._src.moe.{name}")
+      for name in ("experts", "layout", "routing")),
+    ("gmm_jax.nn.config", "gmm_jax._src.moe.routing"),
     ("gmm_jax.nn", "gmm_jax._src.moe.experts"),
     # The Flax layers package: its modules build on each other (the circle test still
     # holds) and on the routed-experts op.
