@@ -323,7 +323,6 @@ def _platform(platform):
   return registry.normalize_platform(platform)
 
 
-
 # ---------------------------------------------------------------------- rows and the call
 
 

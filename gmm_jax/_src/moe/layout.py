@@ -42,7 +42,6 @@ class Layout:
     return tuple(a for a in self.token_axes if a not in self.expert_axes)
 
 
-
 def entry_axes(entry) -> tuple[str, ...]:
   """The mesh axes of one entry of a PartitionSpec."""
   if entry is None or entry is P.UNCONSTRAINED:
@@ -89,7 +88,6 @@ def choose_layout(mesh_shape: dict[str, int], x_shape, token_axes, expert_axes,
     token_axes = tuple(a for a in token_axes if a not in expert_axes)
     tokens = math.prod(mesh_shape[a] for a in token_axes)
   return Layout(token_axes, expert_axes, tokens, experts), tuple(notes)
-
 
 
 _RECORDERS: list[list] = []
