@@ -1,7 +1,8 @@
-"""The checks of a gmm call's arguments and their canonical form: `validate` turns what a
-user passed to `gmm` into a `Call` (canonical operands, int32 group sizes, a frozen
-`GmmConfig`), raising `GmmShapeError`, `ValueError` or `NotImplementedError` with the
-offending values.
+"""The checks of a gmm call's arguments, and their canonical form.
+
+`validate` turns what a user passed to `gmm` into a `Call` (canonical operands, int32 group
+sizes, a frozen `GmmConfig`), raising `GmmShapeError`, `ValueError` or
+`NotImplementedError` with the offending values.
 
 Floor 5, with `api` (the public `gmm`, which routes the `Call`): the only place that
 validates user input and builds a `GmmConfig`. Below it every layer takes canonical

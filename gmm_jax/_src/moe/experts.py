@@ -1,9 +1,10 @@
-"""The routed experts' FFN on one device's tokens: `ExpertFFN` (the static description of a
-gated or plain FFN, its activation, biases and quantization) and the ways to run it: the
-fused path (`ffn_routed`: the tokens read by index, each result weighted and written to its
-slot inside the gmms), the masked layout for decode (`ffn_masked`), and the unfused
-baseline (`ffn_sorted`: sorted copies around plain gmms), all on `ffn_rows`, the FFN on
-expert-contiguous rows.
+"""The routed experts' FFN on one device's tokens: `ExpertFFN` and the ways to run it.
+
+`ExpertFFN` is the static description of a gated or plain FFN, its activation, biases and
+quantization. The ways: the fused path (`ffn_routed`: the tokens read by index, each result
+weighted and written to its slot inside the gmms), the masked layout for decode
+(`ffn_masked`), and the unfused baseline (`ffn_sorted`: sorted copies around plain gmms),
+all on `ffn_rows`, the FFN on expert-contiguous rows.
 
 Floor 6: built on the public API (`gmm`, `route`); `partitioned` splits these over a mesh.
 """
