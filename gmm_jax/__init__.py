@@ -45,7 +45,7 @@ def _checkout_kernels():
 if (_finder := _checkout_kernels()) is not None:
     _sys.meta_path.insert(0, _finder)
 
-from gmm_jax._src.api import explain as explain
+from gmm_jax._src.explain import explain as explain
 from gmm_jax._src.api import gmm as gmm
 from gmm_jax._src.tiling.autotune import TuneResult as TuneResult
 from gmm_jax._src.tiling.autotune import autotune as autotune
@@ -75,7 +75,7 @@ from gmm_jax._src.ragged_dot import ragged_dot as ragged_dot
 from gmm_jax._src.ragged_dot import ragged_dot_general as ragged_dot_general
 from gmm_jax._src.moe.routing import Routing as Routing
 from gmm_jax._src.moe.experts import ExpertFFN as ExpertFFN
-from gmm_jax._src.moe.experts import routed_experts as routed_experts
+from gmm_jax._src.moe.partitioned import routed_experts as routed_experts
 from gmm_jax._src.moe.routing import route as route
 from gmm_jax._src.moe.routing import routed_apply as routed_apply
 from gmm_jax._src.moe.routing import routed_gmm as routed_gmm

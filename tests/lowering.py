@@ -11,7 +11,7 @@ import contextlib
 import importlib.util
 
 import jax
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from jax.experimental.pallas import triton as plgpu
 
 
@@ -48,7 +48,7 @@ def mosaic_calls(text: str) -> int:
 def implementations_used(fn, *args) -> list[str]:
   """The implementation that serves each gmm of ``jax.jit(fn)(*args)``, as the dispatcher
   chooses them while the program is lowered (for this host's platform)."""
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     jax.jit(fn).lower(*args)
   return [decision.implementation for decision in decisions]
 

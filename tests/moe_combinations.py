@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import gmm_jax
 import meshes
-from gmm_jax._src.moe import experts
+from gmm_jax._src.moe.layout import record_layouts
 
 D, F = 8, 4
 MESH = ((2, 4), ("data", "expert"))
@@ -201,7 +201,7 @@ def check_routed_experts(case: MoECase):
     put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))  # noqa: E731
     args = (put(args[0], tokens), put(args[1], tokens),
             jax.tree.map(lambda w: put(w, weights), args[2]), put(args[3], tokens))
-  with experts.record_layouts() as chosen:
+  with record_layouts() as chosen:
     compiled = step.lower(*args).compile()
   if LAYOUTS[case.layout] is not None:  # forward and backward both take the layout's plan
     assert [c[0].strategy for c in chosen] == [case.layout] * 2, (case, chosen)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from gmm_jax import nn
-from gmm_jax._src.moe import experts
+from gmm_jax._src.moe.layout import record_layouts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import meshes
@@ -278,7 +278,7 @@ def check_case(case: RouterCase):
       return moe_oracle.loss_of(y), y
     return jax.grad(loss, argnums=(0, 1), has_aux=True)(pure, tokens)
 
-  with experts.record_layouts() as layouts:
+  with record_layouts() as layouts:
     y, aux, grads, dx = run(model, x)
   if case.sharded and case.kwargs.get("partitionable"):
     # The partitioner's plan for the layout, forward and backward.

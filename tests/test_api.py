@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_test_base import group_sizes
 from jax.experimental import checkify
 from oracle import f64, gmm_oracle, local_rows, tolerances
@@ -92,16 +92,16 @@ def test_ragged_dot_zero_groups_matches_lax():
 
 def test_platform_chains():
   cfg = gmm_jax.GmmConfig(group_type="m", num_local=1)
-  assert dispatch.candidates(cfg, "cpu") == ("xla", "reference")
-  assert dispatch.candidates(cfg, "gpu") == ("pallas_mosaic_gpu", "pallas_triton", "xla")
-  assert dispatch.candidates(cfg, "tpu") == ("pallas_tpu", "lax_ragged_dot", "xla")
-  assert dispatch.candidates(cfg.replace(implementation="reference"), "tpu") == ("reference",)
+  assert registry.candidates(cfg, "cpu") == ("xla", "reference")
+  assert registry.candidates(cfg, "gpu") == ("pallas_mosaic_gpu", "pallas_triton", "xla")
+  assert registry.candidates(cfg, "tpu") == ("pallas_tpu", "lax_ragged_dot", "xla")
+  assert registry.candidates(cfg.replace(implementation="reference"), "tpu") == ("reference",)
 
 
 def test_tiling_is_passed_to_the_backend(monkeypatch):
   seen = []
-  original = dispatch._REGISTRY["xla"]
-  monkeypatch.setitem(dispatch._REGISTRY, "xla", dataclasses.replace(
+  original = registry._REGISTRY["xla"]
+  monkeypatch.setitem(registry._REGISTRY, "xla", dataclasses.replace(
       original, fn=lambda *args: seen.append(args[-1].tiling) or original.fn(*args)))
   lhs, rhs = _operands(seed=5)
   tiling = gmm_jax.Tiling(tile_m=8, tile_k=8, tile_n=8)

@@ -25,7 +25,8 @@ FLOORS = {
     "gmm_jax._src.core.qarray": 0,
     "gmm_jax._src.core.group_list": 0,
     "gmm_jax._src.core.metadata": 0,
-    "gmm_jax._src.core.errors": 0,  # GmmShapeError, describe, is_index: imports nothing
+    "gmm_jax._src.core.errors": 0,
+    "gmm_jax._src.core.recording": 0,  # GmmShapeError, describe, is_index: imports nothing
     "gmm_jax._src.cli": 0,  # absl flags and the progress bar of the console scripts
     "gmm_jax._src.tiling.chips": 0,  # the chip tables and the TPU target reader
     "gmm_jax._src.tiling.traffic": 0,  # the HBM byte counters of the static cost models
@@ -44,6 +45,8 @@ FLOORS = {
     "gmm_jax._src.op.transpose": 2,
     "gmm_jax._src.op.batching": 2,
     "gmm_jax._src.op.prologue_tangent": 2,
+    "gmm_jax._src.op.gated_tangent": 2,
+    "gmm_jax._src.op.rows_sum": 2,
     "gmm_jax.pallas": 2,
     "gmm_jax.pallas.common": 2,
     "gmm_jax.pallas.gpu": 2,
@@ -62,8 +65,12 @@ FLOORS = {
     "gmm_jax._src.sharding.spec": 4,
     "gmm_jax._src.backends.fp8_training": 4,
     "gmm_jax._src.api": 5,
+    "gmm_jax._src.validate": 5,
+    "gmm_jax._src.explain": 6,
     "gmm_jax._src.moe.routing": 6,
     "gmm_jax._src.moe.experts": 6,
+    "gmm_jax._src.moe.layout": 6,
+    "gmm_jax._src.moe.partitioned": 6,
     "gmm_jax._src.ragged_dot": 6,
     "gmm_jax.nn": 6,
     **{f"gmm_jax.nn.{name}": 6 for name in (
@@ -145,6 +152,11 @@ SAME_FLOOR = {
     ("gmm_jax.pallas.gpu.mosaic_gpu", "gmm_jax.pallas.common"),
     ("gmm_jax.pallas.gpu.mosaic_gpu", "gmm_jax.pallas.gpu.mosaic_gpu_kernel"),
     ("gmm_jax.pallas.gpu", "gmm_jax.pallas.gpu.mosaic_gpu"),
+    # The rules and the primitive's composed form use the op's two small primitives (the
+    # one-op gated tangent, the fixed-order row sum).
+    *((f"gmm_jax._src.op.{name}", "gmm_jax._src.op.gated_tangent")
+      for name in ("primitive", "jvp", "transpose")),
+    ("gmm_jax._src.op.transpose", "gmm_jax._src.op.rows_sum"),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_rules"),
     ("gmm_jax.compat.ascend", "gmm_jax.compat._ascend_scales"),
     ("gmm_jax.compat._ascend_rules", "gmm_jax.compat._ascend_scales"),
@@ -167,8 +179,15 @@ SAME_FLOOR = {
       for name in ("aot_pod_compile", "aot_pod_steps")),
     *(("gmm_jax.tools.aot_pod_compile", f"gmm_jax.tools.{name}")
       for name in ("aot_pod_hlo", "aot_pod_steps")),
-    # The routed-experts op moves rows with the routing transports; the layer composes it.
+    # The public gmm routes the call its argument checks made canonical.
+    ("gmm_jax._src.api", "gmm_jax._src.validate"),
+    # The experts' FFN routes its tokens; the routed-experts op splits it by its layouts and
+    # moves rows with the routing transports; the layer composes them (and checks its
+    # transport among the routing's).
     ("gmm_jax._src.moe.experts", "gmm_jax._src.moe.routing"),
+    *(("gmm_jax._src.moe.partitioned", f"gmm_jax._src.moe.{name}")
+      for name in ("experts", "layout", "routing")),
+    ("gmm_jax.nn.config", "gmm_jax._src.moe.routing"),
     ("gmm_jax.nn", "gmm_jax._src.moe.experts"),
     # The Flax layers package: its modules build on each other (the circle test still
     # holds) and on the routed-experts op.

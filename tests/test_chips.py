@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src.backends import builtin as backends, registry as dispatch, quantized
+from gmm_jax._src.backends import builtin as backends, registry, quantized
 from gmm_jax._src.tiling import chips, cost_models
 from gmm_jax._src.core.config import GmmConfig, Tiling
 
@@ -81,10 +81,10 @@ def test_capability_and_sm_count_flow_from_the_target_device():
 
 @pytest.mark.parametrize("capability, refused", [((10, 0), True), ((9, 0), False)])
 def test_mosaic_gpu_is_skipped_up_front_on_blackwell(monkeypatch, capability, refused):
-  if "pallas_mosaic_gpu" not in dispatch.implementations():
+  if "pallas_mosaic_gpu" not in registry.implementations():
     pytest.skip("this jax has no Pallas Mosaic GPU backend")
   monkeypatch.setattr(cost_models, "gpu_capability", lambda device=None: capability)
-  backend = dispatch._REGISTRY["pallas_mosaic_gpu"]
+  backend = registry._REGISTRY["pallas_mosaic_gpu"]
   x = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
   w = jax.ShapeDtypeStruct((2, 32, 16), jnp.bfloat16)
   cfg = GmmConfig(group_type="m", num_local=2)
@@ -198,7 +198,7 @@ def _explain(xq, wq):
 
 
 def test_int8_x_int8_on_tpu7x_is_not_the_kernels_int8_mxu_path(target_tpu):
-  if "pallas_tpu" not in dispatch.implementations():
+  if "pallas_tpu" not in registry.implementations():
     pytest.skip("this jax has no Pallas TPU backend")
   xq, wq = _int8_operands()
   target_tpu("TPU v5 lite")
@@ -245,7 +245,7 @@ def _compile_on(topology, fn, *shapes):
   placed = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(topology.devices[:1]), ("x",)),
                                       jax.sharding.PartitionSpec())
   args = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placed) for s in shapes]
-  with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+  with jax.default_device(topology.devices[0]), registry.record() as decisions:
     lowered = jax.jit(fn).lower(*args)
   lowered.compile()
   return decisions

@@ -137,9 +137,9 @@ def test_reported_combinations(check, args):
 def test_tpu_epilogue_cases_are_fused(case):
   # The drawn and fixed N = 128 gated cases of pallas_tpu reach the kernel's own epilogue:
   # nothing of the finishing step is moved around the kernel (a smaller N would be).
-  from gmm_jax._src.backends import registry as dispatch
+  from gmm_jax._src.backends import registry
   assert comb.shapes_for("pallas_tpu", case.group_type, case.activation)[-1][2] == case.n
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     comb.apply(case, comb.make_operands(case))
   (decision,) = decisions
   assert decision.implementation == "pallas_tpu" and decision.materialized == (), decision

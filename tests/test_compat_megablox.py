@@ -21,7 +21,7 @@ import pytest
 from oracle import f64, gmm_oracle, local_rows, tolerances
 
 import gmm_jax
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax.compat import megablox
 from gmm_jax.compat.megablox import ops
 
@@ -590,7 +590,7 @@ def test_inside_shard_map_with_check_vma_the_tpu_kernel_runs():
   fn = jax.shard_map(body, mesh=mesh, in_specs=(jax.P("fsdp"), jax.P(), jax.P()),
                      out_specs=jax.P("fsdp"), check_vma=True)
   cot = jnp.asarray(np.random.default_rng(35).standard_normal((M, 128)), jnp.float32)
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     out, (dlhs, drhs) = jax.jit(jax.value_and_grad(
         lambda l, r: jnp.sum(cot * fn(l, r, local_sizes)), (0, 1)))(lhs, rhs)
   assert {d.implementation for d in decisions} == {"pallas_tpu"}, decisions

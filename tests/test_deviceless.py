@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax._src.tiling import cost_models, tuning
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from jax.experimental import topologies
 
@@ -87,7 +87,7 @@ def test_deviceless_compile_picks_the_targets_kernels(kind):
   cases = [(jax.grad(loss, argnums=(0, 1)), (x, w, sizes)),  # forward, dlhs, drhs
            (lambda x, q, sizes: gmm_jax.gmm(x, q, sizes), (x, q, sizes))]  # int8 weights
   for (fn, args), served in zip(cases, SERVED[kind]):
-    with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+    with jax.default_device(topology.devices[0]), registry.record() as decisions:
       lowered = jax.jit(fn).lower(*args)
     assert len(decisions) == len(served)
     assert {(d.cfg.group_type, d.cfg.transpose_rhs): d.implementation

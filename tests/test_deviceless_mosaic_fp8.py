@@ -19,7 +19,7 @@ import pytest
 import h200
 
 import gmm_jax
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 M, K, N, G = 512, 256, 256, 4
@@ -72,7 +72,7 @@ def test_blocked_fp8_gmms_compile_to_fp8_wgmma(role, lhs_type, out_dtype, types,
   for name, value in (("MOSAIC_GPU_DUMP_TO", str(tmp_path)), ("MOSAIC_GPU_DUMP_PTX", "1"),
                       ("MOSAIC_GPU_DUMP_PTXAS", "1")):
     monkeypatch.setenv(name, value)
-  with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+  with jax.default_device(topology.devices[0]), registry.record() as decisions:
     lowered = jax.jit(gmm).lower(lhs, rhs, sizes)
   assert [d.implementation for d in decisions] == ["pallas_mosaic_gpu"], decisions
   lowered.compile()
@@ -99,7 +99,7 @@ def test_the_k_grouped_drhs_is_not_the_kernels():
     return gmm_jax.gmm(x, dy, sizes, group_type="k", transpose_lhs=True,
                        preferred_element_type=jnp.float32)
 
-  with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+  with jax.default_device(topology.devices[0]), registry.record() as decisions:
     jax.jit(drhs).lower(x, dy, sizes)
   (decision,) = decisions
   assert decision.implementation != "pallas_mosaic_gpu"

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.moe import routing
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -67,7 +67,7 @@ def test_expert_sharded_gmm_runs_a_kernel_on_every_device(activation):
   # each device computes only its expert's gradient.
   for fn, out in ((lambda x, w, s: gmm_jax.gmm(x, w, s, activation=activation), None),
                   (jax.grad(loss, argnums=(0, 1)), (x.sharding, w.sharding))):
-    with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+    with jax.default_device(topology.devices[0]), registry.record() as decisions:
       compiled = jax.jit(fn, out_shardings=out).lower(x, w, sizes).compile()
     # The forward's gated epilogue is Triton's (the Mosaic GPU kernel has none); the
     # gradient's pre-activation gmm and dlhs are Mosaic GPU's, its drhs Triton's.
@@ -84,7 +84,7 @@ def _compile_on_pod(fn, *args):
   """Lowers and compiles `fn` for the 8 x H200 pod (the default device is the pod's, as the
   Pallas lowering reads it); returns the program text and the implementations chosen."""
   topology = _gpu_pod()
-  with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+  with jax.default_device(topology.devices[0]), registry.record() as decisions:
     compiled = jax.jit(fn).lower(*args).compile()
   return compiled.as_text(), {d.implementation for d in decisions}
 
@@ -214,7 +214,7 @@ def test_routed_experts_on_tpu_with_no_mesh_in_sight_compiles():
   experts = NamedSharding(mesh, P("expert"))
   step = jax.jit(jax.grad(loss, argnums=(0, 1, 3)),
                  in_shardings=(tokens, tokens, tokens, {"w_in": experts, "w_down": experts}))
-  with jax.default_device(devices[0]), dispatch.record() as decisions:
+  with jax.default_device(devices[0]), registry.record() as decisions:
     lowered = step.lower(abstract((t, d), jnp.bfloat16), abstract((t, k), jnp.float32),
                          abstract((t, k), jnp.int32), params)
     text = lowered.compile().as_text()

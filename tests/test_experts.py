@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src.moe import experts
+from gmm_jax._src.moe.layout import record_layouts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import meshes
@@ -142,7 +142,7 @@ def test_each_layout_equals_the_oracle_and_gathers_no_weights(reference, layout,
           jax.tree.map(lambda w: put(w, weights), params))
   spec = gmm_jax.ExpertFFN(E, "silu", gated=True, fused=fused)
   step = jax.jit(_step(spec))
-  with experts.record_layouts() as chosen, (
+  with record_layouts() as chosen, (
       jax.set_mesh(mesh) if kind == "explicit" else contextlib.nullcontext()):
     lowered = step.lower(*args)
     compiled = lowered.compile()
@@ -218,7 +218,7 @@ def test_nn_moe_under_plain_jit_is_partitioned_like_its_operands(partitionable):
   sharded_state = jax.tree_util.tree_map_with_path(
       lambda p, a: jax.device_put(a, NamedSharding(mesh, spec_of(p, a))), state)
   xs = jax.device_put(x, NamedSharding(mesh, P(("data", "expert"))))
-  with experts.record_layouts() as chosen:
+  with record_layouts() as chosen:
     compiled = step.lower(sharded_state, xs).compile()
   assert {c[0].strategy for c in chosen} == ({"travel"} if partitionable else set())
   value, grads = compiled(sharded_state, xs)

@@ -1,4 +1,4 @@
-"""The gated activation's derivative as one op (`epilogue.gated_tangent`): its tangent and
+"""The gated activation's derivative as one op (`op.gated_tangent`): its tangent and
 cotangent against float64 numpy (central differences of `oracle.GATED`), bitwise against
 jax's own derivatives of the jnp activation (what the op differentiated before), and a gmm
 with a gated activation differentiated in every mode (reverse, forward, second order,
@@ -15,6 +15,7 @@ from jax.test_util import check_grads
 import gmm_jax
 import oracle
 from gmm_jax._src.core import epilogue
+from gmm_jax._src.op import gated_tangent
 
 GATED = ["swiglu", "geglu", "geglu_tanh", "swiglu_clamped"]
 RNG = np.random.default_rng(11)
@@ -43,7 +44,7 @@ def test_tangent_and_cotangent_equal_jax_derivatives_and_numpy(name, dtype):
   # Both compiled (XLA may contract products into FMAs alike).
   z, dz = _normal((6, 16), dtype), _normal((6, 16), dtype)
   ct = _normal((6, 8), jnp.float32)
-  tangent = jax.jit(lambda z, dz: epilogue.gated_tangent(name, z, dz))(z, dz)
+  tangent = jax.jit(lambda z, dz: gated_tangent.gated_tangent(name, z, dz))(z, dz)
   expected = jax.jit(lambda z, dz: jax.jvp(_jnp_gated(name), (z,), (dz,))[1])(z, dz)
   assert tangent.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(tangent), np.asarray(expected))
@@ -52,7 +53,7 @@ def test_tangent_and_cotangent_equal_jax_derivatives_and_numpy(name, dtype):
   # Transposed (the backward): the cotangent of z, in z's dtype, equals jax's vjp of the
   # composition (a value: a -0.0 may come back +0.0) and numpy's <ct, J dz> = <J^T ct, dz>.
   cotangent = jax.jit(lambda ct: jax.linear_transpose(
-      lambda t: epilogue.gated_tangent(name, z, t), dz)(ct)[0])(ct)
+      lambda t: gated_tangent.gated_tangent(name, z, t), dz)(ct)[0])(ct)
   expected_ct = jax.jit(lambda ct: jax.vjp(_jnp_gated(name), z)[1](ct)[0])(ct)
   assert cotangent.dtype == dtype
   np.testing.assert_array_equal(np.asarray(cotangent, np.float32),
@@ -67,12 +68,12 @@ def test_tangent_and_cotangent_equal_jax_derivatives_and_numpy(name, dtype):
 
 def test_tangent_batches_and_has_second_derivatives():
   z, dz = _normal((3, 4, 8), jnp.float32), _normal((3, 4, 8), jnp.float32)
-  batched = jax.jit(jax.vmap(lambda a, b: epilogue.gated_tangent("swiglu", a, b),
+  batched = jax.jit(jax.vmap(lambda a, b: gated_tangent.gated_tangent("swiglu", a, b),
                              (0, None)))(z, dz[0])
   expected = jax.jit(jax.vmap(lambda a: jax.jvp(_jnp_gated("swiglu"), (a,), (dz[0],))[1]))(z)
   np.testing.assert_array_equal(np.asarray(batched), np.asarray(expected))
   # d/dz of the tangent (a Hessian-vector product's ingredient) through the jnp form.
-  f = lambda a: jnp.sum(epilogue.gated_tangent("geglu", a, dz[0]) ** 2)
+  f = lambda a: jnp.sum(gated_tangent.gated_tangent("geglu", a, dz[0]) ** 2)
   g = lambda a: jnp.sum(jax.jvp(_jnp_gated("geglu"), (a,), (dz[0],))[1] ** 2)
   np.testing.assert_allclose(np.asarray(jax.grad(f)(z[0])), np.asarray(jax.grad(g)(z[0])),
                              rtol=1e-6, atol=1e-6)
@@ -80,7 +81,7 @@ def test_tangent_batches_and_has_second_derivatives():
 
 def test_rejects_mismatched_shapes():
   with pytest.raises(ValueError, match="one shape"):
-    epilogue.gated_tangent("swiglu", jnp.zeros((2, 4)), jnp.zeros((2, 6)))
+    gated_tangent.gated_tangent("swiglu", jnp.zeros((2, 4)), jnp.zeros((2, 6)))
 
 
 SIZES = np.array([5, 0, 9, 6], np.int32)

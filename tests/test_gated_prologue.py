@@ -23,7 +23,7 @@ from oracle import GATED, f64, gmm_oracle
 
 import gmm_jax
 from gmm_jax.tools import bench_moe
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
@@ -156,7 +156,7 @@ def test_the_tpu_kernel_writes_the_cotangent():
   z, w, sizes = _operands(dtype=jnp.bfloat16)
   f = lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu",  # noqa: E731
                             implementation="pallas_tpu", interpret=True)
-  with dispatch.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
+  with registry.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
     jax.jit(jax.grad(lambda z: jnp.sum(f(z).astype(jnp.float32)))).lower(z)
   (epilogue,) = [d for d in decisions if d.cfg.cotangent_of is not None]
   assert epilogue.implementation == "pallas_tpu" and epilogue.materialized == (), epilogue
@@ -169,12 +169,12 @@ def test_the_tpu_kernel_applies_the_prologue(name):
   z, w, sizes = _operands(dtype=jnp.bfloat16)
   f = lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation=name,  # noqa: E731
                             implementation="pallas_tpu", interpret=True)
-  with dispatch.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
+  with registry.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
     jax.jit(lambda z: f(z)).lower(z)
   (forward,) = decisions
   assert forward.implementation == "pallas_tpu" and forward.materialized == (), forward
   np.testing.assert_allclose(f64(f(z)), _oracle(name, z, w, sizes), rtol=2e-2, atol=2e-2)
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     jax.jit(lambda z: jax.jvp(f, (z,), (z,))).lower(z)
   assert any("gated_lhs" in d.materialized for d in decisions if d.cfg.lhs_tangent), decisions
 
@@ -187,7 +187,7 @@ def test_the_tpu_kernel_composes_partial_tiles():
   loss = lambda impl, z: jnp.sum(gmm_jax.gmm(  # noqa: E731
       z, w, sizes, lhs_activation="swiglu", implementation=impl,
       interpret=impl == "pallas_tpu") ** 2)
-  with dispatch.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
+  with registry.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
     jax.jit(lambda z: jax.grad(functools.partial(loss, "pallas_tpu"))(z)).lower(z)
   got = jax.grad(functools.partial(loss, "pallas_tpu"))(z)
   (epilogue,) = [d for d in decisions if d.cfg.cotangent_of is not None]
@@ -271,7 +271,7 @@ def test_the_default_takes_the_prologue_where_the_kernels_fuse_it(monkeypatch, p
   # epilogue activation where they would be formed around the kernels (benchmarks/log.md).
   from gmm_jax._src.moe import experts
   assert experts.prologue_is_native("swiglu", {"platform": platform}) is native
-  monkeypatch.setattr(dispatch, "trace_platform", lambda: platform)
+  monkeypatch.setattr(registry, "trace_platform", lambda: platform)
   assert ("'swiglu'" in _prologues_traced(None)) is native
   assert "'swiglu'" in _prologues_traced(True)  # forced, on every platform
   assert "'swiglu'" not in _prologues_traced(False)
@@ -295,7 +295,7 @@ def test_the_default_on_the_tpu_kernel_fuses_both_ends_and_equals_the_epilogue_p
     return gmm_jax.routed_experts(spec, x, top_e, top_p,
                                   dict(w_in=params["gate_up"], w_down=params["down"]))[0]
 
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     y1, pull1 = jax.vjp(functools.partial(block, None), params, x)
     ct = jax.random.normal(jax.random.key(2), y1.shape, y1.dtype)
     got = pull1(ct)

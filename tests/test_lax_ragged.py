@@ -21,7 +21,7 @@ from gmm_test_base import GmmTestBase, make_operands
 from grids import covering
 from oracle import GATED, f64, gmm_oracle, local_rows, rows_oracle, tolerances
 
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.core.config import GmmConfig
 from gmm_jax._src.backends.lax_ragged_dot import gmm_lax_ragged
 
@@ -145,7 +145,7 @@ def test_row_operands_are_done_around_it():
   lhs_indices = rng.integers(0, tokens, rows).astype(np.int32)
   row_weights = rng.random(rows).astype(np.float32)
   out_indices = rng.permutation(rows + 3)[:rows].astype(np.int32)
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     out = gmm(lhs, rhs, np.asarray(SIZES, np.int32), bias=bias, activation="swiglu",
               lhs_indices=lhs_indices, row_weights=row_weights, out_indices=out_indices,
               out_rows=rows + 3)
@@ -239,7 +239,7 @@ def test_gradients_match_numpy(group_type, activation, offset, dtype):
               group_offset=offset, num_groups=num_local if group_type == "k" else None)
     return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
 
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(lhs, rhs, bias)
   assert {d.implementation for d in decisions} == {NAME}
   want = grad_oracle(lhs, rhs, bias, ct, SIZES, group_type, activation, offset, num_local)
@@ -305,11 +305,11 @@ def test_chains_fall_back_to_ragged_dot_on_tpu_only():
   # loops. GPU: ragged_dot_general densifies there (benchmarks/log.md, "Fallbacks on
   # accelerators"), so the XLA loops stay its fallback. CPU: the XLA loops first.
   cfg = GmmConfig(group_type="m", num_local=1)
-  tpu = dispatch.candidates(cfg, "tpu")
+  tpu = registry.candidates(cfg, "tpu")
   assert tpu.index("pallas_tpu") < tpu.index(NAME) < tpu.index("xla")
-  gpu = dispatch.candidates(cfg, "gpu")
+  gpu = registry.candidates(cfg, "gpu")
   assert NAME not in gpu and gpu[-1] == "xla"
-  assert dispatch.candidates(cfg, "cpu")[0] == "xla"
+  assert registry.candidates(cfg, "cpu")[0] == "xla"
 
 
 def test_explain_names_it_where_the_tpu_kernel_refuses():

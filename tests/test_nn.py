@@ -15,7 +15,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from gmm_jax import nn  # noqa: E402
-from gmm_jax._src.moe import experts  # noqa: E402
+from gmm_jax._src.moe.layout import record_layouts  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 G, EMBED, MLP = 4, 16, 24
@@ -216,7 +216,7 @@ def test_router_weights_on_the_input_in_the_partitionable_op():
       lambda v: jax.device_put(v, NamedSharding(mesh, P("expert") if experts_first(v)
                                                 else P())), nnx.state(partitioned)))
   x = jax.random.normal(jax.random.key(16), (16, EMBED))
-  with experts.record_layouts() as chosen:
+  with record_layouts() as chosen:
     _same_values_and_grads(local, partitioned, x,
                            jax.device_put(x, NamedSharding(mesh, P("expert"))))
   assert {layout.strategy for layout, _ in chosen} == {"travel"}

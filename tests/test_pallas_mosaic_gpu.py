@@ -18,7 +18,7 @@ from gmm_test_base import make_operands
 from oracle import f64, gmm_oracle, local_rows, tolerances
 
 import gmm_jax
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.tiling import chips
 
@@ -268,7 +268,7 @@ def test_the_dispatcher_hands_interpret_mode_to_triton():
                       interpret=implementation != "xla")
     return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     got = jax.jit(jax.grad(lambda *a: loss(("pallas_mosaic_gpu", "pallas_triton"), *a),
                            argnums=(0, 1)))(lhs, rhs)
   assert {d.implementation for d in decisions} == {"pallas_triton"}
@@ -352,7 +352,7 @@ def test_target_from_the_abstract_device(kind, hopper):
 
 
 def test_is_first_in_the_gpu_chain():
-  chain = dispatch.candidates(GmmConfig(group_type="m", num_local=1), "gpu")
+  chain = registry.candidates(GmmConfig(group_type="m", num_local=1), "gpu")
   assert chain[:2] == ("pallas_mosaic_gpu", "pallas_triton")
 
 
@@ -376,7 +376,7 @@ def test_deviceless_h200_compile_picks_the_mosaic_kernel():
   def loss(x, w, sizes):  # forward, dlhs (m-grouped, transposed rhs) and drhs (k-grouped)
     return jnp.sum(jnp.square(gmm_jax.gmm(x, w, sizes).astype(jnp.float32)))
 
-  with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+  with jax.default_device(topology.devices[0]), registry.record() as decisions:
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, sizes)
   served = {(d.cfg.group_type, d.cfg.transpose_rhs): d.implementation for d in decisions}
   assert served == {("m", False): "pallas_mosaic_gpu", ("m", True): "pallas_mosaic_gpu",

@@ -18,7 +18,7 @@ from gmm_test_base import make_operands
 from oracle import f64, gmm_oracle, tolerances
 
 import gmm_jax
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 
 mosaic = pytest.importorskip("gmm_jax.pallas.gpu.mosaic_gpu",
                              reason="this jax's Pallas Mosaic GPU lacks the kernel's API")
@@ -37,9 +37,9 @@ def _recorded_configs(lhs, rhs, sizes, bias, **options):
                       **options)
     return jnp.sum(out.astype(jnp.float32))
 
-  with dispatch.record() as decisions:  # the backward gmms (grad records only those)
+  with registry.record() as decisions:  # the backward gmms (grad records only those)
     jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(lhs, rhs, bias)
-  with dispatch.record() as forward:
+  with registry.record() as forward:
     jax.jit(loss).lower(lhs, rhs, bias)
   configs = {(d.cfg.group_type, d.cfg.transpose_rhs): d.cfg for d in decisions}
   assert len(configs) == 2 and len(forward) == 1, (decisions, forward)

@@ -472,7 +472,7 @@ def test_dispatch_fuses_what_the_kernel_does_and_moves_the_rest_around(n_out, fu
   # activation and the weights in its epilogue; the gather is done before it (exact). With
   # N/2 = 64 output columns (no 128-lane tile divides it) the kernel refuses the fused form
   # and serves the plain gmm, the activation and weights done after it in f32.
-  from gmm_jax._src.backends import registry as dispatch
+  from gmm_jax._src.backends import registry
   tokens, k, num_local = 50, 128, 3
   x = jnp.asarray(np.random.default_rng(1).standard_normal((tokens, k)), jnp.float32)
   rhs = jnp.asarray(np.random.default_rng(2).standard_normal((num_local, k, 2 * n_out)) / 8,
@@ -486,7 +486,7 @@ def test_dispatch_fuses_what_the_kernel_does_and_moves_the_rest_around(n_out, fu
                        row_weights=weights, implementation=implementation,
                        interpret=interpret)
 
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     got = jax.jit(lambda x, r: f(x, r, "pallas_tpu", True))(x, rhs)
   (decision,) = decisions
   assert decision.implementation == "pallas_tpu"

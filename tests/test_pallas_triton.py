@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from gmm_jax import dequantize, quantize
 from gmm_jax._src.tiling import chips, cost_models
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.core.epilogue import apply_epilogue
 from gmm_jax._src.backends.reference import gmm_reference
@@ -143,7 +143,7 @@ def test_activation_without_triton_lowering_falls_back():
   # erf has no Triton lowering: the kernel refuses a callable that needs it before it
   # builds its pallas_call (so the platform chain moves on to "xla"), instead of failing
   # inside Triton's lowering.
-  chain = dispatch.candidates(GmmConfig(group_type="m", num_local=1), "gpu")
+  chain = registry.candidates(GmmConfig(group_type="m", num_local=1), "gpu")
   assert "pallas_triton" in chain and chain[-1] == "xla"
   lhs, rhs, _ = make_operands("m")
   sizes = np.asarray(SIZES_WITH_EMPTY, np.int32)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import triton_ir
 from gmm_jax import quantize
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.core.config import GmmConfig
 from gmm_jax.pallas.gpu import triton as triton_gmm
 from gmm_jax.pallas.gpu import triton_fp8
@@ -58,7 +58,7 @@ def _forward_operands(x, w):
 
 def _run(lhs, rhs, **options):
   """The gmm on the Triton kernel (interpret mode), and the implementations that served."""
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     out = gmm_jax.gmm(lhs, rhs, SIZES, implementation="pallas_triton", interpret=True,
                       tiling=TILING, **options)
   return np.asarray(out, np.float64), [d.implementation for d in decisions]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gmm_jax import QArray, quantize
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from grids import covering
 from lowering import implementations_used, lower_for, triton_calls
 from oracle import dequantize, f64, gmm_oracle, tolerances
@@ -179,17 +179,17 @@ def test_dispatcher_declares_the_quantized_modes():
   xq = quantize(np.ones((M, 128), np.float32), jnp.int8, channelwise_axes=(0,))
   mx = quantize(np.ones((G, 128, N), np.float32), jnp.float8_e4m3fn, tiled_axes={1: 32})
   xmx = quantize(np.ones((M, 128), np.float32), jnp.float8_e4m3fn, tiled_axes={1: 32})
-  assert dispatch.serves(x, w, cfg, "gpu") and dispatch.serves(xq, w, cfg, "tpu")
+  assert registry.serves(x, w, cfg, "gpu") and registry.serves(xq, w, cfg, "tpu")
   # blocked fp8 x fp8 (MX, G-B, fp8 training): the GPU kernels serve it in-kernel;
   # blocked integers (A8W4-like int8 x int8 with K blocks) are composed.
-  assert dispatch.serves(xmx, mx, cfg, "gpu")
+  assert registry.serves(xmx, mx, cfg, "gpu")
   xi = quantize(np.ones((M, 128), np.float32), jnp.int8, channelwise_axes=(0,),
                 tiled_axes={1: 32})
   wi = quantize(np.ones((G, 128, N), np.float32), jnp.int8, tiled_axes={1: 32})
-  assert not dispatch.serves(xi, wi, cfg, "gpu") and not dispatch.serves(xi, wi, cfg, "tpu")
-  assert not dispatch.serves(x, w, cfg, "cpu")  # CPU: composed XLA path
+  assert not registry.serves(xi, wi, cfg, "gpu") and not registry.serves(xi, wi, cfg, "tpu")
+  assert not registry.serves(x, w, cfg, "cpu")  # CPU: composed XLA path
   blocked_n = quantize(np.ones((G, 128, N), np.float32), jnp.int8, tiled_axes={2: 8})
-  assert not dispatch.serves(x, blocked_n, cfg, "gpu")  # the kernels' static check refuses
+  assert not registry.serves(x, blocked_n, cfg, "gpu")  # the kernels' static check refuses
 
 
 # ------------------------------------------------------------------------------- lowering

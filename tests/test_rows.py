@@ -17,8 +17,8 @@ import pytest
 from jax.test_util import check_grads
 
 import gmm_jax
-from gmm_jax._src.backends import registry as dispatch  # the decisions of the gmms lowered
-from gmm_jax._src.core.epilogue import rows_sum  # the transpose of the gather
+from gmm_jax._src.backends import registry  # the decisions of the gmms lowered
+from gmm_jax._src.op.rows_sum import rows_sum  # the transpose of the gather
 from oracle import GATED, rows_oracle, tolerances
 
 # The implementations that run on CPU: the reference, the XLA path (gathers and scatters in
@@ -289,7 +289,7 @@ def test_weight_gradient_reads_gathered_rows_by_index():
   x, w, _, _, r = _topk_problem(14)
   loss = lambda x, w: jnp.sum(gmm_jax.gmm(x, w, r.group_sizes, lhs_indices=r.lhs_indices,
                                           implementation="xla") ** 2)
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w)
   k_grouped = [d for d in decisions if d.cfg.group_type == "k"]
   assert k_grouped and all(d.cfg.gather_rows == r.num_rows and not d.materialized

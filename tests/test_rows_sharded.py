@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import meshes
@@ -57,7 +57,7 @@ def test_row_gmms_split_their_experts_under_plain_jit(activation, weights):
   # The gradients laid out like their operands (as a training step's update makes them).
   sharded = jax.jit(jax.value_and_grad(_loss, argnums=(0, 2, 3, 4)), static_argnums=5,
                     out_shardings=(None, tuple(args[i].sharding for i in (0, 2, 3, 4))))
-  with dispatch.record_plans() as plans, dispatch.record() as decisions:
+  with registry.record_plans() as plans, registry.record() as decisions:
     compiled = sharded.lower(*args, activation).compile()
   # Every gmm lowered went through the partitioning rule (none left to XLA's partitioner).
   assert len(plans) == len(decisions) >= 6
@@ -80,7 +80,7 @@ def test_row_gmms_split_their_experts_under_plain_jit(activation, weights):
       return gmm_jax.gmm(x, w_up, r.group_sizes, lhs_indices=r.lhs_indices,
                          activation="swiglu")
 
-    with dispatch.record_plans() as plans:
+    with registry.record_plans() as plans:
       h = jax.jit(forward)(*args[:4])
     (plan,) = plans
     assert plan.strategies == ("expert",)

@@ -353,7 +353,7 @@ def test_public_moe_ffn_runs_natively():
   """gmm_jax.route + the two fused gmms through the dispatcher: the Triton kernel serves
   every row feature itself (nothing materialized around it)."""
   import gmm_jax
-  from gmm_jax._src.backends import registry as dispatch
+  from gmm_jax._src.backends import registry
 
   experts, top_k, hidden = 4, 2, 16
   keys = jax.random.split(jax.random.key(8), 5)
@@ -372,7 +372,7 @@ def test_public_moe_ffn_runs_natively():
                     out_indices=r.out_indices, out_rows=r.num_slots, **options)
     return r.combine(y)
 
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     got = jax.jit(moe)(x, w_up, w_down, top_e, top_p)
   assert [d.implementation for d in decisions] == ["pallas_triton"] * 2
   assert all(not d.materialized for d in decisions)

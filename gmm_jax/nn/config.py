@@ -14,7 +14,7 @@ from gmm_jax import Fp8Training, QuantSpec
 from gmm_jax.nn.expert_ffn import check_options
 from gmm_jax.nn.router import check_router_options
 from gmm_jax._src.core.epilogue import SWIGLU_ALPHA, SWIGLU_LIMIT
-from gmm_jax._src.moe import experts
+from gmm_jax._src.moe import routing
 
 CAPACITY_PER = ("call", "sequence")
 LAYOUTS = ("ragged", "masked")
@@ -296,8 +296,8 @@ class MoEConfig:
       raise ValueError(f"num_identity_experts must be an int >= 0, got {identity!r}")
     if identity and (capacity_factor is not None or expert_capacity is not None):
       raise NotImplementedError(IDENTITY_EXPERTS_ALONE)
-    if self.transport not in experts.TRANSPORTS:
-      raise ValueError(f"transport must be one of {experts.TRANSPORTS}, got "
+    if self.transport not in routing.TRANSPORTS:
+      raise ValueError(f"transport must be one of {routing.TRANSPORTS}, got "
                        f"{self.transport!r}")
     # The built-in router scores the identity experts too.
     check_router_options(num_experts + identity, top_k, score=self.score,

@@ -1,5 +1,5 @@
 """How an MoE layer's tokens reach their experts: the layer only chooses among the
-strategies of `gmm_jax._src.moe.experts` (the fused path, the unfused baseline, the
+strategies of `gmm_jax._src.moe` (the fused path, the unfused baseline, the
 partitionable op) and `gmm_jax.routed_apply` (explicit meshes), from its mesh arguments,
 the tokens' and kernels' shardings and the devices in sight."""
 
@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from gmm_jax import routed_apply
+from gmm_jax import routed_apply, routed_experts
 from gmm_jax._src.moe import experts
 from gmm_jax._src.backends.registry import trace_platform
 from gmm_jax._src.moe.experts import ExpertFFN
@@ -122,10 +122,10 @@ def run_experts(spec: ExpertFFN, rows, top_e, top_p, params, *, mesh, axis, toke
     return y, None if capacity is None else kept
   if mesh is None:
     # Mesh-blind (plain jit, one device): the partitioner splits the routed experts by
-    # the operands' shardings (`experts.routed_experts`).
-    y, kept = experts.routed_experts(spec, rows, top_e, top_p, params,
-                                     capacity_factor=capacity_factor,
-                                     buffer_factor=buffer_factor, transport=transport)
+    # the operands' shardings (`routed_experts`).
+    y, kept = routed_experts(spec, rows, top_e, top_p, params,
+                             capacity_factor=capacity_factor,
+                             buffer_factor=buffer_factor, transport=transport)
     dropless = capacity_factor is None and buffer_factor is None and keep is None
     return y, None if dropless else kept.astype(bool)
   shards = math.prod(mesh.shape[a] for a in token_axes)

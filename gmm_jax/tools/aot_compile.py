@@ -12,7 +12,7 @@ import time
 import jax
 import numpy as np
 
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.tiling import tuning
 from gmm_jax.tools.aot_cases import FP8_MMA_TARGETS, ROLE_OF, Case, build
 from gmm_jax.tools.aot_code import (CapturedOutput, code_report, has_fp8_mma, match_kernels,
@@ -58,7 +58,7 @@ def _compile(topology, fn, args):
   where it failed), the error (None where it compiled))."""
   launches: list = []
   try:
-    with jax.default_device(topology.devices[0]), dispatch.record() as decisions, \
+    with jax.default_device(topology.devices[0]), registry.record() as decisions, \
         tuning.record() as choices, tuning.record_launches() as launches:
       lowered = jax.jit(fn).lower(*args)
     with CapturedOutput() as captured:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax.tools.aot_pod_hlo import (COLLECTIVES, CUSTOM_PARTITIONING, collective_bytes,
                                        kernel_calls, weight_gather_bytes)
 from gmm_jax.tools.aot_pod_steps import (BASELINES, IN_MESH, MODELS, abstract_layer,
@@ -103,7 +103,7 @@ def compile_step(model_name: str, topology_name: str, strategy: str,
     context = jax.set_mesh(mesh) if strategy in IN_MESH else contextlib.nullcontext()
     # Pallas reads the platform and device kind from the default device, at trace time and
     # when the partitioner lowers a gmm per device at compile time.
-    with context, jax.default_device(devices[0]), dispatch.record() as decisions:
+    with context, jax.default_device(devices[0]), registry.record() as decisions:
       lowered = step.lower(*args)
       row.custom_partitionings = lowered.as_text().count(CUSTOM_PARTITIONING)
       compiled = lowered.compile()

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmm_jax import autotune, gmm
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.core.config import GmmConfig, Problem
 from gmm_jax._src.tiling import tuning
 from gmm_jax.tools.bench_host import fmt, fwd_bwd, group_sizes, time_fn
@@ -91,7 +91,7 @@ def run_gpu_case(dtype, shape, distribution, modes=("fwd", "fwd+bwd"),
   # Correctness on the same operands: gmm against ragged_dot (both f32-accumulated), relative
   # to the largest |ragged_dot| entry.
   want = jax.jit(fns["ragged"])(lhs, rhs, sizes).astype(jnp.float32)
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     got = jax.jit(fns["gmm"])(lhs, rhs, sizes).astype(jnp.float32)
   chosen = ",".join(sorted({d.implementation for d in decisions}))
   error = float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))

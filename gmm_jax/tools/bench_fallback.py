@@ -37,7 +37,7 @@ from jax.experimental import topologies
 
 import gmm_jax
 from gmm_jax.tools import deviceless
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 
 # The targets of `gmm_jax.tools.aot` this compares on.
 TARGETS = {name: deviceless.TARGETS[name] for name in ("h200", "v5e")}
@@ -132,7 +132,7 @@ def measure(target: str, case: str, dtype: str, mode: str, implementation: str) 
       ((m, k), dtype), ((g, k, n), dtype), ((g,), jnp.int32), ((m, n), dtype))]
   start = time.perf_counter()
   try:
-    with jax.default_device(topology.devices[0]), dispatch.record() as decisions:
+    with jax.default_device(topology.devices[0]), registry.record() as decisions:
       lowered = jax.jit(_program(implementation, mode)).lower(*args)
     compiled = lowered.compile()
   except Exception as err:  # noqa: BLE001  (a failed compile is a reported result)

@@ -211,7 +211,7 @@ class _MProgram:
     refs, cfg, dot_dtype = self.refs, self.cfg, self.dot_dtype
     whole = ks is None
     ks = slice(None) if whole else ks
-    if self.prologue:  # act(gate, up) in f32, rounded to lhs's dtype (`epilogue.gated_input`)
+    if self.prologue:  # act(gate, up) in f32, rounded to lhs's dtype (`epilogue.prologue_input`)
       x = GATED_PAIRS[cfg.lhs_activation](
           refs.lhs[span, ks].astype(jnp.float32),
           refs.lhs_up[span, ks].astype(jnp.float32)).astype(refs.lhs.dtype)

@@ -14,7 +14,7 @@ import importlib
 import jax.numpy as jnp
 
 from gmm_jax._src.tiling import chips, cost_models
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.backends import lax_ragged_dot as lax_ragged, reference, xla
 from gmm_jax._src.core.qarray import QArray
 
@@ -115,29 +115,29 @@ QUANT_MODES = ("none", "weight_only", "scaled", "blocked")
 
 def _register() -> None:
   every_platform = tuple(CHAINS)
-  dispatch.register(dispatch.Backend("reference", reference.gmm_reference,
+  registry.register(registry.Backend("reference", reference.gmm_reference,
                                      platforms=every_platform, features=reference.FEATURES))
-  dispatch.register(dispatch.Backend("xla", lambda *args, **kw: xla.gmm_xla(*args, **kw),
+  registry.register(registry.Backend("xla", lambda *args, **kw: xla.gmm_xla(*args, **kw),
                                      platforms=every_platform, features=xla.FEATURES))
-  dispatch.register(dispatch.Backend(
+  registry.register(registry.Backend(
       "lax_ragged_dot", lambda *args, **kw: lax_ragged.gmm_lax_ragged(*args, **kw),
       platforms=every_platform, features=lax_ragged.FEATURES))
   for name, module_name, function, platform in KERNELS:
     try:  # an optional dependency: this jax's Pallas backend for the platform
       module = importlib.import_module(module_name)
     except ImportError as err:  # skipped with its reason (`explain`), warned about once
-      dispatch.mark_unavailable(name, (platform,), f"{type(err).__name__}: {err}")
+      registry.mark_unavailable(name, (platform,), f"{type(err).__name__}: {err}")
       continue
     if getattr(module, "ARCHS", None):
       GPU_ARCHS[name] = tuple(module.ARCHS)
     fn, check = _guarded(name, module, function, platform)
-    dispatch.register(dispatch.Backend(name, fn, platforms=(platform,),
+    registry.register(registry.Backend(name, fn, platforms=(platform,),
                                        quant_modes=QUANT_MODES,
                                        check=check,
                                        features=getattr(module, "FEATURES", ()),
                                        atomics=getattr(module, "ATOMICS", False)))
   for platform, chain in CHAINS.items():
-    dispatch.set_chain(platform, chain, FUSED_CHAINS.get(platform))
+    registry.set_chain(platform, chain, FUSED_CHAINS.get(platform))
 
 
 _register()

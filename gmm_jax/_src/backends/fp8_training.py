@@ -20,7 +20,7 @@ defined, as for any custom_vjp.
 The activation, row masking, row weights and the scatter to ``out_indices`` run after the
 fp8 gmm on its f32 pre-activation (`epilogue.finish`), differentiated by jax; a gathered lhs
 (``lhs_indices``) is gathered before it, its gradient summed back per token in a fixed order
-(`epilogue.rows_sum`).
+(`op.rows_sum`).
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import numpy as np
 
 from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig
-from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gather_rows, rows_sum
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gather_rows
 from gmm_jax._src.core.qarray import Fp8Training
 from gmm_jax._src.backends.quantized import gmm_quantized
+from gmm_jax._src.op.rows_sum import rows_sum
 
 _F32 = np.dtype(jnp.float32)
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmm_jax._src.tiling import chips
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.core import metadata
 from gmm_jax._src import op
 from gmm_jax._src.core.config import PLATFORMS, GmmConfig, problem_dims
@@ -100,14 +100,14 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
                                 "quantized operands: supported for weight-only rhs without "
                                 "output_scale/output_offset")
     platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
-    if all(dispatch.serves(lhs, rhs, cfg, p) for p in platforms):
+    if all(registry.serves(lhs, rhs, cfg, p) for p in platforms):
       return op.gmm(lhs, rhs, counts, group_offset, bias, cfg, rows=rows)
     float_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
     return op.gmm(lhs, dequantize(rhs, float_dtype), counts, group_offset, bias, cfg,
                   rows=rows)
   int_bias = bias is not None and is_integer_dtype(bias.dtype)
   platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
-  served = {p: not int_bias and dispatch.serves(lhs, rhs, cfg, p) for p in platforms}
+  served = {p: not int_bias and registry.serves(lhs, rhs, cfg, p) for p in platforms}
   # A TPU without an int8 MXU path (TPU7x) multiplies integer values in bf16 (exact).
   no_int8 = {p: p == "tpu" and not chips.int8_mxu() for p in platforms}
   plan = {p: (served[p], no_int8[p]) for p in platforms}
@@ -121,7 +121,7 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
 
   if len(set(plan.values())) == 1:  # the same on every platform: no per-platform branch
     return one(platforms[0], *operands)
-  return dispatch.on_lowering_platform(one, None, *operands)
+  return registry.on_lowering_platform(one, None, *operands)
 
 
 def _in_kernel(lhs, rhs, counts, group_offset, bias, output_scale, output_offset,

@@ -14,7 +14,6 @@ above the op are made per platform with `on_lowering_platform`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import warnings
@@ -23,10 +22,10 @@ from typing import Callable
 import jax
 import numpy as np
 
-from gmm_jax._src.core import metadata
+from gmm_jax._src.core import metadata, recording
 from gmm_jax._src.core.config import GmmConfig
-from gmm_jax._src.core.epilogue import (NO_ROWS, Rows, finish, gated_cotangent, gated_input,
-                                   gather_rows, scatter_rows)
+from gmm_jax._src.core.epilogue import (NO_ROWS, Rows, finish, gated_cotangent, gather_rows,
+                                        prologue_input, scatter_rows)
 from gmm_jax._src.core.qarray import quant_mode as _quant_mode
 
 # What an implementation may do natively beyond the plain gmm (`Backend.features`):
@@ -105,31 +104,19 @@ class Decision:
 _RECORDERS: list[list[Decision]] = []
 
 
-@contextlib.contextmanager
 def record():
   """Collects the `Decision`s of the gmms lowered inside the block."""
-  decisions: list[Decision] = []
-  _RECORDERS.append(decisions)
-  try:
-    yield decisions
-  finally:
-    _RECORDERS.remove(decisions)
+  return recording.collecting(_RECORDERS)
 
 
 _PLAN_RECORDERS: list[list] = []
 
 
-@contextlib.contextmanager
 def record_plans():
   """Collects the sharding plans of the gmms traced or compiled inside the block (split at
   trace time, or by the partitioner under plain jit; each has a ``describe()``), and the
   fallbacks taken where neither could split one."""
-  plans: list = []
-  _PLAN_RECORDERS.append(plans)
-  try:
-    yield plans
-  finally:
-    _PLAN_RECORDERS.remove(plans)
+  return recording.collecting(_PLAN_RECORDERS)
 
 
 def note_plan(plan) -> None:
@@ -318,7 +305,7 @@ def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConf
   its result after it. A missing gated activation or row weights moves both, with the
   scatter, to the finishing step after it (`epilogue.finish`, on its f32 result), so that
   every path rounds once, after the activation and the weights, as the fused kernels do.
-  A missing gated prologue reads `epilogue.gated_input` of lhs (formed before it); a
+  A missing gated prologue reads `epilogue.prologue_input` of lhs (formed before it); a
   missing gated-cotangent epilogue applies `epilogue.gated_cotangent` to its result
   (rounded to out_dtype first, as the kernel rounds its product).
   """
@@ -335,7 +322,7 @@ def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConf
       y = backend.fn(lhs, rhs, counts, group_offset, bias, inner)
     return gated_cotangent(cfg.cotangent_of, rows.source, y, cfg.out_dtype)
   if cfg.lhs_activation is not None and "gated_lhs" in missing:
-    lhs = gated_input(cfg.lhs_activation, lhs, rows.source if cfg.lhs_tangent else None)
+    lhs = prologue_input(cfg.lhs_activation, lhs, rows.source if cfg.lhs_tangent else None)
     cfg = cfg.replace(lhs_activation=None, lhs_tangent=False)
     rows = rows._replace(source=None) if cfg.cotangent_of is None else rows
     missing = tuple(f for f in missing if f != "gated_lhs")

@@ -160,8 +160,8 @@ class GmmConfig:
       gathered rows or a quantized lhs.
     lhs_tangent: with lhs_activation: lhs ``[M, 2K]`` is a tangent t of the pre-activation
       z, which a ``source`` row operand ``[M, 2K]`` holds; the product reads the tangent
-      of the activation, ``epilogue.gated_tangent(z, t)`` (rounded to lhs's dtype). Linear
-      in lhs: the op's jvp binds it, its transpose is a `cotangent_of` gmm.
+      of the activation, ``op.gated_tangent.gated_tangent(z, t)`` (rounded to lhs's
+      dtype). Linear in lhs: the op's jvp binds it, its transpose is a `cotangent_of` gmm.
     cotangent_of: m-grouping: None, or a gated activation: a ``source`` row operand z
       ``[M, 2N]`` is present and the result ``[M, 2N]`` is the cotangent of z for the
       product ``[M, N]`` (rounded to out_dtype, row weights applied) as the cotangent of

@@ -8,12 +8,9 @@ the accumulator) and the layers above the op (on a whole pre-activation).
 
 from __future__ import annotations
 
-import functools
 from typing import Callable, NamedTuple
 
 import jax
-import jax.extend
-from jax.interpreters import ad, batching, mlir  # noqa: F401  (the rules of rows_sum_p)
 import jax.numpy as jnp
 import numpy as np
 
@@ -85,36 +82,8 @@ GATED_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     name: _gated(name) for name in ("swiglu", "geglu", "geglu_tanh", "swiglu_clamped")}
 
 
-# The tangent of a gated activation as one op, so that its transpose (the backward of the
-# gated activation) is one elementwise pass: ``dz [..., 2N] = concat(gate half, up half)``
-# of the cotangent, computed from the pre-activation z and the cotangent alone. Written as
-# plain jnp, the tangent's transpose is two half-width products padded into place and
-# added, which XLA:TPU materializes: an f32 copy of z, the f32 cotangent and both f32
-# halves before the sum (measured, deviceless for one TPU v5e, on a bf16 MoE training step
-# with R=8192, 2N=4096: 358 MB of temporaries before, 157 MB with this op; `bench_moe
-# --deviceless`). The values are those of jax's own derivatives of the same activation
-# (`jax.jvp` / `jax.vjp` of `gated_pair` on the widened halves).
-gated_tangent_p = jax.extend.core.Primitive("gmm_jax_gated_tangent")
-
-
 def _widened(x):
   return x.astype(jnp.float32) if jnp.dtype(x.dtype).itemsize < 4 else x
-
-
-def gated_tangent(name: str, z: jax.Array, dz: jax.Array) -> jax.Array:
-  """The tangent ``[..., N]`` of the gated activation `name` (of `GATED_ACTIVATIONS`),
-  applied in f32 to a pre-activation z ``[..., 2N]`` (a 16-bit z widened), along dz (z's
-  shape): ``jax.jvp(lambda z: GATED_ACTIVATIONS[name](widen(z)), (z,), (dz,))[1]``. Linear
-  in dz; its transpose is `gated_cotangent`."""
-  if z.shape != dz.shape or z.shape[-1] % 2:
-    raise ValueError(f"a gated tangent needs z and dz of one shape [..., 2N], got "
-                     f"{z.shape} and {dz.shape}")
-  return gated_tangent_p.bind(z, dz, name=name)
-
-
-def _gated_tangent_impl(z, dz, *, name):
-  halves = lambda x: tuple(_widened(half) for half in _halves(x))  # noqa: E731
-  return jax.jvp(gated_pair(name), halves(z), halves(dz))[1]
 
 
 def gated_halves_f32(name: str, z: jax.Array) -> jax.Array:
@@ -124,27 +93,12 @@ def gated_halves_f32(name: str, z: jax.Array) -> jax.Array:
   return gated_pair(name)(*(_widened(half) for half in _halves(z)))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def gated_f32(name: str, z: jax.Array) -> jax.Array:
-  """`gated_halves_f32` whose derivative is `gated_tangent` (one op, transposed in one
-  pass)."""
-  return gated_halves_f32(name, z)
-
-
-@gated_f32.defjvp
-def _gated_f32_jvp(name, primals, tangents):
-  (z,), (dz,) = primals, tangents
-  return gated_halves_f32(name, z), gated_tangent(name, z, dz.astype(z.dtype))
-
-
-def gated_input(name: str, lhs: jax.Array, source: jax.Array | None = None) -> jax.Array:
-  """What a gated prologue's product reads (`GmmConfig.lhs_activation`), in lhs's dtype:
-  ``act(lhs)`` ``[..., K]`` for a pre-activation lhs ``[..., 2K]``, or, given the
-  pre-activation `source` z, the activation's tangent along lhs ``gated_tangent(z, lhs)``
-  (`GmmConfig.lhs_tangent`). Both in f32, rounded once."""
-  if source is None:
-    return gated_f32(name, lhs).astype(lhs.dtype)
-  return gated_tangent(name, source, lhs).astype(lhs.dtype)
+def gated_tangent_f32(name: str, z: jax.Array, dz: jax.Array) -> jax.Array:
+  """The tangent ``[..., N]`` of the gated activation `name` at the pre-activation z
+  ``[..., 2N]`` along dz (z's shape), in f32 (16-bit halves widened): jax's own jvp of
+  `gated_pair`. The arithmetic of the one-op tangent (`op.gated_tangent`)."""
+  halves = lambda x: tuple(_widened(half) for half in _halves(x))  # noqa: E731
+  return jax.jvp(gated_pair(name), halves(z), halves(dz))[1]
 
 
 def gated_cotangent(name: str, z: jax.Array, ct: jax.Array, dtype) -> jax.Array:
@@ -158,51 +112,15 @@ def gated_cotangent(name: str, z: jax.Array, ct: jax.Array, dtype) -> jax.Array:
   return jnp.concatenate([d_gate, d_up], axis=-1).astype(dtype)
 
 
-def _gated_tangent_abstract(z, dz, *, name):
-  del name
-  dtype = jnp.float32 if jnp.dtype(z.dtype).itemsize < 4 else z.dtype
-  return jax.core.ShapedArray(z.shape[:-1] + (z.shape[-1] // 2,), dtype)
-
-
-def _gated_tangent_jvp(primals, tangents, *, name):
-  z, dz = primals
-  t_z, t_dz = tangents
-  out = gated_tangent(name, z, dz)
-  terms = []
-  if type(t_dz) is not ad.Zero:
-    terms.append(gated_tangent(name, z, t_dz))
-  if type(t_z) is not ad.Zero:  # second derivatives: through the jnp form
-    terms.append(jax.jvp(lambda z_: _gated_tangent_impl(z_, dz, name=name), (z,),
-                         (t_z,))[1])
-  if not terms:
-    return out, ad.Zero(jax.typeof(out).to_tangent_aval())
-  return out, functools.reduce(jnp.add, terms)
-
-
-def _gated_tangent_transpose(ct, z, dz, *, name):
-  if ad.is_undefined_primal(z):
-    raise ValueError("a gated tangent is linear in its tangent only, not in z")
-  if type(ct) is ad.Zero:
-    return [None, None]
-  return [None, gated_cotangent(name, z, ct, dz.aval.dtype)]
-
-
-def _gated_tangent_batch(args, dims, *, name):
-  z, dz = args
-  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-  moved = [jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
-           for x, d in zip(args, dims)]
-  return gated_tangent(name, *moved), 0
-
-
-gated_tangent_p.def_impl(functools.partial(jax.jit, static_argnames=("name",))(
-    _gated_tangent_impl))
-gated_tangent_p.def_abstract_eval(_gated_tangent_abstract)
-mlir.register_lowering(gated_tangent_p, mlir.lower_fun(_gated_tangent_impl,
-                                                       multiple_results=False))
-ad.primitive_jvps[gated_tangent_p] = _gated_tangent_jvp
-ad.primitive_transposes[gated_tangent_p] = _gated_tangent_transpose
-batching.primitive_batchers[gated_tangent_p] = _gated_tangent_batch
+def prologue_input(name: str, lhs: jax.Array, source: jax.Array | None = None) -> jax.Array:
+  """The values of `op.gated_tangent.gated_input` in plain jnp (no primitive, no custom
+  derivative), for a program nothing differentiates any more: what the dispatcher forms
+  before an implementation that lacks the gated prologue, inside the op's lowering.
+  ``act(lhs)`` for a pre-activation lhs ``[..., 2K]``, or, given the pre-activation
+  `source` z, the activation's tangent along lhs; both in f32, rounded once to lhs's dtype."""
+  if source is None:
+    return gated_halves_f32(name, lhs).astype(lhs.dtype)
+  return gated_tangent_f32(name, source, lhs).astype(lhs.dtype)
 
 
 def resolve_activation(activation) -> Callable[[jax.Array], jax.Array] | None:
@@ -343,7 +261,7 @@ class Rows(NamedTuple):
     out_indices: int32 ``[R]``: row r is written to result row ``out_indices[r]``.
     source: the gated pre-activation z that a tangent-mode gated prologue (``[R, 2K]``,
       `GmmConfig.lhs_tangent`) or a gated-cotangent epilogue (``[R, 2N]``,
-      `GmmConfig.cotangent_of`) reads (see `gated_input`, `gated_cotangent`).
+      `GmmConfig.cotangent_of`) reads (see `op.gated_tangent.gated_input`, `gated_cotangent`).
   """
 
   lhs_indices: jax.Array | None = None
@@ -385,86 +303,3 @@ def scatter_rows(y: jax.Array, out_indices: jax.Array, out_rows: int,
   targets = scatter_targets(out_indices, written, out_rows)
   out = jnp.zeros((out_rows,) + y.shape[1:], y.dtype)
   return out.at[targets].set(y, mode="drop", unique_indices=True)
-
-
-# The transpose of a row gather: ``out[t] = sum of values[r] over the rows r with
-# indices[r] == t``, in ascending r, accumulated in f32. A scatter-add would do it in one
-# pass, but on GPUs XLA runs a scatter-add with atomics, whose order (and so the rounding of
-# every row read by several rows, a token routed to k experts) changes from run to run.
-# Here each output row is summed in a fixed order: the rows are ordered by their index
-# (a stable sort), and a loop of `max multiplicity` steps (k for top-k routing) adds each
-# index's j-th row. It is a primitive so that it transposes back into the gather (and so
-# derivatives of any order exist); its jvp is itself.
-rows_sum_p = jax.extend.core.Primitive("gmm_jax_rows_sum")
-
-
-def rows_sum(values: jax.Array, indices: jax.Array, num_out: int) -> jax.Array:
-  """``[num_out, ...]``: the sum of the rows of `values` (``[R, ...]``) that `indices`
-  (int ``[R]``) sends to each output row, in a fixed order (bitwise deterministic);
-  out-of-range indices send nothing. The transpose of `gather_rows`."""
-  return rows_sum_p.bind(values, indices.astype(jnp.int32), num_out=int(num_out))
-
-
-def _rows_sum_impl(values, indices, *, num_out):
-  num_rows = values.shape[0]
-  acc_dtype = jnp.float64 if values.dtype == jnp.float64 else jnp.float32
-  out_shape = (num_out,) + values.shape[1:]
-  if num_rows == 0 or num_out == 0:
-    return jnp.zeros(out_shape, values.dtype)
-  valid = (indices >= 0) & (indices < num_out)
-  key = jnp.where(valid, indices, num_out)
-  order = jnp.argsort(key, stable=True).astype(jnp.int32)
-  counts = jnp.bincount(key, length=num_out + 1)[:num_out].astype(jnp.int32)
-  starts = jnp.cumsum(counts) - counts
-  extra = (1,) * (values.ndim - 1)
-
-  def add_jth(j, acc):
-    row = order[jnp.minimum(starts + j, num_rows - 1)]
-    taken = (j < counts).reshape((num_out,) + extra)
-    return acc + jnp.where(taken, jnp.take(values, row, axis=0).astype(acc_dtype), 0)
-
-  acc = jax.lax.fori_loop(0, jnp.max(counts), add_jth, jnp.zeros(out_shape, acc_dtype))
-  return acc.astype(values.dtype)
-
-
-def _rows_sum_abstract(values, indices, *, num_out):
-  return jax.core.ShapedArray((num_out,) + values.shape[1:], values.dtype)
-
-
-def _rows_sum_jvp(primals, tangents, *, num_out):
-  values, indices = primals
-  out = rows_sum(values, indices, num_out)
-  t_values = tangents[0]
-  if type(t_values) is jax.interpreters.ad.Zero:
-    return out, jax.interpreters.ad.Zero(jax.typeof(out).to_tangent_aval())
-  return out, rows_sum(jax.interpreters.ad.instantiate_zeros(t_values), indices, num_out)
-
-
-def _rows_sum_transpose(ct, values, indices, *, num_out):
-  del num_out
-  if type(ct) is jax.interpreters.ad.Zero:
-    return [None, None]
-  return [gather_rows(ct, indices), None]
-
-
-def _rows_sum_batch(args, dims, *, num_out):
-  values, indices = args
-  values_dim, indices_dim = dims
-  if indices_dim is None:  # the batch becomes more columns of the same rows
-    moved = jnp.moveaxis(values, values_dim, 1)
-    out = rows_sum(moved.reshape(moved.shape[0], -1), indices, num_out)
-    return out.reshape((num_out,) + moved.shape[1:]), 1
-  size = values.shape[values_dim] if values_dim is not None else indices.shape[indices_dim]
-  values = (jnp.moveaxis(values, values_dim, 0) if values_dim is not None
-            else jnp.broadcast_to(values, (size,) + values.shape))
-  indices = jnp.moveaxis(indices, indices_dim, 0)
-  return jax.lax.map(lambda pair: rows_sum(pair[0], pair[1], num_out), (values, indices)), 0
-
-
-rows_sum_p.def_impl(functools.partial(jax.jit, static_argnames=("num_out",))(_rows_sum_impl))
-rows_sum_p.def_abstract_eval(_rows_sum_abstract)
-jax.interpreters.mlir.register_lowering(
-    rows_sum_p, jax.interpreters.mlir.lower_fun(_rows_sum_impl, multiple_results=False))
-jax.interpreters.ad.primitive_jvps[rows_sum_p] = _rows_sum_jvp
-jax.interpreters.ad.primitive_transposes[rows_sum_p] = _rows_sum_transpose
-jax.interpreters.batching.primitive_batchers[rows_sum_p] = _rows_sum_batch

@@ -325,26 +325,8 @@ def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh | None = None,
   """
   if transport not in TRANSPORTS:
     raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-  mesh, token_axes = token_layout(x, mesh, token_axes)
-  if not token_axes and axis is not None:
-    token_axes = (axis,) if not explicit_axes(mesh) else ()
-  if mesh is None or mesh.empty:
-    raise ValueError("routed_apply needs a mesh: pass mesh=, or call it under jax.set_mesh")
-  for name in token_axes + axes_of(axis):
-    if name not in mesh.axis_names:
-      raise ValueError(f"mesh axis {name!r} is not in the mesh {mesh.axis_names}")
-  leaves = jax.tree.leaves(weights)
-  if not leaves:
-    raise ValueError("routed_apply needs at least one expert weight")
-  num_experts = leaves[0].shape[0]
-  num_devices = mesh.shape[axis] if axis is not None else 1
-  if num_experts % num_devices:
-    raise ValueError(f"{num_experts} experts do not split over {num_devices} devices of "
-                     f"{axis!r}")
-  token_shards = math.prod(mesh.shape[a] for a in token_axes)
-  if x.shape[0] % token_shards:
-    raise ValueError(f"{x.shape[0]} tokens do not split over {token_shards} shards of "
-                     f"{token_axes}")
+  mesh, token_axes = _routed_mesh(x, mesh, axis, token_axes)
+  num_experts, num_devices, token_shards = _routed_sizes(x, weights, mesh, axis, token_axes)
   local_experts = num_experts // num_devices
   local_tokens = x.shape[0] // token_shards
   capacity = local_tokens if capacity is None else int(capacity)
@@ -366,25 +348,10 @@ def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh | None = None,
     ids = jnp.clip(ids.astype(jnp.int32), 0, num_experts - 1)
     if not routed:
       return group_locally(x, ids, weights)
-    options = dict(axis=axis, num_devices=num_devices, local_experts=local_experts,
-                   capacity=capacity)
-
-    def compute(recv, recv_ids):
-      # Group what arrived by local expert; empty slots (id = local_experts) sort last and
-      # lie past the group total.
-      order = jnp.argsort(recv_ids, stable=True)
-      sizes = jnp.bincount(recv_ids, length=local_experts + 1)[:local_experts]
-      y = fn(permute_rows(recv, order), sizes.astype(jnp.int32), weights)
-      return unpermute_rows(y, order)
-
-    def route(platform, x, ids):
-      kind = transport_for(transport, platform, mesh)
-      if kind == "all_to_all":
-        return _route_dense(x, ids, compute=compute, **options)
-      collective = (jax.lax.ragged_all_to_all if platform in ("gpu", "tpu")
-                    else _emulated_ragged_all_to_all)
-      return _route_ragged(x, ids, compute=compute, collective=collective, **options)
-
+    route = functools.partial(
+        travel, fn=lambda rows, sizes: fn(rows, sizes, weights), transport=transport,
+        mesh=mesh, axis=axis, num_devices=num_devices, local_experts=local_experts,
+        capacity=capacity)
     # A mesh of accelerators fixes the platform: its branch alone is traced. Every
     # platform's, under `lax.platform_dependent`, leaves XLA:TPU a conditional around the
     # whole routed backward, which it neither inlines nor fuses across: measured on the
@@ -404,6 +371,64 @@ def routed_apply(fn, x, expert_ids, weights, *, mesh: Mesh | None = None,
   fn_sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=tokens,
                              check_vma=False)
   return fn_sharded(*operands)
+
+
+def _routed_mesh(x, mesh, axis, token_axes):
+  """(mesh, token_axes) of a `routed_apply` call: given, or read from x's type or the
+  context mesh; the tokens default to the expert axis on a mesh with no Explicit axes."""
+  mesh, token_axes = token_layout(x, mesh, token_axes)
+  if not token_axes and axis is not None:
+    token_axes = (axis,) if not explicit_axes(mesh) else ()
+  if mesh is None or mesh.empty:
+    raise ValueError("routed_apply needs a mesh: pass mesh=, or call it under jax.set_mesh")
+  for name in token_axes + axes_of(axis):
+    if name not in mesh.axis_names:
+      raise ValueError(f"mesh axis {name!r} is not in the mesh {mesh.axis_names}")
+  return mesh, token_axes
+
+
+def _routed_sizes(x, weights, mesh, axis, token_axes):
+  """(experts, devices of the expert axis, token shards) of a `routed_apply` call, checked
+  to split evenly."""
+  leaves = jax.tree.leaves(weights)
+  if not leaves:
+    raise ValueError("routed_apply needs at least one expert weight")
+  num_experts = leaves[0].shape[0]
+  num_devices = mesh.shape[axis] if axis is not None else 1
+  if num_experts % num_devices:
+    raise ValueError(f"{num_experts} experts do not split over {num_devices} devices of "
+                     f"{axis!r}")
+  token_shards = math.prod(mesh.shape[a] for a in token_axes)
+  if x.shape[0] % token_shards:
+    raise ValueError(f"{x.shape[0]} tokens do not split over {token_shards} shards of "
+                     f"{token_axes}")
+  return num_experts, num_devices, token_shards
+
+
+def travel(platform: str | None, rows, ids, *, fn, transport: str, mesh, axis: str,
+           num_devices: int, local_experts: int, capacity: int):
+  """Rows travel over `axis` to the devices of their experts (``ids``, global expert ids,
+  ``local_experts`` on each of the `num_devices`), ``fn(rows, group_sizes)`` runs there on
+  what arrived grouped by local expert, and the results travel back in the rows' order.
+  `transport` ("auto" resolved for `platform` by `transport_for`) moves at most `capacity`
+  rows from one device to another each way; the rows past it come back 0. For
+  `on_lowering_platform` (the platform first)."""
+
+  def compute(recv, recv_ids):
+    # Group what arrived by local expert; empty slots (id = local_experts) sort last and
+    # lie past the group total.
+    order = jnp.argsort(recv_ids, stable=True)
+    sizes = jnp.bincount(recv_ids, length=local_experts + 1)[:local_experts]
+    y = fn(permute_rows(recv, order), sizes.astype(jnp.int32))
+    return unpermute_rows(y, order)
+
+  options = dict(axis=axis, num_devices=num_devices, local_experts=local_experts,
+                 capacity=capacity)
+  if transport_for(transport, platform, mesh) == "all_to_all":
+    return _route_dense(rows, ids, compute=compute, **options)
+  collective = (jax.lax.ragged_all_to_all if platform in ("gpu", "tpu")
+                else _emulated_ragged_all_to_all)
+  return _route_ragged(rows, ids, compute=compute, collective=collective, **options)
 
 
 def _entry(axes: tuple[str, ...]):

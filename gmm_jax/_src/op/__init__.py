@@ -5,8 +5,10 @@ Floor 2. The package is split by concern: `primitive` (definition, binding, abst
 evaluation), `lowering` (the implementation per platform and the partitioning rule), `jvp`,
 `transpose` and `batching` (the rules, registered on import), and `prologue_tangent` (the
 tangent of a gmm with a gated prologue along both operands, as one linear primitive whose
-transpose orders the two backward gmms). Every derivative is another
-gmm, so backends implement forwards only; every result that is not finished inside a
+transpose orders the two backward gmms). The op's two small primitives have a module each:
+`gated_tangent` (a gated activation's tangent as one op, transposed in one pass) and
+`rows_sum` (the fixed-order sum of rows, the transpose of a row gather). Every derivative
+is another gmm, so backends implement forwards only; every result that is not finished inside a
 kernel is finished by `epilogue.finish`.
 
 For m-grouping, y = act(z), z[rows of g] = lhs[rows of g] @ rhs[g] + bias[g]:

@@ -18,7 +18,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.interpreters import ad
 
 from gmm_jax._src.core.config import GmmConfig, is_gated, saved_preactivation_dtype
-from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gated_f32, resolve_activation
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, resolve_activation
+from gmm_jax._src.op.gated_tangent import gated_f32
 from gmm_jax._src.op.primitive import (PREACTIVATION, PRIMITIVES, as_float, composed, gmm,
                                        grouped_rows, row_ids, row_operands, unpack)
 from gmm_jax._src.op.prologue_tangent import prologue_tangent
@@ -115,7 +116,7 @@ def _activation_jvp(activation, z, dz):
   """(activation(z), its tangent along dz), in f32 (a 16-bit z widened). Rematerialized:
   the backward keeps z alone and recomputes the activation's derivative (elementwise)
   instead of keeping its intermediates (two or three arrays like z). A gated activation's
-  tangent is one op (`epilogue.gated_tangent`) whose transpose writes the ``[R, 2N]``
+  tangent is one op (`gated_tangent`) whose transpose writes the ``[R, 2N]``
   cotangent in one elementwise pass from z and the result's cotangent."""
   fn = (functools.partial(gated_f32, activation) if is_gated(activation)
         else _in_f32(resolve_activation(activation)))

@@ -20,7 +20,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.sharding import strategy
 from gmm_jax._src.core.epilogue import NO_ROWS
 from gmm_jax._src.op import primitive
@@ -40,7 +40,7 @@ def _run_on(platform):
 
   def run(lhs, rhs, counts, group_offset, bias, cfg, rows=NO_ROWS):
     try:
-      return dispatch.run(lhs, rhs, counts, group_offset, bias, cfg, platform, rows)
+      return registry.run(lhs, rhs, counts, group_offset, bias, cfg, platform, rows)
     except NotImplementedError as err:
       if quant_mode(lhs, rhs, cfg) == "none":
         raise
@@ -50,7 +50,7 @@ def _run_on(platform):
       rhs_float = as_float(rhs, lhs_float.dtype
                             if jnp.issubdtype(lhs_float.dtype, jnp.floating) else jnp.float32)
       try:
-        return dispatch.run(lhs_float, rhs_float, counts, group_offset, bias, cfg, platform,
+        return registry.run(lhs_float, rhs_float, counts, group_offset, bias, cfg, platform,
                             rows)
       except NotImplementedError as float_err:
         raise NotImplementedError(f"{err}; dequantized: {float_err}") from None
@@ -127,7 +127,7 @@ _NO_MESH = jax.sharding.AbstractMesh((), ())
 def _partition(static, mesh, arg_shapes, result_shape):
   cfg, trees, has_bias, platform = static
   plan, specs = _choose(static, mesh, arg_shapes, _arg_spec(result_shape))
-  dispatch.note_plan(dataclasses.replace(plan, notes=plan.notes + (
+  registry.note_plan(dataclasses.replace(plan, notes=plan.notes + (
       "split by the partitioning rule (custom_partitioning under plain jit)",)))
 
   def lower_fn(operands):
@@ -285,12 +285,12 @@ def _lower(ctx, *operands, platform, **params):
   if params["cfg"].platform is not None:
     platform = params["cfg"].platform
   elif platform is None:
-    platform = dispatch.normalize_platform(ctx.module_context.platforms[0])
+    platform = registry.normalize_platform(ctx.module_context.platforms[0])
   if platform == "tpu" and _partitioned_by_xla(ctx):
     # No partitioner may split a kernel on TPU (`custom_partitioning` does not run there):
     # the dense reference, a batched dot over the groups that XLA splits like any other.
     _warn_fallback()
-    dispatch.note_plan(FALLBACK)
+    registry.note_plan(FALLBACK)
     params = dict(params, cfg=params["cfg"].replace(implementation=(FALLBACK.implementation,)))
   elif _needs_partitioning(ctx):
     static = (params["cfg"], params["trees"], params["has_bias"], platform)
@@ -302,7 +302,7 @@ def _lower(ctx, *operands, platform, **params):
 
 for _prim in PRIMITIVES:
   mlir.register_lowering(_prim, functools.partial(_lowering, platform=None))
-  for _jax_platform, _platform in dispatch.JAX_PLATFORMS:
+  for _jax_platform, _platform in registry.JAX_PLATFORMS:
     mlir.register_lowering(_prim, functools.partial(_lowering, platform=_platform),
                            platform=_jax_platform)
 

@@ -19,12 +19,13 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.core import metadata
 from gmm_jax._src.sharding import strategy
 from gmm_jax._src.core.config import GmmConfig, output_shape
-from gmm_jax._src.core.epilogue import NO_ROWS, Rows, gated_cotangent, gated_input
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, gated_cotangent
 from gmm_jax._src.core.qarray import QArray, dequantize
+from gmm_jax._src.op.gated_tangent import gated_input
 
 # Whether a trace has concrete devices is private to jax (`jax.sharding.get_mesh` refuses
 # to run inside jit); without it every trace binds `gmm_p` (see `_primitive`).
@@ -164,7 +165,7 @@ def split_plan(mesh, lhs, rhs, bias, cfg: GmmConfig, out_hint=None) -> strategy.
 
 def _split(mesh, lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint, rows: Rows):
   plan = split_plan(mesh, lhs, rhs, bias, cfg, out_hint)
-  dispatch.note_plan(dataclasses.replace(plan, notes=plan.notes + (
+  registry.note_plan(dataclasses.replace(plan, notes=plan.notes + (
       "split at trace time: a shard_map over the Explicit mesh axes",)))
   mesh_shape = dict(plan.mesh_shape)
   whole = P()

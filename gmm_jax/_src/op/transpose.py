@@ -17,7 +17,9 @@ from jax.sharding import PartitionSpec as P
 from gmm_jax._src.core import metadata
 from gmm_jax._src.tiling import tuning
 from gmm_jax._src.core.config import GmmConfig
-from gmm_jax._src.core.epilogue import Rows, gated_input, gather_rows, rows_sum
+from gmm_jax._src.core.epilogue import Rows, gather_rows
+from gmm_jax._src.op.gated_tangent import gated_input
+from gmm_jax._src.op.rows_sum import rows_sum
 from gmm_jax._src.op.primitive import (PRIMITIVES, as_float, composed, gmm, grouped_rows,
                                        is_plain, row_operands, unpack)
 

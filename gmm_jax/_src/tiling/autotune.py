@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gmm_jax._src import api
-from gmm_jax._src.backends import registry as dispatch
+from gmm_jax._src.backends import registry
 from gmm_jax._src.tiling import tuning
 from gmm_jax._src.core.config import Problem, Tiling, Tilings
 from gmm_jax._src.core.qarray import quantize
@@ -250,7 +250,7 @@ def _problem_of(program, lhs, rhs, counts, role):
   asked: dict[str, list[Problem]] = {r: [] for r in ROLES}
   note = lambda r: (lambda p: asked[r].append(p))
   tilings = Tilings(fwd=note("fwd"), dlhs=note("dlhs"), drhs=note("drhs"))
-  with dispatch.record() as decisions:
+  with registry.record() as decisions:
     program(tilings).lower(lhs, rhs, counts)
   served = {d.implementation for d in decisions}
   problems = [p for p in asked[role] if p.implementation in served]

@@ -30,6 +30,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from gmm_jax._src.core import recording
 from gmm_jax._src.core.config import GmmConfig, Problem, Tiling, Tilings
 
 TABLE_PATH = pathlib.Path(__file__).with_name("tile_tables.json")
@@ -263,20 +264,9 @@ class Choice:
 _RECORDERS: list[list[Choice]] = []
 
 
-@contextlib.contextmanager
-def _recording(recorders: list[list]):
-  """A list, in `recorders` while the block runs, of what is noted inside it."""
-  noted: list = []
-  recorders.append(noted)
-  try:
-    yield noted
-  finally:
-    recorders.remove(noted)
-
-
 def record():
   """Collects the `Choice`s of the gmms traced inside the block."""
-  return _recording(_RECORDERS)
+  return recording.collecting(_RECORDERS)
 
 
 def choose(problem: Problem, tiling, default: Callable[[], Tiling]) -> Tiling:
@@ -343,7 +333,7 @@ _LAUNCH_RECORDERS: list[list[Launch]] = []
 
 def record_launches():
   """Collects the `Launch`es of the kernels traced inside the block."""
-  return _recording(_LAUNCH_RECORDERS)
+  return recording.collecting(_LAUNCH_RECORDERS)
 
 
 def note_launch(launch: Launch) -> None:
