@@ -446,3 +446,24 @@ def finish_tile(accs, biases, activation, out_dtype, row_weights=None, *, kernel
     gate, up = gate + biases[0].astype(jnp.float32), up + biases[1].astype(jnp.float32)
   return epilogue.apply_epilogue(pairs[activation](gate, up), None, None, out_dtype,
                                  row_weights=row_weights)
+
+
+def gated_cotangent_tiles(pair, gate, up, ct):
+  """`epilogue.gated_cotangent` on tiles: the cotangents (f32) of z's gate and up tiles
+  for the cotangent tile ct of ``pair(gate, up)`` (a kernel's `gated_pairs` entry, so its
+  own lowering of the gate's activation is what is differentiated)."""
+  _, pull = jax.vjp(pair, gate.astype(jnp.float32), up.astype(jnp.float32))
+  return pull(ct.astype(jnp.float32))
+
+
+def unsupported_gated_primitives(pair, rules, cotangent: bool = False) -> set[str]:
+  """Primitives of a gated `pair` (or, with `cotangent`, of its `gated_cotangent_tiles`)
+  on f32 tiles that have no rule in `rules` (a lowering table; None: unknown, empty)."""
+  if rules is None:
+    return set()
+  if cotangent:
+    def both(z):
+      d_gate, d_up = gated_cotangent_tiles(pair, z, z, z)
+      return d_gate + d_up
+    return unsupported_primitives(both, rules)
+  return unsupported_primitives(lambda z: pair(z, z), rules)
