@@ -40,6 +40,11 @@ SHAPES = {
 # GPU targets whose kernels must multiply 8-bit floats with fp8 MMA (``Case.fp8_mma``):
 # Hopper's wgmma takes e4m3/e5m2 operands.
 FP8_MMA_TARGETS = ("h100", "h200")
+# On these targets a kernel whose row tile holds at least `TCGEN05_MIN_ROWS` rows (the
+# smallest M of Blackwell's tcgen05.mma) must multiply with tcgen05.mma, its accumulator in
+# tensor memory; smaller row tiles (decode's 16 rows) may use the warp-level mma.sync.
+TCGEN05_TARGETS = ("b200",)
+TCGEN05_MIN_ROWS = 64
 # Routed experts per token of the fused MoE cases: M = tokens * MOE_TOP_K grouped rows.
 MOE_TOP_K = 2
 

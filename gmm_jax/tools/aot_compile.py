@@ -14,7 +14,8 @@ import numpy as np
 
 from gmm_jax._src.backends import registry
 from gmm_jax._src.tiling import tuning
-from gmm_jax.tools.aot_cases import FP8_MMA_TARGETS, ROLE_OF, Case, build
+from gmm_jax.tools.aot_cases import (FP8_MMA_TARGETS, ROLE_OF, TCGEN05_MIN_ROWS,
+                                     TCGEN05_TARGETS, Case, build)
 from gmm_jax.tools.aot_code import (CapturedOutput, code_report, has_fp8_mma, match_kernels,
                                     ptxas_report)
 from gmm_jax.tools.deviceless import TARGETS, topology_of
@@ -101,7 +102,8 @@ def _rows(target: str, case: Case, launches, choices, captured, seconds: float) 
 def _problems(target: str, case: Case, rows: list[Row], served: list[str], launched: bool,
               error: str | None) -> list[str]:
   """What fails the case: the compile error, a gmm served by the XLA path, no kernel, a
-  spill, a kernel of an ``fp8_mma`` case without fp8 MMA instructions."""
+  spill, a kernel of an ``fp8_mma`` case without fp8 MMA instructions, a kernel of 64 rows
+  or more per tile without tcgen05.mma on Blackwell (`TCGEN05_TARGETS`)."""
   platform = TARGETS[target][0]
   problems = []
   if error:
@@ -117,6 +119,10 @@ def _problems(target: str, case: Case, rows: list[Row], served: list[str], launc
         and not has_fp8_mma(row.mma)):
       problems.append(f"{row.kernel} ({row.gmm}) holds no fp8 MMA instruction: "
                       f"{row.mma or 'none found'}")
+    if (target in TCGEN05_TARGETS and not error and row.mma not in ("", "?")
+        and int(row.tiling.split("x")[0]) >= TCGEN05_MIN_ROWS and "tcgen05" not in row.mma):
+      problems.append(f"{row.kernel} ({row.gmm}, tiles {row.tiling}) holds no tcgen05.mma: "
+                      f"{row.mma}")
   return problems
 
 
