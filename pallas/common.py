@@ -394,17 +394,19 @@ def pallas_call(kernel, prepared: Prepared, *, name: str, tiles: tuple[int, ...]
   grid = tuple(int(g) if isinstance(g, (int, np.integer)) else -1  # -1: sized at run time
                for g in (grid if isinstance(grid, (tuple, list)) else (grid or 1,)))
   params = options.get("compiler_params")
-  note_launch(prepared, name, grid, tiles, getattr(params, "vmem_limit_bytes", None))
+  note_launch(prepared, name, grid, tiles, getattr(params, "vmem_limit_bytes", None),
+              getattr(params, "num_warps", None))
   return pl.pallas_call(kernel, name=name, **options)
 
 
-def note_launch(prepared: Prepared, name: str, grid: tuple[int, ...], tiles, vmem_limit=None):
+def note_launch(prepared: Prepared, name: str, grid: tuple[int, ...], tiles, vmem_limit=None,
+                warps=None):
   """Notes a kernel launch (`tuning.Launch`) for `gmm_jax.tools.aot` and the benchmarks."""
   problem = prepared.problem
   tuning.note_launch(tuning.Launch(
       name=name, implementation=None if problem is None else problem.implementation,
       problem=problem, grid=tuple(grid), tiles=tuple(int(t) for t in tiles),
-      vmem_limit=vmem_limit))
+      vmem_limit=vmem_limit, warps=warps))
 
 
 
