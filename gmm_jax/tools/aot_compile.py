@@ -49,6 +49,7 @@ class Row:
   model_share: float | None = None
   model_bound: str = ""
   blocks_per_sm: int | None = None
+  model_seconds: float | None = None
   seconds: float = 0.0
   status: str = "ok"
   error: str = ""
@@ -119,6 +120,7 @@ def _model(row: Row, launch) -> None:
   if model is not None:
     row.model_tflops, row.model_share = round(model.tflops, 1), round(model.share, 3)
     row.model_bound, row.blocks_per_sm = model.bound, model.blocks_per_sm
+    row.model_seconds = model.seconds
 
 
 def _xla_row(target: str, case: Case, hlo: str, error: str | None, seconds: float) -> Row:
@@ -136,7 +138,7 @@ def _xla_row(target: str, case: Case, hlo: str, error: str | None, seconds: floa
   model = xla_estimate(TARGET_KINDS[target], np.dtype(case.dtype), useful, flops, moved)
   if model is not None:
     row.model_tflops, row.model_share = round(model.tflops, 1), round(model.share, 3)
-    row.model_bound = model.bound
+    row.model_bound, row.model_seconds = model.bound, model.seconds
   return row
 
 
