@@ -458,6 +458,19 @@ def gated_cotangent_tiles(pair, gate, up, ct):
   return pull(ct.astype(jnp.float32))
 
 
+def unsupported_activation_primitives(activation, rules, *, kernel_activation,
+                                      pairs) -> set[str]:
+  """Primitives of `activation` as a kernel lowers it (`kernel_activation`; a gated one
+  through its `pairs` entry) on f32 tiles without a rule in `rules` (a lowering table;
+  None: unknown, empty)."""
+  if rules is None:
+    return set()
+  if is_gated(activation):
+    return unsupported_gated_primitives(pairs[activation], rules)
+  return unsupported_primitives(epilogue.resolve_activation(kernel_activation(activation)),
+                                rules)
+
+
 def unsupported_gated_primitives(pair, rules, cotangent: bool = False) -> set[str]:
   """Primitives of a gated `pair` (or, with `cotangent`, of its `gated_cotangent_tiles`)
   on f32 tiles that have no rule in `rules` (a lowering table; None: unknown, empty)."""

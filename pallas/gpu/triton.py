@@ -43,9 +43,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from gmm_jax._src.tiling import cost_models
 from gmm_jax._src.core import epilogue, metadata
-from gmm_jax._src.core.config import GmmConfig, Tiling, is_gated, out_columns
+from gmm_jax._src.core.config import GmmConfig, Tiling, out_columns
 from gmm_jax._src.tiling.cost_models import band_rows, default_k_chunk
-from gmm_jax._src.core.epilogue import apply_epilogue, resolve_activation
+from gmm_jax._src.core.epilogue import apply_epilogue
 from gmm_jax._src.core.qarray import QArray, quant_mode
 from gmm_jax.pallas import common
 from gmm_jax.pallas.common import power_of_2_tile
@@ -181,13 +181,8 @@ def unsupported_primitives(activation) -> set[str]:
 
   Best effort: empty when the lowering table (a private jax module) cannot be read.
   """
-  rules = _triton_rules()
-  if rules is None:
-    return set()
-  if is_gated(activation):
-    return common.unsupported_gated_primitives(GATED_PAIRS[activation], rules)
-  return common.unsupported_primitives(
-      resolve_activation(kernel_activation(activation)), rules)
+  return common.unsupported_activation_primitives(
+      activation, _triton_rules(), kernel_activation=kernel_activation, pairs=GATED_PAIRS)
 
 
 def _triton_rules():

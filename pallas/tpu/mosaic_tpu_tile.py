@@ -13,8 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 from jax import lax
 
-from gmm_jax._src.core.config import GmmConfig, is_gated
-from gmm_jax._src.core.epilogue import resolve_activation
+from gmm_jax._src.core.config import GmmConfig
 from gmm_jax.pallas import common
 
 
@@ -50,12 +49,8 @@ def unsupported_primitives(activation) -> set[str]:
 
   Best effort: empty when the lowering table (a private jax module) cannot be read.
   """
-  rules = _mosaic_rules()
-  if rules is None:
-    return set()
-  if is_gated(activation):
-    return common.unsupported_gated_primitives(GATED_PAIRS[activation], rules)
-  return common.unsupported_primitives(resolve_activation(kernel_activation(activation)), rules)
+  return common.unsupported_activation_primitives(
+      activation, _mosaic_rules(), kernel_activation=kernel_activation, pairs=GATED_PAIRS)
 
 
 def unsupported_cotangent_primitives(name: str) -> set[str]:
