@@ -8,7 +8,10 @@
 #      balanced and skewed routing, forward and forward+backward,
 #   3. the autotuner on the two training shapes, writing $OUT/autotune.json,
 #   4. the fused MoE layer's training step against the unfused block and the copy-free
-#      floor (bf16; on a GPU the row copies are memory-bound passes next to the gmms).
+#      floor (bf16; on a GPU the row copies are memory-bound passes next to the gmms),
+#   5. measured beside modelled: the programs of the deviceless table's modelled shapes
+#      (benchmarks/modelled_gpu.json, `python -m gmm_jax.tools.aot`) timed on this GPU
+#      next to their kernels' modelled time (`gmm_jax.tools.aot_measure`).
 #
 #   bash benchmarks/gpu.sh        (from the repository root; results under $OUT)
 #
@@ -46,15 +49,19 @@ step() {  # step NAME SECONDS COMMAND...: output in $OUT/NAME.txt, time in $OUT/
 }
 
 # 1. The suites with the compiled kernels (Triton, Mosaic GPU, quantized).
-step tests 200 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -n 8 \
+step tests 160 "$PY" -m pytest -q -x -p no:cacheprovider -o addopts="-ra" -n 8 \
   tests/test_pallas_triton.py tests/test_pallas_mosaic_gpu.py tests/test_quant_kernels.py \
   -k "Compiled or compiled"
+# 5 (second: it checks the model every GPU row of BENCHMARKS.md rests on). Measured
+# beside modelled, per program of the modelled shapes on this GPU's target.
+step model 150 "$PY" -m gmm_jax.tools.aot_measure --rows benchmarks/modelled_gpu.json \
+  --target h200 --repeats 10
 # 2. The benchmark (every row also checked against jax.lax.ragged_dot).
-step bench 220 "$PY" -m gmm_jax.tools.bench --platform gpu --repeats 20
+step bench 160 "$PY" -m gmm_jax.tools.bench --platform gpu --repeats 20
 # 3. The autotuner (forward gmms of the two training shapes).
-step autotune 100 "$PY" -m gmm_jax.tools.bench --platform gpu --autotune --shapes mixtral deepseek \
+step autotune 60 "$PY" -m gmm_jax.tools.bench --platform gpu --autotune --shapes mixtral deepseek \
   --modes fwd --repeats 5
 # 4. The fused MoE layer (its time target: fused <= 0.9x the unfused block).
-step moe 70 "$PY" -m gmm_jax.tools.bench_moe --dtypes bfloat16 --blocks fused unfused \
+step moe 50 "$PY" -m gmm_jax.tools.bench_moe --dtypes bfloat16 --blocks fused unfused \
   copy_free_floor --repeats 5
 echo "total $(( $(date +%s) - start )) s" >> "$OUT/env.txt"

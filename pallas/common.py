@@ -394,17 +394,19 @@ def pallas_call(kernel, prepared: Prepared, *, name: str, tiles: tuple[int, ...]
   grid = tuple(int(g) if isinstance(g, (int, np.integer)) else -1  # -1: sized at run time
                for g in (grid if isinstance(grid, (tuple, list)) else (grid or 1,)))
   params = options.get("compiler_params")
-  note_launch(prepared, name, grid, tiles, getattr(params, "vmem_limit_bytes", None))
+  note_launch(prepared, name, grid, tiles, getattr(params, "vmem_limit_bytes", None),
+              getattr(params, "num_warps", None))
   return pl.pallas_call(kernel, name=name, **options)
 
 
-def note_launch(prepared: Prepared, name: str, grid: tuple[int, ...], tiles, vmem_limit=None):
+def note_launch(prepared: Prepared, name: str, grid: tuple[int, ...], tiles, vmem_limit=None,
+                warps=None):
   """Notes a kernel launch (`tuning.Launch`) for `gmm_jax.tools.aot` and the benchmarks."""
   problem = prepared.problem
   tuning.note_launch(tuning.Launch(
       name=name, implementation=None if problem is None else problem.implementation,
       problem=problem, grid=tuple(grid), tiles=tuple(int(t) for t in tiles),
-      vmem_limit=vmem_limit))
+      vmem_limit=vmem_limit, warps=warps))
 
 
 
@@ -446,3 +448,37 @@ def finish_tile(accs, biases, activation, out_dtype, row_weights=None, *, kernel
     gate, up = gate + biases[0].astype(jnp.float32), up + biases[1].astype(jnp.float32)
   return epilogue.apply_epilogue(pairs[activation](gate, up), None, None, out_dtype,
                                  row_weights=row_weights)
+
+
+def gated_cotangent_tiles(pair, gate, up, ct):
+  """`epilogue.gated_cotangent` on tiles: the cotangents (f32) of z's gate and up tiles
+  for the cotangent tile ct of ``pair(gate, up)`` (a kernel's `gated_pairs` entry, so its
+  own lowering of the gate's activation is what is differentiated)."""
+  _, pull = jax.vjp(pair, gate.astype(jnp.float32), up.astype(jnp.float32))
+  return pull(ct.astype(jnp.float32))
+
+
+def unsupported_activation_primitives(activation, rules, *, kernel_activation,
+                                      pairs) -> set[str]:
+  """Primitives of `activation` as a kernel lowers it (`kernel_activation`; a gated one
+  through its `pairs` entry) on f32 tiles without a rule in `rules` (a lowering table;
+  None: unknown, empty)."""
+  if rules is None:
+    return set()
+  if is_gated(activation):
+    return unsupported_gated_primitives(pairs[activation], rules)
+  return unsupported_primitives(epilogue.resolve_activation(kernel_activation(activation)),
+                                rules)
+
+
+def unsupported_gated_primitives(pair, rules, cotangent: bool = False) -> set[str]:
+  """Primitives of a gated `pair` (or, with `cotangent`, of its `gated_cotangent_tiles`)
+  on f32 tiles that have no rule in `rules` (a lowering table; None: unknown, empty)."""
+  if rules is None:
+    return set()
+  if cotangent:
+    def both(z):
+      d_gate, d_up = gated_cotangent_tiles(pair, z, z, z)
+      return d_gate + d_up
+    return unsupported_primitives(both, rules)
+  return unsupported_primitives(lambda z: pair(z, z), rules)

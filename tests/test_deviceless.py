@@ -187,3 +187,31 @@ def test_triton_fp8_training_gmms_use_fp8_wgmma(tmp_path):
     assert row["implementation"] == "pallas_triton" and row["operands"].endswith("blocked")
     assert instruction in row["mma"].split(", "), (key, row["mma"])
     assert row["status"] == "ok" and row["spills"] == 0, row
+
+
+# ------------------------------------------- the fused MoE backward and Blackwell's MMA
+
+
+def test_gated_ends_compile_without_spills_and_b200_uses_tcgen05(tmp_path):
+  # The MoE down gmm with the Triton kernel's gated ends (the forward's prologue, the dlhs
+  # gmm's cotangent epilogue) and fp8 training's three gmms, compiled for H200 and B200 by
+  # `python -m gmm_jax.tools.aot` (which fails a B200 kernel of 64+ rows per tile without
+  # tcgen05.mma): 0 spills, Hopper's wgmma and Blackwell's tcgen05.mma (kind::f16 for
+  # bf16, kind::f8f6f4 for fp8), whose accumulator lives in tensor memory.
+  _require_compiler("gpu")
+  out = tmp_path / "rows.json"
+  cases = ["mixtral-moe-down-prologue-train", "fp8-train-triton"]
+  run = subprocess.run([sys.executable, "-m", "gmm_jax.tools.aot", "--targets", "h200", "b200",
+                        "--cases", *cases, "--jobs", "1", "--json", str(out), "--noprogress"],
+                       capture_output=True, text=True, timeout=900)
+  assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+  rows = json.loads(out.read_text())
+  got = {(r["target"], r["case"], r["gmm"]): r for r in rows}
+  assert len(got) == 12, sorted(got)
+  for (target, case, gmm), row in got.items():
+    assert row["status"] == "ok" and row["spills"] == 0, row
+    assert row["implementation"] == "pallas_triton", row
+    fp8 = case.startswith("fp8")
+    want = ("tcgen05.mma kind::f8f6f4" if fp8 else "tcgen05.mma kind::f16") if (
+        target == "b200") else ("wgmma e4m3.e4m3" if fp8 else "wgmma bf16.bf16")
+    assert want in row["mma"].split(", "), (target, case, gmm, row["mma"])

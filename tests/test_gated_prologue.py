@@ -152,31 +152,88 @@ def test_vmapped_gradients_along_both_operands(axes):
     np.testing.assert_allclose(f64(g), f64(r), rtol=1e-5, atol=1e-5)
 
 
-def test_the_tpu_kernel_writes_the_cotangent():
+KERNELS = ["pallas_tpu", "pallas_triton"]
+
+
+@pytest.mark.parametrize("implementation", KERNELS)
+def test_the_kernel_writes_the_cotangent(implementation):
   z, w, sizes = _operands(dtype=jnp.bfloat16)
   f = lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation="swiglu",  # noqa: E731
-                            implementation="pallas_tpu", interpret=True)
+                            implementation=implementation, interpret=True)
   with registry.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
     jax.jit(jax.grad(lambda z: jnp.sum(f(z).astype(jnp.float32)))).lower(z)
   (epilogue,) = [d for d in decisions if d.cfg.cotangent_of is not None]
-  assert epilogue.implementation == "pallas_tpu" and epilogue.materialized == (), epilogue
+  assert epilogue.implementation == implementation and epilogue.materialized == (), epilogue
 
 
+@pytest.mark.parametrize("implementation", KERNELS)
 @pytest.mark.parametrize("name", ["swiglu", "geglu"])
-def test_the_tpu_kernel_applies_the_prologue(name):
+def test_the_kernel_applies_the_prologue(name, implementation):
   # The forward reads z's gate and up K blocks and applies the activation before its dot:
   # no [M, K] input is formed around the kernel. Its tangent gmm is composed.
   z, w, sizes = _operands(dtype=jnp.bfloat16)
   f = lambda z: gmm_jax.gmm(z, w, sizes, lhs_activation=name,  # noqa: E731
-                            implementation="pallas_tpu", interpret=True)
+                            implementation=implementation, interpret=True)
   with registry.record() as decisions:  # a fresh jit lowers anew (decisions are recorded)
     jax.jit(lambda z: f(z)).lower(z)
   (forward,) = decisions
-  assert forward.implementation == "pallas_tpu" and forward.materialized == (), forward
+  assert forward.implementation == implementation and forward.materialized == (), forward
   np.testing.assert_allclose(f64(f(z)), _oracle(name, z, w, sizes), rtol=2e-2, atol=2e-2)
   with registry.record() as decisions:
     jax.jit(lambda z: jax.jvp(f, (z,), (z,))).lower(z)
   assert any("gated_lhs" in d.materialized for d in decisions if d.cfg.lhs_tangent), decisions
+
+
+@pytest.mark.parametrize("name", ["swiglu", "geglu_tanh", "swiglu_clamped"])
+def test_the_triton_kernel_fuses_both_ends_with_the_moe_rows(name):
+  # The fused layer's calls: the down gmm reads z through its prologue, weights its rows
+  # and scatters them to their slots; its dlhs gmm gathers the slots' cotangent rows,
+  # weights them and writes dz [R, 2F] in its epilogue. Odd sizes mask every edge (M, K,
+  # N, a group's last tile). In-kernel, against the float64 oracle and the XLA path.
+  rng = np.random.default_rng(3)
+  m, k, n, slots = 100, 40, 24, 130
+  sizes = jnp.asarray([30, 0, 50, 12], jnp.int32)  # 92 of 100 rows
+  z = jnp.asarray(rng.uniform(-2, 2, (m, 2 * k)), jnp.float32)
+  w = jnp.asarray(rng.uniform(-1, 1, (4, k, n)) / np.sqrt(k), jnp.float32)
+  weights = jnp.asarray(rng.uniform(0.1, 1, m), jnp.float32)
+  out_indices = jnp.asarray(rng.permutation(slots)[:m], jnp.int32)
+  f = lambda impl, z, w: gmm_jax.gmm(  # noqa: E731
+      z, w, sizes, lhs_activation=name, row_weights=weights, out_indices=out_indices,
+      out_rows=slots, implementation=impl, interpret=impl == "pallas_triton")
+  x = f64(jnp.asarray(GATED[name](f64(z)).astype(np.float32)))
+  want = np.zeros((slots, n))
+  rows = gmm_oracle(x, f64(w), np.asarray(sizes), "m") * f64(weights)[:, None]
+  written = np.arange(m) < int(np.sum(sizes))
+  want[np.asarray(out_indices)[written]] = rows[written]
+  ct = jnp.asarray(rng.uniform(-1, 1, (slots, n)), jnp.float32)
+  with registry.record() as decisions:
+    y, pull = jax.vjp(functools.partial(f, "pallas_triton"), z, w)
+    got = pull(ct)
+  fused = [(d.cfg.lhs_activation, d.cfg.cotangent_of) for d in decisions
+           if d.implementation == "pallas_triton" and not d.materialized]
+  assert (name, None) in fused and (None, name) in fused, decisions
+  np.testing.assert_allclose(f64(y), want, rtol=1e-5, atol=1e-5)
+  for g, r, what in zip(got, jax.vjp(functools.partial(f, "xla"), z, w)[1](ct), ("dz", "dw")):
+    np.testing.assert_allclose(f64(g), f64(r), rtol=1e-5, atol=1e-5, err_msg=what)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(activation="swiglu"), "no gated activation of its own"),
+    (dict(out_rows=130), "unscattered"),
+])
+def test_the_triton_kernel_refuses_other_cotangent_epilogues(options, match):
+  # Served around the plain kernel by the dispatcher instead (the message is its reason).
+  from gmm_jax._src.core.config import GmmConfig
+  from gmm_jax._src.core.epilogue import Rows
+  from gmm_jax.pallas.gpu import triton
+  z, w, sizes = _operands(m=32, k=8, n=8)
+  cfg = GmmConfig(group_type="m", num_local=4, cotangent_of="swiglu", interpret=True,
+                  **options)
+  ct = jnp.ones((32, 8), jnp.float32)
+  rows = Rows(None, None, jnp.arange(32, dtype=jnp.int32) if "out_rows" in options else None,
+              jnp.ones((32, 16), jnp.float32))
+  with pytest.raises(NotImplementedError, match=match):
+    triton.gmm_triton(ct, w, sizes, jnp.int32(0), None, cfg, rows=rows)
 
 
 def test_the_tpu_kernel_composes_partial_tiles():
@@ -264,10 +321,11 @@ def _prologues_traced(prologue, options=()):
   return set(re.findall(r"lhs_activation=([^,)\s]*)", str(jax.make_jaxpr(block)(params, x))))
 
 
-@pytest.mark.parametrize("platform, native", [("tpu", True), ("gpu", False), ("cpu", False)])
+@pytest.mark.parametrize("platform, native", [("tpu", True), ("gpu", True), ("cpu", False)])
 def test_the_default_takes_the_prologue_where_the_kernels_fuse_it(monkeypatch, platform, native):
   # ExpertFFN(gated_prologue=None): the prologue where the platform's kernels apply act(z)
-  # in the down gmm's prologue and write dz in the dlhs gmm's epilogue (Pallas TPU), the
+  # in the down gmm's prologue and write dz in the dlhs gmm's epilogue (Pallas TPU and
+  # Triton, the first kernel of a GPU's chain for such calls), the
   # epilogue activation where they would be formed around the kernels (benchmarks/log.md).
   from gmm_jax._src.moe import experts
   assert experts.prologue_is_native("swiglu", {"platform": platform}) is native
@@ -280,18 +338,19 @@ def test_the_default_takes_the_prologue_where_the_kernels_fuse_it(monkeypatch, p
   assert ("'swiglu'" in _prologues_traced(None, [("platform", "tpu")])) is True
 
 
-@pytest.mark.slow
-def test_the_default_on_the_tpu_kernel_fuses_both_ends_and_equals_the_epilogue_path():
-  # The layer's default with the TPU kernel chosen (interpret mode): the down gmm applies
-  # act(z) in the kernel's prologue and the dlhs gmm writes dz in its epilogue (neither is
-  # formed around it), and the result and every gradient equal the epilogue path's (f32).
+@pytest.mark.parametrize("implementation", [pytest.param("pallas_tpu", marks=pytest.mark.slow),
+                                            "pallas_triton"])
+def test_the_default_on_a_kernel_fuses_both_ends_and_equals_the_epilogue_path(implementation):
+  # The layer's default with a kernel chosen (interpret mode): the down gmm applies act(z)
+  # in the kernel's prologue and the dlhs gmm writes dz in its epilogue (neither is formed
+  # around it), and the result and every gradient equal the epilogue path's (f32).
   params = bench_moe.layout("moe_fused", bench_moe.init_params(jax.random.key(0), 128, 128, 4))
   x = jax.random.normal(jax.random.key(1), (64, 128))
 
   def block(prologue, params, x):
     top_p, top_e = bench_moe._router(params, x, 2)
     spec = gmm_jax.ExpertFFN(4, "silu", gated=True, gated_prologue=prologue,
-                             options=(("implementation", "pallas_tpu"), ("interpret", True)))
+                             options=(("implementation", implementation), ("interpret", True)))
     return gmm_jax.routed_experts(spec, x, top_e, top_p,
                                   dict(w_in=params["gate_up"], w_down=params["down"]))[0]
 
@@ -300,7 +359,7 @@ def test_the_default_on_the_tpu_kernel_fuses_both_ends_and_equals_the_epilogue_p
     ct = jax.random.normal(jax.random.key(2), y1.shape, y1.dtype)
     got = pull1(ct)
   fused = [(d.cfg.lhs_activation, d.cfg.cotangent_of) for d in decisions
-           if d.implementation == "pallas_tpu"
+           if d.implementation == implementation
            and not {"gated_lhs", "gated_cotangent"} & set(d.materialized)]
   assert ("swiglu", None) in fused and (None, "swiglu") in fused, decisions
   y0, pull0 = jax.vjp(functools.partial(block, False), params, x)

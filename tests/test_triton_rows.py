@@ -339,7 +339,8 @@ def test_unsupported_combinations():
 
 
 def test_features_and_gated_tiles():
-  assert set(triton_gmm.FEATURES) == {"gather", "row_weights", "scatter", "gated"}
+  assert set(triton_gmm.FEATURES) == {"gather", "row_weights", "scatter", "gated", "gated_lhs",
+                                      "gated_cotangent"}
   cfg = GmmConfig(group_type="m", num_local=8, activation="swiglu")
   # The heuristic sizes tile_n by the N output columns; the two accumulators keep a
   # 128x256 footprint (no spills on sm_90a, see gmm_jax.tools.aot).
@@ -347,6 +348,27 @@ def test_features_and_gated_tiles():
     tiling = triton_gmm.default_tiling(8192, 4096, 2 * 14336, cfg.replace(activation=activation))
     assert (tiling.tile_m, tiling.tile_n) == (128, 128)
   assert triton_gmm.default_tiling(8192, 4096, 2 * 24, cfg).tile_n == 32
+
+
+def test_the_gated_ends_tiles_and_launch_parameters():
+  # The MoE down gmm's gated ends (sm_90a, `gmm_jax.tools.aot`: 0 spills). A gated prologue
+  # (z [M, 2K]) keeps two lhs tiles per pipeline stage and 128 columns; a gated-cotangent
+  # epilogue sizes its N tiles by the product's columns (its output has twice as many),
+  # keeps 64 of them from 128 rows (128x128 spilled) and two warpgroups for the pair of
+  # cotangent tiles.
+  prologue = GmmConfig(group_type="m", num_local=8, lhs_activation="swiglu")
+  tiling = triton_gmm.default_tiling(8192, 2048, 4096, prologue)
+  assert (tiling.tile_m, tiling.tile_n) == (128, 128)
+  wide_k = Tiling(128, 128, 128)  # z's gate and up tiles per stage: 3 stages fit, not 2
+  assert triton_gmm.compiler_params(wide_k, 2, prologue).num_stages == 2
+  assert triton_gmm.compiler_params(wide_k, 2, prologue.replace(lhs_activation=None)
+                                    ).num_stages == 3
+  cotangent = GmmConfig(group_type="m", num_local=8, cotangent_of="swiglu", transpose_rhs=True)
+  tiling = triton_gmm.default_tiling(8192, 1024, 2048, cotangent)
+  assert (tiling.tile_m, tiling.tile_n) == (128, 64)
+  assert triton_gmm.compiler_params(tiling, 2, cotangent).num_warps == 8
+  assert triton_gmm.default_tiling(8192, 1024, 24, cotangent).tile_n == 32  # 24 columns
+  assert triton_gmm.fit_registers(Tiling(64, 64, 128), cotangent) == Tiling(64, 64, 128)
 
 
 def test_public_moe_ffn_runs_natively():

@@ -11,8 +11,9 @@ the operands it multiplies, the tiles and where they came from, the grid, and (G
 registers, spills and shared memory from ptxas and the tensor-core instructions of the
 kernel's code ("mma": Triton's from the LLVM IR it hands to the PTX backend, Mosaic GPU's
 from its PTX). A compile error, a register spill, shared-memory or VMEM overflow, a gmm
-that falls back to the XLA path on an accelerator, or (cases marked ``fp8_mma``) a Hopper
-kernel without fp8 MMA instructions is a failure (exit status 1).
+that falls back to the XLA path on an accelerator, (cases marked ``fp8_mma``) a Hopper
+kernel without fp8 MMA instructions, or a B200 kernel of 64 or more rows per tile without
+Blackwell's tcgen05.mma is a failure (exit status 1).
 
 Needs jax >= 0.12 with the CUDA plugin (GPU targets) and libtpu (TPU targets); see
 docs/kernels.md ("Compiled for real targets"). ``--setup DIR`` creates such a virtual

@@ -40,6 +40,11 @@ SHAPES = {
 # GPU targets whose kernels must multiply 8-bit floats with fp8 MMA (``Case.fp8_mma``):
 # Hopper's wgmma takes e4m3/e5m2 operands.
 FP8_MMA_TARGETS = ("h100", "h200")
+# On these targets a kernel whose row tile holds at least `TCGEN05_MIN_ROWS` rows (the
+# smallest M of Blackwell's tcgen05.mma) must multiply with tcgen05.mma, its accumulator in
+# tensor memory; smaller row tiles (decode's 16 rows) may use the warp-level mma.sync.
+TCGEN05_TARGETS = ("b200",)
+TCGEN05_MIN_ROWS = 64
 # Routed experts per token of the fused MoE cases: M = tokens * MOE_TOP_K grouped rows.
 MOE_TOP_K = 2
 
@@ -166,6 +171,21 @@ CASES = (
          implementation="pallas_triton", platforms=("gpu",), fp8_mma=True),
     Case("deepseek-v3-fp8-train-triton", "deepseek-v3-ep8", "fp8-train", activation="silu",
          bias=True, implementation="pallas_triton", platforms=("gpu",), fp8_mma=True),
+    # The shapes of the modelled share of peak (`aot_model`) on GPUs: Mixtral-like and
+    # DeepSeek-V3-like training in bf16 and fp8, decode in bf16 and fp8, and the same
+    # programs on `jax.lax.ragged_dot` (XLA's own kernels, modelled from the compiled
+    # program's cost analysis).
+    Case("deepseek-v3-train", "deepseek-v3-ep8", "train", activation="silu",
+         platforms=("gpu",)),
+    Case("mixtral-fp8-train", "mixtral", "fp8-train", implementation="pallas_triton",
+         platforms=("gpu",), fp8_mma=True),
+    Case("decode-fp8xfp8", "decode", weights="float8_e4m3fn", activations_q="float8_e4m3fn",
+         dtype="float32", implementation="pallas_triton", platforms=("gpu",)),
+    *(Case(f"{name}-ragged-dot", shape, kind, activation="silu",
+           implementation="lax_ragged_dot", platforms=("gpu",))
+      for name, shape, kind in (("mixtral-train", "mixtral", "train"),
+                                ("deepseek-v3-train", "deepseek-v3-ep8", "train"),
+                                ("decode-fwd", "decode", "fwd"))),
 )
 
 

@@ -3,10 +3,12 @@
 The compile's stdout and stderr (XLA's C++ logging, ptxas's reports, the Mosaic GPU PTX)
 captured into text (`CapturedOutput`); per kernel name, ptxas's registers, spills and
 shared memory (`ptxas_report`) and the tensor-core instructions of the kernel's code
-(`code_report`); and each kernel launch matched to its record (`match_kernels`)."""
+(`code_report`); each kernel launch matched to its record (`match_kernels`); and the FLOPs
+and bytes of the dots of a compiled HLO module (`hlo_dot_cost`: XLA's own GEMMs)."""
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -189,3 +191,30 @@ def match_kernels(launches, report: dict[str, list], mosaic: bool = True) -> lis
       suffix += 1
     matched.append(flat[index] if index < len(flat) else None)
   return matched
+
+
+_HLO_DEF = re.compile(r"%([\w.\-]+) = (\w+)\[([\d,]*)\]")
+_HLO_DOT = re.compile(r"%[\w.\-]+ = (\w+)\[([\d,]*)\]\S* dot\(%([\w.\-]+), %([\w.\-]+)\)"
+                      r".*?lhs_contracting_dims=\{([\d,]*)\}")
+_HLO_BYTES = {"f64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
+              "f8e4m3fn": 1, "f8e5m2": 1, "pred": 1}
+
+
+def hlo_dot_cost(text: str) -> tuple[float, float]:
+  """(FLOPs, bytes) of the dots of a compiled HLO module's text: ``2 * output elements *
+  contraction`` each, and the bytes of their operands and results (what a GEMM reads and
+  writes once)."""
+  shapes = {name: (dtype, [int(d) for d in dims.split(",") if d])
+            for name, dtype, dims in _HLO_DEF.findall(text)}
+  size = lambda dims: math.prod(dims)  # noqa: E731
+  flops = moved = 0.0
+  for dtype, dims, lhs, rhs, contracting in _HLO_DOT.findall(text):
+    out = [int(d) for d in dims.split(",") if d]
+    if lhs not in shapes or rhs not in shapes:
+      continue
+    lhs_dims = shapes[lhs][1]
+    contraction = math.prod(lhs_dims[int(i)] for i in contracting.split(",") if i)
+    flops += 2.0 * size(out) * contraction
+    moved += sum(size(shape) * _HLO_BYTES.get(kind, 4)
+                 for kind, shape in (shapes[lhs], shapes[rhs], (dtype, out)))
+  return flops, moved

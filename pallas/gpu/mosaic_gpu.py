@@ -379,8 +379,8 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
   specialized = warp_specialized(tiling)
   threads = {"num_threads": COMPUTE_WGS + 1, "thread_name": "wg"} if specialized else {}
   out = jax.new_ref(jnp.zeros((m, n), cfg.out_dtype))
-  common.note_launch(prepared, "gmm_m_mosaic_gpu", (num_sms,),
-                     (tiling.tile_m, tiling.tile_k, tiling.tile_n))
+  common.note_launch(prepared, "gmm_m_mosaic_gpu", (num_sms,), dataclasses.astuple(tiling),
+                     warps=4 * threads.get("num_threads", 1))
   plgpu.kernel(
       kernel_body(KernelPlan(dims=(m, k, n), tiling=tiling, cfg=cfg,
                              has_bias=bias is not None, stages=stages,

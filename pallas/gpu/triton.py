@@ -43,20 +43,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from gmm_jax._src.tiling import cost_models
 from gmm_jax._src.core import epilogue, metadata
-from gmm_jax._src.core.config import GmmConfig, Tiling, is_gated, out_columns
+from gmm_jax._src.core.config import GmmConfig, Tiling, out_columns
 from gmm_jax._src.tiling.cost_models import band_rows, default_k_chunk
-from gmm_jax._src.core.epilogue import apply_epilogue, resolve_activation
+from gmm_jax._src.core.epilogue import apply_epilogue
 from gmm_jax._src.core.qarray import QArray, quant_mode
 from gmm_jax.pallas import common
 from gmm_jax.pallas.common import power_of_2_tile
 from gmm_jax.pallas.gpu.triton_fp8 import FP8_MMA, FP8_MMA_K, fp8_pair
 from gmm_jax.pallas.gpu.triton_kernel import (GATED_PAIRS, KernelStatic, _k_kernel, _m_kernel,
-                                              kernel_activation)
+                                              kernel_activation, tile_columns)
 from gmm_jax.pallas.gpu.triton_large import word_operands
 
-# The row operations (`epilogue.Rows`) and gated activations the m-grouped kernel does
+# The row operations (`epilogue.Rows`), gated activations and the MoE backward's gated ends
+# (a gated prologue's value, a gated-cotangent epilogue) the m-grouped kernel does
 # in-kernel; the dispatcher materializes nothing around it for these.
-FEATURES = ("gather", "row_weights", "scatter", "gated")
+FEATURES = ("gather", "row_weights", "scatter", "gated", "gated_lhs", "gated_cotangent")
 # Split-K may add its partial sums with atomics, in an order that changes from run to run:
 # only where a call allows it (``GmmConfig.deterministic=False``); the dispatcher reports it
 # (`dispatch.Backend.atomics`, `gmm_jax.explain`).
@@ -91,9 +92,10 @@ def default_tiling(m: int, k: int, n: int, cfg: GmmConfig, itemsize: int = 2) ->
   shared memory), else 128 columns. The K step holds 128 bytes per row (64 bf16, 128
   8-bit elements; 32 for 32-bit operands). k-grouping sizes ``tile_m`` by M and ``tile_k``
   by the average group's K. A gated activation sizes ``tile_n`` by the N output columns
-  (the product's ``n`` is 2N) and `fit_registers` caps it for the two accumulators.
+  (the product's ``n`` is 2N) and `fit_registers` caps it for the two accumulators; a
+  gated-cotangent epilogue sizes it by the product's columns (`tile_columns`).
   """
-  n = out_columns(n, cfg)
+  n = tile_columns(n, cfg)
   widest_k = {1: 128, 2: 64}.get(itemsize, 32)
   smallest_k = 32 if itemsize == 1 else SMALLEST_TILE  # 8-bit MMA steps K by 32
   groups = max(1, cfg.num_local)
@@ -121,11 +123,18 @@ def fit_registers(tiling: Tiling, cfg: GmmConfig, step_product: bool = False) ->
   activation runs on the gate half only). `step_product`: each K step's product is held
   beside the accumulator (blocked scales multiply it before it is added; fp8 wgmma sums
   are promoted to the f32 accumulator every K tile, `fp8_dot`): 128 columns too (the
-  fp8 x fp8 "scaled" forward spilled with 128x256). Applied to the automatic choices (tile
-  table, heuristic), not to a user's tiling."""
+  fp8 x fp8 "scaled" forward spilled with 128x256). A gated prologue holds z's two tiles in
+  f32 each K step: 128 columns too. A gated-cotangent epilogue holds z's two tiles and both
+  cotangents beside the product: 64 columns from 128 rows (128x128 spilled 336 bytes on
+  sm_90a, 128x64 and 64x128 compiled in 176-182 registers). Applied to the automatic
+  choices (tile table, heuristic), not to a user's tiling."""
   heavy = tiling.tile_m >= 128 and (cfg.transpose_lhs or cfg.activation == "gelu")
-  if tiling.tile_n > 128 and (cfg.gated or heavy or step_product):
-    return Tiling(tile_m=tiling.tile_m, tile_k=tiling.tile_k, tile_n=128)
+  widest = 128 if (cfg.gated or heavy or step_product or cfg.lhs_activation is not None
+                   or cfg.cotangent_of is not None) else tiling.tile_n
+  if cfg.cotangent_of is not None and tiling.tile_m >= 128:
+    widest = 64
+  if tiling.tile_n > widest:
+    return Tiling(tile_m=tiling.tile_m, tile_k=tiling.tile_k, tile_n=widest)
   return tiling
 
 
@@ -140,25 +149,31 @@ def check_tiling(tiling: Tiling, m: int, k: int, n: int, cfg: GmmConfig) -> None
 
 
 def num_warps(tiling: Tiling, halves: int = 1) -> int:
-  """8 warps (two warpgroups) from 128x128 of accumulators (`halves` of ``tile_m x
-  tile_n`` each: 2 for a gated activation), else 4."""
+  """8 warps (two warpgroups) from 128x128 of `halves` ``tile_m x tile_n`` tiles held at
+  once (2 for a gated activation's accumulators or a gated-cotangent epilogue's pair of
+  cotangent tiles), else 4."""
   return 8 if tiling.tile_m * tiling.tile_n * halves >= 128 * 128 else 4
 
 
-def num_stages(tiling: Tiling, itemsize: int, halves: int = 1) -> int:
+def num_stages(tiling: Tiling, itemsize: int, halves: int = 1, lhs_tiles: int = 1) -> int:
   """Pipeline depth: as many stages (2..4) as shared memory holds.
 
-  Triton keeps one buffer of the lhs tile and the `halves` weight tiles per stage; the
-  epilogue's layout conversion reuses them once the K loop is done.
+  Triton keeps one buffer of each of the `lhs_tiles` lhs tiles (2 for a gated prologue:
+  z's gate and up tiles) and the `halves` weight tiles per stage; the epilogue's layout
+  conversion reuses them once the K loop is done.
   """
-  per_stage = (tiling.tile_m * tiling.tile_k
+  per_stage = (lhs_tiles * tiling.tile_m * tiling.tile_k
                + halves * tiling.tile_k * tiling.tile_n) * itemsize
   return int(max(2, min(4, (SMEM_BYTES - 8192) // max(per_stage, 1))))
 
 
-def compiler_params(tiling: Tiling, itemsize: int, halves: int = 1) -> plgpu.CompilerParams:
-  return plgpu.CompilerParams(num_warps=num_warps(tiling, halves),
-                              num_stages=num_stages(tiling, itemsize, halves))
+def compiler_params(tiling: Tiling, itemsize: int, cfg: GmmConfig) -> plgpu.CompilerParams:
+  """Warps and stages for a launch of `cfg` (`num_warps`, `num_stages`)."""
+  halves = 2 if cfg.gated else 1
+  held = 2 if cfg.gated or cfg.cotangent_of is not None else 1
+  return plgpu.CompilerParams(
+      num_warps=num_warps(tiling, held),
+      num_stages=num_stages(tiling, itemsize, halves, 2 if cfg.lhs_activation else 1))
 
 
 def unsupported_primitives(activation) -> set[str]:
@@ -166,16 +181,18 @@ def unsupported_primitives(activation) -> set[str]:
 
   Best effort: empty when the lowering table (a private jax module) cannot be read.
   """
+  return common.unsupported_activation_primitives(
+      activation, _triton_rules(), kernel_activation=kernel_activation, pairs=GATED_PAIRS)
+
+
+def _triton_rules():
+  """Pallas Triton's lowering rules by primitive, or None when the table (a private jax
+  module) cannot be read."""
   try:
     from jax._src.pallas.triton import lowering as triton_lowering
-    rules = triton_lowering.triton_lowering_rules
+    return triton_lowering.triton_lowering_rules
   except (ImportError, AttributeError):
-    return set()
-  if is_gated(activation):
-    pair = GATED_PAIRS[activation]
-    return common.unsupported_primitives(lambda z: pair(z, z), rules)
-  return common.unsupported_primitives(
-      resolve_activation(kernel_activation(activation)), rules)
+    return None
 
 def _blocked_scales(quant: common.QuantOperands) -> tuple[jax.Array, jax.Array]:
   """(rhs scales ``[L, Kb, N]``, lhs scales ``[Kb, M]``) of "blocked" mode: the lhs scales
@@ -238,6 +255,7 @@ def _preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, rows: epi
   """(`common.preamble`'s `Prepared`, the ``[T, 1]`` per-token scales of gathered rows or
   None), after the row operands' and the 8-bit tiles' checks."""
   _check_rows(cfg, rows)
+  _check_gated_ends(lhs, rhs, cfg)
   gather = rows.lhs_indices is not None
   if gather and quant_mode(lhs, rhs, cfg) == "blocked":
     raise NotImplementedError(
@@ -290,7 +308,7 @@ def _launch(prepared: common.Prepared, token_scale, rows: epilogue.Rows,
     tiling = fit_registers(tiling, cfg, blocked or fp8_mma)
   lhs, rhs, lhs_elements, rhs_elements = word_operands(lhs, rhs, out_shape, cfg.out_dtype,
                                                        cfg, tiling)
-  params = compiler_params(tiling, itemsize, 2 if cfg.gated else 1)
+  params = compiler_params(tiling, itemsize, cfg)
   out_bytes = math.prod(out_shape) * np.dtype(cfg.out_dtype).itemsize
   return _Launch(prepared, lhs, rhs, quant, tiling, out_shape, lhs_elements, rhs_elements,
                  params, _cost(m, k, n, lhs, rhs, out_bytes, cfg))
@@ -316,16 +334,46 @@ def _check_rows(cfg: GmmConfig, rows: epilogue.Rows) -> None:
     return
   for name, flagged in (("lhs_indices", cfg.gather_rows is not None),
                         ("row_weights", cfg.row_weights),
-                        ("out_indices", cfg.out_rows is not None)):
+                        ("out_indices", cfg.out_rows is not None),
+                        ("source", cfg.has_source)):
     if (getattr(rows, name) is not None) != flagged:
       raise ValueError(
           f"rows.{name} is {'missing' if flagged else 'given'} but the config says "
           f"gather_rows={cfg.gather_rows}, row_weights={cfg.row_weights}, "
-          f"out_rows={cfg.out_rows}")
+          f"out_rows={cfg.out_rows}, lhs_tangent={cfg.lhs_tangent}, "
+          f"cotangent_of={cfg.cotangent_of}")
   if cfg.gather_rows is not None and cfg.transpose_lhs:
     raise NotImplementedError(
         "the Triton kernels gather rows (lhs_indices) of an lhs stored [T, K] "
         "(transpose_lhs=False) only; got transpose_lhs=True")
+
+
+def _check_gated_ends(lhs, rhs, cfg: GmmConfig) -> None:
+  """NotImplementedError for a gated prologue or gated-cotangent epilogue the m-grouped
+  kernel does not serve (the dispatcher then forms it around the plain kernel): the
+  prologue serves the value of a gmm of float operands of 2 or 4 bytes (its tangent is
+  composed), the epilogue a float gmm with no gated activation of its own whose rows are
+  not scattered; compiled, each needs Triton lowerings of its activation's primitives."""
+  name = cfg.lhs_activation or cfg.cotangent_of
+  if name is None:
+    return
+  quantized = quant_mode(lhs, rhs, cfg) != "none"
+  if cfg.lhs_activation is not None and (cfg.lhs_tangent or quantized
+                                         or np.dtype(lhs.dtype).itemsize == 1):
+    raise NotImplementedError(
+        "the Triton kernel's gated prologue serves the value of an m-grouped gmm of 2- or "
+        f"4-byte float operands; got lhs_tangent={cfg.lhs_tangent}, lhs {lhs.dtype}, "
+        f"quantization {quant_mode(lhs, rhs, cfg)!r} (the dispatcher forms its input)")
+  if cfg.cotangent_of is not None and (cfg.gated or quantized or cfg.out_rows is not None):
+    raise NotImplementedError(
+        "the Triton kernel's gated-cotangent epilogue serves a float m-grouped gmm with no "
+        f"gated activation of its own and unscattered rows; got activation={cfg.activation!r}, "
+        f"out_rows={cfg.out_rows}, quantization {quant_mode(lhs, rhs, cfg)!r}")
+  if not cfg.interpret:
+    what = ("the prologue" if cfg.lhs_activation else "the cotangent of") + f" {name!r}"
+    common.require_lowerable(common.unsupported_gated_primitives(
+        GATED_PAIRS[name], _triton_rules(), cotangent=cfg.cotangent_of is not None),
+        what, "Pallas Triton")
 
 
 def gmm_triton(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
@@ -381,6 +429,7 @@ def _gmm_m(launch: _Launch, counts, group_offset, bias, cfg: GmmConfig,
   quant, tiling = launch.quant, launch.tiling
   m, k, _ = launch.prepared.dims
   gather, weighted, scatter = (operand is not None for operand in rows[:3])
+  cotangent = cfg.cotangent_of is not None
   quant_operands = []
   if quant is not None and quant.mode == "scaled":  # [L, N] and [M] scales
     quant_operands = [quant.rhs_scale[:, 0, :], quant.lhs_scale[:, 0]]
@@ -396,6 +445,7 @@ def _gmm_m(launch: _Launch, counts, group_offset, bias, cfg: GmmConfig,
   row_operands = [rows.lhs_indices.astype(jnp.int32)] if gather else []
   row_operands += [rows.row_weights] if weighted else []
   row_operands += [rows.out_indices.astype(jnp.int32)] if scatter else []
+  row_operands += [rows.source] if cotangent else []  # z [M, 2N]
   biases = [] if bias is None else [bias]
   operands = [meta.group_ids, meta.item_start, meta.item_end, launch.lhs, launch.rhs, *biases,
               *quant_operands, *row_operands, jnp.zeros(launch.out_shape, cfg.out_dtype)]
@@ -405,7 +455,7 @@ def _gmm_m(launch: _Launch, counts, group_offset, bias, cfg: GmmConfig,
                         weighted=weighted, scatter=scatter),
       launch.prepared, tiles=launch.tiles,
       out_shape=jax.ShapeDtypeStruct(launch.out_shape, cfg.out_dtype),
-      grid=(num_items * pl.cdiv(launch.out_shape[-1], tiling.tile_n),),
+      grid=(num_items * pl.cdiv(tile_columns(launch.prepared.dims[2], cfg), tiling.tile_n),),
       input_output_aliases={len(operands) - 1: 0},  # rows no item owns stay 0
       interpret=cfg.interpret,
       compiler_params=launch.params,

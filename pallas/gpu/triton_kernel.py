@@ -20,6 +20,14 @@ activation (rhs columns ``[gate | up]``) gives each program an N tile of the out
 accumulators, its gate columns and the matching up columns N later; the activation
 combines them in the epilogue.
 
+The MoE backward's gated ends (m-grouping): a gated prologue (``cfg.lhs_activation``) reads
+each K step's tile of z's gate half and the up half's tile K columns later and multiplies
+``act(gate, up)`` (f32, rounded to z's dtype, `epilogue.prologue_input`), so no ``[M, K]``
+input exists; a gated-cotangent epilogue (``cfg.cotangent_of``) finishes its product tile
+(row weights, rounding to out_dtype), reads z's gate and up tiles of the same rows (the
+``source`` row operand ``[M, 2N]``) and stores both cotangent tiles, N columns apart, into
+the ``[M, 2N]`` output, so the product itself is never written.
+
 k-grouping: one program per (K window of a group, M tile, N tile). Without split-K a
 group is one window and its program loops over the group's whole K range, then applies
 the epilogue (an empty group gives ``activation(bias)``; a gated activation keeps the gate
@@ -242,6 +250,23 @@ def _scatter_store(out_ref, target, row_ok, cols: Span, value):
   plgpu.store(out_ref.at[row_ids, col_ids], value, mask=jnp.broadcast_to(mask, shape))
 
 
+def tile_columns(n: int, cfg: GmmConfig) -> int:
+  """The columns the N tiles of a launch cover for a product of `n` columns: the output's
+  (`out_columns`), but the product's for a gated-cotangent epilogue (each of its tiles
+  writes a gate and an up cotangent tile, N columns apart)."""
+  return n if cfg.cotangent_of is not None else out_columns(n, cfg)
+
+
+def _prologue_tile(lhs_ref, rows: Span, ks: Span, k: int, name: str):
+  """A gated prologue's input tile: ``act(gate, up)`` of the K columns `ks` of z's gate
+  half and the up half's (K columns later), in f32, rounded to z's dtype as
+  `epilogue.prologue_input` rounds it (a masked element reads 0 in both: act(0, 0) = 0)."""
+  gate = _load(lhs_ref, (), rows, ks, False)
+  up = _load(lhs_ref, (), rows, _shifted(ks, k), False)
+  return GATED_PAIRS[name](gate.astype(jnp.float32), up.astype(jnp.float32)).astype(
+      lhs_ref.dtype)
+
+
 def _halves(cols: Span, n_out: int, cfg: GmmConfig) -> tuple[Span, ...]:
   """The product's columns a program reads for output columns `cols`: the same span, or
   the gate and up spans of a gated activation (the up half starts N columns later)."""
@@ -284,11 +309,12 @@ class _MRefs(NamedTuple):
   lhs_indices: object
   row_weights: object
   out_indices: object
+  source: object  # a gated-cotangent epilogue's z [M, 2N]
   out: object  # the output (the aliased zero input precedes it)
 
 
 def _m_refs(refs, static: KernelStatic, quant: common.QuantStatic | None, gather: bool,
-            weighted: bool, scatter: bool) -> _MRefs:
+            weighted: bool, scatter: bool, source: bool) -> _MRefs:
   refs = list(refs)
   bias_ref = refs.pop(0) if static.has_bias else None
   scale_ref = refs.pop(0) if quant is not None else None
@@ -298,8 +324,9 @@ def _m_refs(refs, static: KernelStatic, quant: common.QuantStatic | None, gather
   lhs_indices_ref = refs.pop(0) if gather else None
   row_weights_ref = refs.pop(0) if weighted else None
   out_indices_ref = refs.pop(0) if scatter else None
+  source_ref = refs.pop(0) if source else None
   return _MRefs(bias_ref, scale_ref, zero_ref, lhs_scale_ref, lhs_indices_ref, row_weights_ref,
-                out_indices_ref, refs[-1])
+                out_indices_ref, source_ref, refs[-1])
 
 
 def _gathered_rows(indices_ref, rows: Span, num_rows: int):
@@ -322,7 +349,8 @@ def _scale_row(ref, group, step_index, span: Span, tiling: Tiling, quant: common
 def _m_epilogue(accs, ops: _MRefs, rows: Span, cols: Span, halves: tuple[Span, ...], group,
                 cfg: GmmConfig, quant: common.QuantStatic | None, scatter: bool) -> None:
   """Scales ("scaled" mode), bias, activation, row weights and cast of a tile's `accs`,
-  then its store (or its scatter to ``out_indices``)."""
+  then its store (or its scatter to ``out_indices``), or for a gated-cotangent epilogue the
+  store of z's two cotangent tiles (`common.gated_cotangent_tiles`) for it."""
   if quant is not None and quant.mode == "scaled":  # exact 8-bit sums, then both scales
     per_token = _load_vector(ops.lhs_scale, (), rows)
     accs = tuple(acc.astype(jnp.float32) * per_token[:, None]
@@ -331,7 +359,14 @@ def _m_epilogue(accs, ops: _MRefs, rows: Span, cols: Span, halves: tuple[Span, .
   biases = _biases(ops.bias, group, halves)
   weights = None if ops.row_weights is None else _load_vector(ops.row_weights, (), rows)
   out = finish_tile(accs, biases, cfg.activation, cfg.out_dtype, weights)
-  if scatter:
+  if cfg.cotangent_of is not None:  # z's gate and up tiles of these rows, N columns apart
+    up_cols = _shifted(cols, cols.limit)
+    cotangents = common.gated_cotangent_tiles(
+        GATED_PAIRS[cfg.cotangent_of], _load(ops.source, (), rows, cols, False),
+        _load(ops.source, (), rows, up_cols, False), out)
+    for span, d in zip((cols, up_cols), cotangents):
+      _store(ops.out, (), rows, span, d.astype(cfg.out_dtype))
+  elif scatter:
     target = _load_vector(ops.out_indices, (), rows)
     written = rows.ok & (target >= 0) & (target < ops.out.shape[0])
     _scatter_store(ops.out, target, written, cols, out)
@@ -344,11 +379,11 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
               gather: bool, weighted: bool, scatter: bool):
   """m-grouping: one work item's rows times one N tile, in the smallest row class that
   holds them. `gather`, `weighted`, `scatter`: the row operands (`_MRefs`) the call has."""
-  ops = _m_refs(refs, static, quant, gather, weighted, scatter)
+  ops = _m_refs(refs, static, quant, gather, weighted, scatter, cfg.cotangent_of is not None)
   blocked = quant is not None and quant.mode == "blocked"
   tiling, dot_dtype, acc_dtype = static.tiling, static.dot_dtype, static.acc_dtype
   _, k, n = static.dims
-  n_out = out_columns(n, cfg)
+  n_out = tile_columns(n, cfg)
   item, col = program_order(pl.program_id(0), static.num_items,
                             pl.cdiv(n_out, tiling.tile_n), static.band)
   start = item_start_ref[item]
@@ -369,6 +404,8 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
       ks = _span(first, tiling.tile_k, k) if masked else Span(first, tiling.tile_k, None)
       if gather:
         x = _gather_load(lhs_ref, source, source_ok, ks, static.lhs_elements)
+      elif cfg.lhs_activation is not None:
+        x = _prologue_tile(lhs_ref, rows, ks, k, cfg.lhs_activation)
       else:
         x = _load_tile(lhs_ref, (), rows, ks, cfg.transpose_lhs, static.lhs_elements)
       new = []

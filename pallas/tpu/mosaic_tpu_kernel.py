@@ -49,8 +49,8 @@ from gmm_jax._src.tiling.cost_models import DEQUANT_ROWS
 from gmm_jax.pallas import common
 from gmm_jax.pallas.tpu.mosaic_tpu_fp8 import block_widths, blocked_product, dot_values
 from gmm_jax.pallas.tpu.mosaic_tpu_plan import k_chunks, out_row_chunk
-from gmm_jax.pallas.tpu.mosaic_tpu_tile import (GATED_PAIRS, dequantized, dot,
-                                                gated_cotangent_tiles, mask_k, tile_epilogue)
+from gmm_jax.pallas.tpu.mosaic_tpu_tile import (GATED_PAIRS, dequantized, dot, mask_k,
+                                                tile_epilogue)
 
 
 class Step:
@@ -269,8 +269,8 @@ class _MProgram:
     row = self.tile_lo + lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
     mine = (row >= self.step.start) & (row < self.step.end)
     if refs.pair is not None:
-      halves = gated_cotangent_tiles(cfg.cotangent_of, refs.z[0][span, :],
-                                     refs.z[1][span, :], y)
+      halves = common.gated_cotangent_tiles(GATED_PAIRS[cfg.cotangent_of],
+                                            refs.z[0][span, :], refs.z[1][span, :], y)
       for h, d in enumerate(halves):
         refs.pair[h, span, :] = jnp.where(mine, d.astype(refs.pair.dtype),
                                           refs.pair[h, span, :])

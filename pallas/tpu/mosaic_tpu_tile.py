@@ -1,21 +1,19 @@
 """Tile operations of the Mosaic TPU gmm kernels: what a kernel body does to its blocks.
 
 The dot of blocks as stored (either layout of each side), the K masks, the dequantized
-weight tile, the finishing epilogue of an output tile and the gated cotangent on tiles; the
-activations as Mosaic lowers them (`kernel_activation`, `GATED_PAIRS`) and which of their
-primitives it has no lowering rule for (`unsupported_primitives`), which the plan checks
-before a compiled call.
+weight tile and the finishing epilogue of an output tile (the gated cotangent on tiles is
+`common.gated_cotangent_tiles`); the activations as Mosaic lowers them
+(`kernel_activation`, `GATED_PAIRS`) and which of their primitives it has no lowering rule
+for (`unsupported_primitives`), which the plan checks before a compiled call.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.extend
 import jax.numpy as jnp
 from jax import lax
 
-from gmm_jax._src.core.config import GmmConfig, is_gated
-from gmm_jax._src.core.epilogue import resolve_activation
+from gmm_jax._src.core.config import GmmConfig
 from gmm_jax.pallas import common
 
 
@@ -51,13 +49,14 @@ def unsupported_primitives(activation) -> set[str]:
 
   Best effort: empty when the lowering table (a private jax module) cannot be read.
   """
-  rules = _mosaic_rules()
-  if rules is None:
-    return set()
-  if is_gated(activation):
-    pair = GATED_PAIRS[activation]
-    return common.unsupported_primitives(lambda z: pair(z, z), rules)
-  return common.unsupported_primitives(resolve_activation(kernel_activation(activation)), rules)
+  return common.unsupported_activation_primitives(
+      activation, _mosaic_rules(), kernel_activation=kernel_activation, pairs=GATED_PAIRS)
+
+
+def unsupported_cotangent_primitives(name: str) -> set[str]:
+  """Primitives of the gated-cotangent epilogue of `name` without a Mosaic TPU lowering
+  (best effort, as `unsupported_primitives`)."""
+  return common.unsupported_gated_primitives(GATED_PAIRS[name], _mosaic_rules(), cotangent=True)
 
 
 def dot(x, w, cfg: GmmConfig, dot_dtype, acc_dtype):
@@ -92,21 +91,3 @@ def tile_epilogue(accs, biases, cfg: GmmConfig, row_weights=None):
   both, `biases` their bias rows ``[1, tile_n]`` or None); `row_weights` ``[rows, 1]``."""
   return common.finish_tile(accs, biases, cfg.activation, cfg.out_dtype, row_weights,
                             kernel_activation=kernel_activation, pairs=GATED_PAIRS)
-
-
-def gated_cotangent_tiles(name: str, gate, up, ct):
-  """`epilogue.gated_cotangent` on tiles: the cotangents of the gate and up tiles of z for
-  the cotangent tile ct of the gated activation's result, in f32 (`GATED_PAIRS`' forms)."""
-  _, pull = jax.vjp(GATED_PAIRS[name], gate.astype(jnp.float32), up.astype(jnp.float32))
-  return pull(ct.astype(jnp.float32))
-
-
-def unsupported_cotangent_primitives(name: str) -> set[str]:
-  """Primitives of the gated-cotangent epilogue of `name` without a Mosaic TPU lowering
-  (best effort, as `unsupported_primitives`)."""
-  rules = _mosaic_rules()
-  if rules is None:
-    return set()
-  return common.unsupported_primitives(
-      lambda z: gated_cotangent_tiles(name, z, z, z)[0] + gated_cotangent_tiles(
-          name, z, z, z)[1], rules)

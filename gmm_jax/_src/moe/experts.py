@@ -156,7 +156,7 @@ def prologue_is_native(name: str, options: dict[str, Any]) -> bool:
   """Whether the gmms of a gated prologue (`ExpertFFN.gated_prologue`) run natively where
   this is traced for: the kernel the forward's down gmm tries first applies act(z) in its
   prologue (``"gated_lhs"``) and the one its backward's dlhs gmm tries first writes z's
-  cotangent in its epilogue (``"gated_cotangent"``). Pallas TPU does both; elsewhere
+  cotangent in its epilogue (``"gated_cotangent"``). Pallas TPU and Triton do both; elsewhere
   act(z) and the cotangent would be formed around the kernels (benchmarks/log.md, "The gated
   prologue by default where the kernels fuse it")."""
   platform = options.get("platform") or registry.trace_platform()

@@ -41,12 +41,45 @@ GPU_KINDS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class GpuPeaks:
+  """A GPU's dense tensor-core peaks in FLOP/s by operand type and its HBM bandwidth in
+  bytes/s (NVIDIA's datasheet figures for the SXM parts, without sparsity), and the limits
+  of one SM that decide how many programs it holds at once."""
+
+  bf16: float  # also f16
+  fp8: float
+  int8: float
+  tf32: float
+  hbm: float
+  registers_per_sm: int = 65536
+  smem_per_sm: int = 228 * 1024
+  threads_per_sm: int = 2048
+  blocks_per_sm: int = 32
+
+
+GPU_PEAKS = {
+    "NVIDIA H100": GpuPeaks(bf16=989e12, fp8=1979e12, int8=1979e12, tf32=494e12, hbm=3.35e12),
+    "NVIDIA H200": GpuPeaks(bf16=989e12, fp8=1979e12, int8=1979e12, tf32=494e12, hbm=4.8e12),
+    "NVIDIA B200": GpuPeaks(bf16=2250e12, fp8=4500e12, int8=4500e12, tf32=1100e12, hbm=8e12),
+}
+
+
 def gpu_kind_entry(kind) -> tuple[tuple[int, int], int] | None:
   """The `GPU_KINDS` entry whose name is in `kind` ("NVIDIA H100 80GB HBM3"), longest first."""
+  return _by_kind(GPU_KINDS, kind)
+
+
+def gpu_peaks(kind) -> GpuPeaks | None:
+  """The `GPU_PEAKS` entry whose name is in `kind`, longest first."""
+  return _by_kind(GPU_PEAKS, kind)
+
+
+def _by_kind(table: dict, kind):
   kind = str(kind or "")
-  for name in sorted(GPU_KINDS, key=len, reverse=True):
+  for name in sorted(table, key=len, reverse=True):
     if name.removeprefix("NVIDIA ") in kind:
-      return GPU_KINDS[name]
+      return table[name]
   return None
 
 

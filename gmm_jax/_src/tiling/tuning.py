@@ -318,6 +318,8 @@ class Launch:
     grid: the launch grid.
     tiles: (tile_m, tile_k, tile_n) as the kernel blocks them.
     vmem_limit: TPU: the explicit scoped VMEM limit in bytes, else None.
+    warps: GPU: the warps of one program (Triton's ``num_warps``; Mosaic GPU's warpgroups
+      times 4), else None.
   """
 
   name: str
@@ -326,6 +328,7 @@ class Launch:
   grid: tuple[int, ...]
   tiles: tuple[int, ...]
   vmem_limit: int | None = None
+  warps: int | None = None
 
 
 _LAUNCH_RECORDERS: list[list[Launch]] = []
