@@ -4,6 +4,7 @@ when tokamax is installed), jax.lax.ragged_dot and float64 numpy oracles."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import pathlib
 
@@ -185,6 +186,20 @@ def test_group_offset_activation_and_manual_axis_type():
                                    jnp.tanh, manual_axis_type=object()))
   want = jnp.tanh(jax.lax.ragged_dot(lhs, full, sizes))
   np.testing.assert_allclose(out, want, **tolerances(jnp.float32, k=16, scale=16.0))
+
+
+def test_ragged_dot_has_tokamax_signature():
+  # ragged_dot_general's parameters without the dimension numbers, in tokamax's order: the
+  # first five after group_sizes positional, the rest keyword-only.
+  params = inspect.signature(tk.ragged_dot).parameters.values()
+  assert [(p.name, p.kind == p.KEYWORD_ONLY) for p in params] == [
+      ("lhs", False), ("rhs", False), ("group_sizes", False), ("precision", False),
+      ("preferred_element_type", False), ("group_offset", False), ("activation", False),
+      ("manual_axis_type", False), ("implementation", True), ("bypass_device_check", True),
+      ("zero_initialize", True), ("fuse_gateup_activation", True)]
+  lhs, rhs, sizes = _inputs(1)
+  with pytest.raises(TypeError):
+    tk.ragged_dot(lhs, rhs, sizes, None, None, None, None, None, "xla")
 
 
 def test_activation_runs_in_f32_before_the_cast():

@@ -35,6 +35,7 @@ calls them. Where the two differ, by design:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import jax
@@ -328,20 +329,19 @@ def ragged_dot_general(lhs: jax.Array, rhs: jax.Array, group_sizes: Any,
   raise NotImplementedError("all implementations failed: " + "; ".join(errors))
 
 
-def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: Any,
-               precision: jax.lax.PrecisionLike = None,
-               preferred_element_type: jax.typing.DTypeLike | None = None,
-               group_offset: jax.Array | None = None,
-               activation: Callable[[jax.Array], jax.Array] | None = None,
-               manual_axis_type: Any = None, *,
-               implementation: str | Sequence[str | Callable] | None = None,
-               bypass_device_check: bool | None = None, zero_initialize: bool = False,
-               fuse_gateup_activation: str | None = None) -> jax.Array:
+# ``ragged_dot``'s dimension numbers: lhs [M, K] with ragged rows, rhs [G, K, N].
+_RAGGED_DOT_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: Any, *args, **kwargs) -> jax.Array:
   """tokamax's ``ragged_dot``: lhs ``[M, K]``, rhs ``[G, K, N]`` -> ``[M, N]``, the rows of
-  group g times ``rhs[g]``; `ragged_dot_general`'s other arguments."""
-  dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([1], [1]), ([], [])),
-                                           lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-  return ragged_dot_general(
-      lhs, rhs, group_sizes, dims, precision, preferred_element_type, group_offset, activation,
-      manual_axis_type, implementation=implementation, bypass_device_check=bypass_device_check,
-      zero_initialize=zero_initialize, fuse_gateup_activation=fuse_gateup_activation)
+  group g times ``rhs[g]``; `ragged_dot_general`'s other arguments, in its order and with
+  its defaults (the signature below is ragged_dot_general's without the dimension numbers)."""
+  return ragged_dot_general(lhs, rhs, group_sizes, _RAGGED_DOT_DIMS, *args, **kwargs)
+
+
+ragged_dot.__signature__ = inspect.signature(ragged_dot_general).replace(parameters=[
+    p for p in inspect.signature(ragged_dot_general).parameters.values()
+    if p.name != "ragged_dot_dimension_numbers"])
