@@ -50,7 +50,7 @@ def rows(tmp_path_factory):
     out = tmp_path_factory.mktemp("pod") / "rows.json"
     statuses.append(aot_pod.main(["--small", "--topologies", topology, "--strategies",
                                   *strategies, "--require", *strategies, "--json", str(out),
-                                  "--timeout", "600"]))
+                                  "--timeout", "600", "--jobs", "2"]))
     by_key.update({(r["topology"], r["strategy"]): r for r in json.loads(out.read_text())})
   return statuses, by_key
 

@@ -281,7 +281,8 @@ def test_quantized_weights_are_refused():
     gmm_jax.gmm(z, q, sizes, lhs_activation="swiglu")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16,
+                                                              marks=pytest.mark.slow)])
 def test_moe_gated_prologue_has_the_same_gradients(dtype):
   # ExpertFFN(gated_prologue=True): the same function; for one cotangent the same
   # gradients (bitwise on the xla path: the same products, the same roundings).
