@@ -150,11 +150,13 @@ def copy_free_floor(params, x, top_k: int):
 
 
 def _moe_block(fused: bool, gated_prologue: bool | None = None):
-  def block(params, x, top_k: int):
+  def block(params, x, top_k: int, quantization=None):
     top_p, top_e = _router(params, x, top_k)
     experts = params["gate_up"].shape[0]
-    spec = gmm_jax.ExpertFFN(experts, "silu", gated=True, fused=fused,
-                             options=(("preferred_element_type", x.dtype),),
+    options = (("preferred_element_type", x.dtype),)
+    if quantization is not None:
+      options += (("quantization", quantization),)
+    spec = gmm_jax.ExpertFFN(experts, "silu", gated=True, fused=fused, options=options,
                              gated_prologue=gated_prologue)
     y, _ = gmm_jax.routed_experts(spec, x, top_e, top_p,
                                   dict(w_in=params["gate_up"], w_down=params["down"]))
@@ -186,7 +188,12 @@ class Row:
   target: str = "cpu"  # "cpu" (this machine) or a deviceless target of `DEVICELESS`
 
 
-def training_step(block, top_k: int):
+def training_step(block, top_k: int, quantization=None):
+  """The jitted value and gradients of a block's mean square; `quantization` (the moe
+  blocks' gmm option, e.g. "fp8") is passed to the block when given."""
+  if quantization is not None:
+    block = functools.partial(block, quantization=quantization)
+
   def loss(params, x):
     y = block(params, x, top_k)
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
@@ -202,7 +209,8 @@ def layout(name: str, params: dict) -> dict:
 
 
 def run(tokens: int, embed: int, mlp: int, experts: int, top_k: int, dtypes, *,
-        time_ragged: bool, repeats: int, blocks=tuple(BLOCKS)) -> list[Row]:
+        time_ragged: bool, repeats: int, blocks=tuple(BLOCKS),
+        quantization=None) -> list[Row]:
   rows = []
   for dtype in dtypes:
     params = init_params(jax.random.key(0), embed, mlp, experts, dtype)
@@ -210,7 +218,8 @@ def run(tokens: int, embed: int, mlp: int, experts: int, top_k: int, dtypes, *,
     compiled, timed = {}, {}
     for name in blocks:
       args = (layout(name, params), x)
-      compiled[name] = (training_step(BLOCKS[name], top_k).lower(*args).compile(), args)
+      step = training_step(BLOCKS[name], top_k, quantization)
+      compiled[name] = (step.lower(*args).compile(), args)
       if repeats and (name != "ragged_dot" or time_ragged):
         timed[name] = float("inf")
     for _ in range(repeats):
@@ -262,7 +271,8 @@ def deviceless_device(target: str):
 
 
 def compile_deviceless(target: str, tokens: int, embed: int, mlp: int, experts: int,
-                       top_k: int, dtypes, blocks=tuple(BLOCKS)) -> list[Row]:
+                       top_k: int, dtypes, blocks=tuple(BLOCKS),
+                       quantization=None) -> list[Row]:
   """Each block's training step compiled for one chip of `target` without the hardware
   (abstract arguments, traced and compiled under that chip as the default device, so that
   gmm picks its kernels); rows of temporary bytes, no time."""
@@ -276,7 +286,7 @@ def compile_deviceless(target: str, tokens: int, embed: int, mlp: int, experts: 
       args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
                           jax.eval_shape(functools.partial(layout, name), params))
       with jax.default_device(device):
-        step = training_step(BLOCKS[name], top_k).lower(args, x).compile()
+        step = training_step(BLOCKS[name], top_k, quantization).lower(args, x).compile()
       rows.append(Row(name, np.dtype(dtype).name, None,
                       int(step.memory_analysis().temp_size_in_bytes), target))
   return rows
@@ -315,17 +325,24 @@ def main(argv=None) -> list[Row]:
   parser.add_argument("--deviceless", nargs="*", default=[], choices=sorted(DEVICELESS),
                       help="also compile each step for one chip of these targets, without "
                            "the hardware (jax >= 0.12 with the CUDA plugin and libtpu)")
+  parser.add_argument("--quantization", choices=("fp8", "fp8_e5m2_grads"), default=None,
+                      help="the moe blocks' gmms trained in fp8 (gmm's quantization=)")
   args = parser.parse_args(argv)
+  if args.quantization is not None and any(not b.startswith("moe_") for b in args.blocks):
+    parser.error("--quantization applies to the moe_* blocks only")
   dtypes = [jnp.dtype(d) for d in args.dtypes]
   blocks = tuple(args.blocks)
   rows = run(args.tokens, args.embed, args.mlp, args.experts, args.top_k, dtypes,
-             time_ragged=args.time_ragged, repeats=args.repeats, blocks=blocks)
+             time_ragged=args.time_ragged, repeats=args.repeats, blocks=blocks,
+             quantization=args.quantization)
   # TPU first: libtpu must be loaded by the partitioner's registration.
   for target in sorted(args.deviceless, key=lambda t: DEVICELESS[t][0] != "tpu"):
     rows += compile_deviceless(target, args.tokens, args.embed, args.mlp, args.experts,
-                               args.top_k, dtypes, blocks)
+                               args.top_k, dtypes, blocks, args.quantization)
   print(f"MoE layer training step (fwd+bwd), T={args.tokens} D={args.embed} F={args.mlp} "
-        f"E={args.experts} k={args.top_k}, jax {jax.__version__}, "
+        f"E={args.experts} k={args.top_k}"
+        + (f", {args.quantization} training" if args.quantization else "")
+        + f", jax {jax.__version__}, "
         f"{jax.devices()[0].platform}"
         + (f"; deviceless: {', '.join(args.deviceless)}" if args.deviceless else ""))
   print(table(rows))

@@ -88,12 +88,15 @@ def _fp8_backward(static, residuals, ct):
   ct = jnp.where((ids >= 0)[:, None], ct, jnp.zeros((), ct.dtype))
   # dlhs [M, K] = dz [M, N] . rhs[g]^T: the same b x b weight blocks, read transposed.
   ct_rows = recipe.activations(ct, 1, recipe.grad_dtype)
+  # Each gradient is written in its operand's dtype by the gmm that sums it in f32 (one
+  # rounding, as a cast of an f32 result would round): no f32 copy of the weights'
+  # gradient exists.
   d_lhs = gmm_quantized(ct_rows, recipe.weights(rhs), counts, group_offset, None,
-                        base.replace(transpose_rhs=not tr, out_dtype=_F32))
+                        base.replace(transpose_rhs=not tr, out_dtype=lhs_like.dtype))
   # drhs: k-grouped over the tokens, both operands in b x 1 blocks along the rows.
   ct_cols = recipe.activations(ct, 0, recipe.grad_dtype)
   k_cfg = base.replace(group_type="k", transpose_lhs=True, transpose_rhs=False,
-                       out_dtype=_F32)
+                       out_dtype=rhs.dtype)
   if tr:  # [L, N, K] = dz_g^T lhs_g
     d_rhs = gmm_quantized(ct_cols, lhs_by_rows, counts, group_offset, None, k_cfg)
   else:  # [L, K, N] = lhs_g^T dz_g
