@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 import gmm_jax
+import combinations as comb
 import fp8_oracle
+from gmm_jax._src.backends import registry
+from gmm_jax._src.core.epilogue import gated_halves_f32
 
 M, K, N, G = 200, 256, 384, 3
 
@@ -344,3 +347,128 @@ def test_the_kernels_serve_the_blocked_gmms(platform, kernel):
                          platform=platform)
   assert "fp8 training" in text
   assert f"quantization 'blocked', 4 local groups, out bfloat16 on {platform}: {kernel}" in text
+
+
+# ------------------------------------------------------------------ the gated prologue
+
+
+def _prologue_operands(name, m=96, k=256, n=256, dtype=jnp.float32):
+  """z [M, 2K] (its K blocks of different magnitudes), w [3, K, N], sizes with an empty
+  group and rows past the total, and a cotangent."""
+  keys = jax.random.split(jax.random.key(hash(name) % 1000), 3)
+  z = jax.random.uniform(keys[0], (m, 2 * k), jnp.float32, -2, 2)
+  z = (z * jnp.repeat(jnp.exp2(jnp.arange(2 * k // 128) % 2 - 1.0), 128)[None, :]).astype(dtype)
+  w = (jax.random.normal(keys[1], (3, k, n)) / 16).astype(dtype)
+  ct = jax.random.normal(keys[2], (m, n), jnp.float32)
+  return z, w, [30, 0, 50], ct
+
+
+def _prologue_oracle(name, z, w, sizes, ct):
+  """float64 (result, dz, dw) of the fp8 gmm of act(z) (numpy, rounded to z's dtype) on
+  the library's blocks; dz from act(z)'s cotangent (rounded to z's dtype, as the kernels
+  round their product) through the numpy gated vjp."""
+  act, act_vjp = comb.activation_rules(name)
+  z64 = np.asarray(z, np.float64)
+  x = np.asarray(jnp.asarray(act(z64).astype(np.float32), z.dtype), np.float32)
+  out = fp8_oracle.fp8_forward(x, np.asarray(w, np.float32), sizes, quantizer=library_blocks)
+  dx, dw, _ = fp8_oracle.fp8_vjp(x, np.asarray(w, np.float32), sizes, np.asarray(ct),
+                                 quantizer=library_blocks)
+  dx = np.asarray(jnp.asarray(dx.astype(np.float32), z.dtype), np.float64)
+  return out, act_vjp(z64, dx), dw
+
+
+def _loose_close(got, want, what):
+  comb.assert_fp8_close(got, want, what, loose=True)
+
+
+@pytest.mark.parametrize("name, implementation, platform", [
+    ("swiglu", "xla", None),
+    ("geglu", "reference", None),
+    ("swiglu", "pallas_triton", "gpu"),
+    ("geglu", "pallas_tpu", "tpu"),
+])
+def test_a_gated_prologue_equals_its_formula(name, implementation, platform):
+  """``gmm(z, w, lhs_activation=name, quantization="fp8")``: the fp8 gmm of act(z),
+  whose dlhs gmm writes z's cotangent; on the kernels (their platform's blocked mode) the
+  cotangent comes from the kernel's epilogue, not formed around it."""
+  z, w, sizes, ct = _prologue_operands(name)
+  options = dict(implementation=implementation, interpret=implementation.startswith("pallas"),
+                 platform=platform)
+  f = jax.jit(lambda z, w: gmm_jax.gmm(z, w, jnp.asarray(sizes, jnp.int32),
+                                       lhs_activation=name, quantization="fp8", **options))
+  with registry.record() as decisions:
+    out, vjp = jax.vjp(f, z, w)
+    dz, dw = vjp(ct)
+  want, want_dz, want_dw = _prologue_oracle(name, z, w, sizes, ct)
+  _loose_close(out, want, "result")
+  assert dz.shape == z.shape and dz.dtype == z.dtype
+  _loose_close(dz, want_dz, "dz")
+  _loose_close(dw, want_dw, "dw")
+  if platform is not None:
+    (epilogue,) = [d for d in decisions if d.cfg.cotangent_of == name]
+    assert (epilogue.implementation, epilogue.quant_mode) == (implementation, "blocked")
+    assert "gated_cotangent" not in epilogue.materialized, epilogue.describe()
+
+
+@pytest.mark.parametrize("implementation, platform", [
+    ("xla", None), ("pallas_triton", "gpu"),
+    pytest.param("pallas_tpu", "tpu", marks=pytest.mark.slow)])
+def test_a_gated_prologue_is_the_composition(implementation, platform):
+  """bf16, the MoE layer's dtype: the prologue's result and gradients equal those of the
+  fp8 gmm of act(z) formed in jnp (same blocks, same products, same roundings)."""
+  z, w, sizes, ct = _prologue_operands("swiglu", dtype=jnp.bfloat16)
+  counts = jnp.asarray(sizes, jnp.int32)
+  options = dict(implementation=implementation, interpret=implementation != "xla",
+                 platform=platform, quantization="fp8", preferred_element_type=jnp.bfloat16)
+  fused = lambda z, w: gmm_jax.gmm(z, w, counts, lhs_activation="swiglu", **options)
+  composed = lambda z, w: gmm_jax.gmm(  # noqa: E731
+      gated_halves_f32("swiglu", z).astype(z.dtype), w, counts, **options)
+  out, vjp = jax.vjp(jax.jit(fused), z, w)
+  want, want_vjp = jax.vjp(jax.jit(composed), z, w)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+  for got, expected, what in zip(vjp(ct.astype(out.dtype)), want_vjp(ct.astype(out.dtype)),
+                                 ("dz", "dw")):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(expected, np.float32),
+                               rtol=1e-2, atol=1e-2, err_msg=what)
+
+
+@pytest.mark.parametrize("platform, native", [("tpu", True), ("gpu", True), ("cpu", False)])
+def test_the_layer_takes_the_prologue_in_fp8_where_the_kernels_fuse_it(monkeypatch, platform,
+                                                                       native):
+  """ExpertFFN(quantization="fp8"): the default takes the gated prologue where the
+  platform's kernels write z's cotangent from the dlhs gmm's epilogue (Pallas TPU and
+  Triton), as in bf16; dynamic quantization (quantize_rhs=) never does."""
+  from gmm_jax._src.moe import experts
+  monkeypatch.setattr(registry, "trace_platform", lambda: platform)
+  w_down = jnp.zeros((4, 48, 32), jnp.bfloat16)
+
+  def prologues(options):
+    spec = gmm_jax.ExpertFFN(4, "silu", gated=True, options=options)
+    return experts._prologue(spec, w_down) == "swiglu"
+
+  assert prologues((("quantization", "fp8"),)) is native
+  assert prologues((("quantize_rhs", jnp.int8),)) is False
+
+
+def test_the_layer_trains_the_same_with_the_gated_prologue():
+  """f32: the fp8 layer's result and gradients are the same with the prologue forced on
+  and off (the same fp8 products of the same act(z); act(z)'s cotangent reaches z through
+  the gated vjp in either order of rounding-free f32 steps)."""
+  from gmm_jax.tools import bench_moe
+  params = bench_moe.layout("moe_fused", bench_moe.init_params(jax.random.key(0), 256, 256, 4))
+  x = jax.random.normal(jax.random.key(1), (128, 256))
+
+  def block(prologue, params, x):
+    top_p, top_e = bench_moe._router(params, x, 2)
+    spec = gmm_jax.ExpertFFN(4, "silu", gated=True, gated_prologue=prologue,
+                             options=(("quantization", "fp8"),))
+    return gmm_jax.routed_experts(spec, x, top_e, top_p,
+                                  dict(w_in=params["gate_up"], w_down=params["down"]))[0]
+
+  loss = lambda prologue: jax.jit(jax.value_and_grad(  # noqa: E731
+      lambda p, x: jnp.sum(block(prologue, p, x) ** 2), argnums=(0, 1)))
+  (v1, g1), (v0, g0) = loss(True)(params, x), loss(False)(params, x)
+  np.testing.assert_allclose(float(v1), float(v0), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b)

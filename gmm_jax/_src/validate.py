@@ -117,7 +117,7 @@ def _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs, gated_lhs=
 
 
 def _lhs_activation(lhs_activation, *, group_type, transpose_lhs, lhs, rhs, quantized,
-                    lhs_indices, quantization):
+                    lhs_indices):
   """The gated prologue's name, after the checks of what it combines with."""
   if lhs_activation is None:
     return None
@@ -126,13 +126,12 @@ def _lhs_activation(lhs_activation, *, group_type, transpose_lhs, lhs, rhs, quan
                      f"{GATED_ACTIVATIONS}, got {lhs_activation!r}")
   given = [name for name, v in (
       ("group_type='k'", group_type == "k"), ("transpose_lhs", transpose_lhs),
-      ("quantized operands", quantized), ("lhs_indices", lhs_indices is not None),
-      ("quantization=", quantization is not None)) if v]
+      ("quantized operands", quantized), ("lhs_indices", lhs_indices is not None)) if v]
   if given:
     raise NotImplementedError(
         f"lhs_activation (a gated prologue) supports an m-grouped float lhs [M, 2K] that is "
         f"not transposed or gathered, with any rhs layout, bias, activation, row_weights, "
-        f"out_indices; got {', '.join(given)}")
+        f"out_indices and fp8 training (quantization=); got {', '.join(given)}")
   if not jnp.issubdtype(lhs.dtype, jnp.floating) or not jnp.issubdtype(rhs.dtype,
                                                                        jnp.floating):
     raise ValueError(f"lhs_activation needs float operands, got lhs {describe(lhs)} and "
@@ -543,7 +542,7 @@ def validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias,
   lhs, rhs = _of_one_kind(lhs, rhs, quantized_call, lhs_q)
   lhs_activation = _lhs_activation(
       lhs_activation, group_type=group_type, transpose_lhs=transpose_lhs, lhs=lhs, rhs=rhs,
-      quantized=quantized_call, lhs_indices=lhs_indices, quantization=quantization)
+      quantized=quantized_call, lhs_indices=lhs_indices)
   m, k, n = _problem_dims(lhs, rhs, group_type, transpose_lhs, transpose_rhs,
                           lhs_activation is not None)
   rows, gather_rows, out_rows, num_rows = _row_operands(

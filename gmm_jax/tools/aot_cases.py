@@ -82,6 +82,9 @@ class Case:
   # A gated prologue: lhs [M, 2K] is the pre-activation the product reads through it; the
   # training step's dlhs gmm writes its [M, 2K] cotangent (the TPU kernel's epilogue).
   lhs_activation: str | None = None
+  # "train" in fp8 (gmm's ``quantization=``, e.g. "fp8"): the three gmms on blockwise
+  # scales that fp8 training issues.
+  quantization: str | None = None
 
   def describe(self) -> str:
     m, k, n, g = SHAPES[self.shape]
@@ -100,7 +103,8 @@ class Case:
                     "combine": "row weights, rows scattered"}[self.moe])
     if self.implementation:
       parts.append(self.implementation)
-    for flag, text in ((self.lhs_activation, f"lhs_activation {self.lhs_activation}"),
+    for flag, text in ((self.quantization, f"quantization={self.quantization}"),
+                       (self.lhs_activation, f"lhs_activation {self.lhs_activation}"),
                        (self.activation, f"{self.activation}"), (self.bias, "bias"),
                        (self.transpose_lhs, "lhs^T"), (self.transpose_rhs, "rhs^T"),
                        (self.group_offset, "group_offset")):
@@ -152,6 +156,10 @@ CASES = (
     # dlhs gmm writes the [M, 2F] cotangent (TPU: in the kernel's epilogue, by DMA).
     Case("mixtral-moe-down-prologue-train", "mixtral-down", "train", lhs_activation="swiglu",
          moe="combine"),
+    # The same in fp8 training: the dlhs gmm multiplies blockwise fp8 operands and writes
+    # the [M, 2F] cotangent from its epilogue.
+    Case("mixtral-moe-down-prologue-fp8-train", "mixtral-down", "train",
+         lhs_activation="swiglu", moe="combine", quantization="fp8", fp8_mma=True),
     # 1-byte weights of 2**31+ elements (read as 16-bit words): fp8 x fp8 on the tensor
     # cores, and fp8 weights dequantized in-kernel for bf16 tokens.
     Case("deepseek-v3-fp8xfp8", "deepseek-v3", weights="float8_e4m3fn",
@@ -263,6 +271,8 @@ def build(case: Case, sharding):
   options = dict(group_type=case.group_type, activation=case.activation, tiling=_ROLE_NOTES,
                  transpose_lhs=case.transpose_lhs, transpose_rhs=case.transpose_rhs,
                  implementation=case.implementation, lhs_activation=case.lhs_activation)
+  if case.quantization:
+    options.update(quantization=case.quantization, preferred_element_type=dtype)
   rows = {}
   if case.moe == "gather":
     rows["lhs_indices"] = _abstract((m,), jnp.int32, sharding)

@@ -357,18 +357,20 @@ def _check_gated_ends(lhs, rhs, cfg: GmmConfig) -> None:
   name = cfg.lhs_activation or cfg.cotangent_of
   if name is None:
     return
-  quantized = quant_mode(lhs, rhs, cfg) != "none"
-  if cfg.lhs_activation is not None and (cfg.lhs_tangent or quantized
+  mode = quant_mode(lhs, rhs, cfg)
+  if cfg.lhs_activation is not None and (cfg.lhs_tangent or mode != "none"
                                          or np.dtype(lhs.dtype).itemsize == 1):
     raise NotImplementedError(
         "the Triton kernel's gated prologue serves the value of an m-grouped gmm of 2- or "
         f"4-byte float operands; got lhs_tangent={cfg.lhs_tangent}, lhs {lhs.dtype}, "
-        f"quantization {quant_mode(lhs, rhs, cfg)!r} (the dispatcher forms its input)")
-  if cfg.cotangent_of is not None and (cfg.gated or quantized or cfg.out_rows is not None):
+        f"quantization {mode!r} (the dispatcher forms its input)")
+  if cfg.cotangent_of is not None and (cfg.gated or mode not in ("none", "blocked")
+                                       or cfg.out_rows is not None):
     raise NotImplementedError(
-        "the Triton kernel's gated-cotangent epilogue serves a float m-grouped gmm with no "
-        f"gated activation of its own and unscattered rows; got activation={cfg.activation!r}, "
-        f"out_rows={cfg.out_rows}, quantization {quant_mode(lhs, rhs, cfg)!r}")
+        "the Triton kernel's gated-cotangent epilogue serves an m-grouped gmm of float "
+        "operands or fp8 training's blocked operands, with no gated activation of its own "
+        f"and unscattered rows; got activation={cfg.activation!r}, out_rows={cfg.out_rows}, "
+        f"quantization {mode!r}")
   if not cfg.interpret:
     what = ("the prologue" if cfg.lhs_activation else "the cotangent of") + f" {name!r}"
     common.require_lowerable(common.unsupported_gated_primitives(

@@ -276,8 +276,9 @@ def _checked_features(prepared: common.Prepared, cfg: GmmConfig):
         f"the prologue {cfg.lhs_activation!r}")
   if cfg.cotangent_of is not None:
     _check_gated_operand(
-        cfg, cfg.gated or quant is not None,
-        "gated-cotangent epilogue serves an m-grouped float gmm with no activation of its own",
+        cfg, cfg.gated or (quant is not None and quant.mode != "blocked"),
+        "gated-cotangent epilogue serves an m-grouped gmm of float operands or fp8 "
+        "training's blocked operands, with no activation of its own",
         lambda: unsupported_cotangent_primitives(cfg.cotangent_of),
         f"the cotangent of {cfg.cotangent_of!r}")
     prepared = prepared._replace(out_shape=(m, 2 * n))

@@ -33,7 +33,7 @@ import numpy as np
 
 from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig
-from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gather_rows
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gather_rows, prologue_input
 from gmm_jax._src.core.qarray import Fp8Training
 from gmm_jax._src.backends.quantized import gmm_quantized
 from gmm_jax._src.op.rows_sum import rows_sum
@@ -60,10 +60,16 @@ def _like(grad, sharding):
   return grad if sharding is None else jax.sharding.reshard(grad, sharding)
 
 
+def _product_input(cfg: GmmConfig, lhs):
+  """What the gmm multiplies: lhs, or act(z) of a gated prologue's pre-activation z (in
+  f32, rounded to z's dtype, as the float gmm's prologue rounds it)."""
+  return lhs if cfg.lhs_activation is None else prologue_input(cfg.lhs_activation, lhs)
+
+
 def _forward(static, lhs, rhs, bias, counts, group_offset):
   cfg, recipe, _ = static
-  return gmm_quantized(recipe.activations(lhs, 1), recipe.weights(rhs), counts, group_offset,
-                       bias, cfg)
+  return gmm_quantized(recipe.activations(_product_input(cfg, lhs), 1), recipe.weights(rhs),
+                       counts, group_offset, bias, cfg.replace(lhs_activation=None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -72,16 +78,18 @@ def _fp8_gmm(static, lhs, rhs, bias, counts, group_offset):
 
 
 def _fp8_forward(static, lhs, rhs, bias, counts, group_offset):
-  _, recipe, _ = static
+  cfg, recipe, _ = static
   out = _forward(static, lhs, rhs, bias, counts, group_offset)
-  lhs_by_rows = recipe.activations(lhs, 0)  # the weight gradient's b x 1 blocks
-  return out, (lhs_by_rows, rhs, bias, counts, group_offset, jnp.zeros((0,), lhs.dtype))
+  # The weight gradient's b x 1 blocks of lhs; a gated prologue keeps z instead (the
+  # backward's dlhs gmm reads it, and act(z) is recomputed for the weight gradient).
+  kept = lhs if cfg.lhs_activation is not None else recipe.activations(lhs, 0)
+  return out, (kept, rhs, bias, counts, group_offset, jnp.zeros((0,), lhs.dtype))
 
 
 def _fp8_backward(static, residuals, ct):
   cfg, recipe, (lhs_sharding, rhs_sharding) = static
-  lhs_by_rows, rhs, bias, counts, group_offset, lhs_like = residuals
-  base = cfg.replace(tiling=None, activation=None)
+  kept, rhs, bias, counts, group_offset, lhs_like = residuals
+  base = cfg.replace(tiling=None, activation=None, lhs_activation=None)
   tr = cfg.transpose_rhs
   # Rows of no local group contribute nothing: zeroed, they do not widen a block's scale.
   ids = metadata.row_group_ids(counts, ct.shape[0], group_offset, cfg.num_local)
@@ -90,9 +98,15 @@ def _fp8_backward(static, residuals, ct):
   ct_rows = recipe.activations(ct, 1, recipe.grad_dtype)
   # Each gradient is written in its operand's dtype by the gmm that sums it in f32 (one
   # rounding, as a cast of an f32 result would round): no f32 copy of the weights'
-  # gradient exists.
-  d_lhs = gmm_quantized(ct_rows, recipe.weights(rhs), counts, group_offset, None,
-                        base.replace(transpose_rhs=not tr, out_dtype=lhs_like.dtype))
+  # gradient exists. A gated prologue's dlhs gmm writes z's cotangent [M, 2K] from its
+  # epilogue (`GmmConfig.cotangent_of`), reading z.
+  d_cfg = base.replace(transpose_rhs=not tr, out_dtype=lhs_like.dtype,
+                       cotangent_of=cfg.lhs_activation)
+  d_rows = NO_ROWS if cfg.lhs_activation is None else Rows(source=kept)
+  d_lhs = gmm_quantized(ct_rows, recipe.weights(rhs), counts, group_offset, None, d_cfg,
+                        rows=d_rows)
+  lhs_by_rows = (kept if cfg.lhs_activation is None
+                 else recipe.activations(_product_input(cfg, kept), 0))
   # drhs: k-grouped over the tokens, both operands in b x 1 blocks along the rows.
   ct_cols = recipe.activations(ct, 0, recipe.grad_dtype)
   k_cfg = base.replace(group_type="k", transpose_lhs=True, transpose_rhs=False,

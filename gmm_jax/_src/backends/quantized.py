@@ -30,7 +30,7 @@ from gmm_jax._src.backends import registry
 from gmm_jax._src.core import metadata
 from gmm_jax._src import op
 from gmm_jax._src.core.config import PLATFORMS, GmmConfig, problem_dims
-from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, per_group
+from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gated_cotangent, per_group
 from gmm_jax._src.core.qarray import (QArray, is_integer_dtype, QuantSpec, as_qarray,
                                         broadcast_scale, compute_dtype, dequantize, quant_mode)
 
@@ -93,6 +93,8 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
     output_scale, output_offset: None or f32 ``[L, N]`` (already broadcast).
     rows: row operands (weight-only mode without requantization only: the api checks).
   """
+  if cfg.cotangent_of is not None:
+    return _cotangent(lhs, rhs, counts, group_offset, bias, cfg, rows)
   if cfg.has_rows:
     if quant_mode(lhs, rhs, cfg) != "weight_only" or output_scale is not None or (
         output_offset is not None):
@@ -120,6 +122,31 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
     return _composed(*args, cfg, bf16_values=bf16_values)
 
   if len(set(plan.values())) == 1:  # the same on every platform: no per-platform branch
+    return one(platforms[0], *operands)
+  return registry.on_lowering_platform(one, None, *operands)
+
+
+def _cotangent(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, rows: Rows):
+  """A gated-cotangent epilogue (`GmmConfig.cotangent_of`, z in ``rows.source``) on a
+  quantized product (fp8 training's dlhs gmm): on each platform the op's where an
+  implementation there serves the mode (it writes z's cotangent from its epilogue, or the
+  dispatcher applies `epilogue.gated_cotangent` around it), else applied to the product
+  the mode's composition gives, rounded to out_dtype first as the kernels round theirs."""
+  if (cfg.gather_rows is not None or cfg.row_weights or cfg.out_rows is not None
+      or cfg.lhs_tangent):
+    raise NotImplementedError("a gated-cotangent epilogue of a quantized gmm reads no other "
+                              "row operand (lhs_indices, row_weights, out_indices)")
+  platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
+  served = {p: registry.serves(lhs, rhs, cfg, p) for p in platforms}
+
+  def one(platform, lhs, rhs, counts, group_offset, bias, source):
+    if served[platform]:
+      return op.gmm(lhs, rhs, counts, group_offset, bias, cfg, rows=Rows(source=source))
+    y = gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg.replace(cotangent_of=None))
+    return gated_cotangent(cfg.cotangent_of, source, y, cfg.out_dtype)
+
+  operands = (lhs, rhs, counts, group_offset, bias, rows.source)
+  if len(set(served.values())) == 1:  # the same on every platform: no per-platform branch
     return one(platforms[0], *operands)
   return registry.on_lowering_platform(one, None, *operands)
 

@@ -79,12 +79,15 @@ class ExpertFFN:
       epilogue and the down gmm reads h ``[R, F]`` (half the bytes between the two
       gmms). None (default): True where the
       kernels the two gmms try first on the platform being traced for do the prologue and
-      the cotangent epilogue natively (`prologue_is_native`: Pallas TPU), else False: on
-      TPU v5e the one-chip bench step's temporaries are 90 MB against 191 MB, Mixtral's
-      expert-parallel step on 4 chips 1.55 against 2.24 GiB; on GPU and CPU, where
-      act(z) and the cotangent are formed around the kernels, neither wins everywhere
+      the cotangent epilogue natively (`prologue_is_native`: Pallas TPU and Triton), else
+      False: on TPU v5e the one-chip bench step's temporaries are 90 MB against 191 MB,
+      Mixtral's expert-parallel step on 4 chips 1.55 against 2.24 GiB; on CPU, where
+      act(z) and the cotangent are formed around the gmms, neither wins everywhere
       (benchmarks/log.md, "The gated prologue by default where the kernels fuse it").
-      Quantized down weights (or a quantization option) take the False path. Gradients
+      fp8 training (``quantization=``) takes it too: the forward quantizes act(z) for the
+      down gmm and the dlhs gmm writes z's cotangent from its blockwise fp8 operands.
+      Quantized down weights or dynamic quantization (``quantize_lhs``,
+      ``quantize_rhs``) take the False path. Gradients
       are equal for an equal cotangent; the forward differs by one rounding (True rounds z
       to the output dtype before the activation, as every backward recomputes it).
   """
@@ -142,8 +145,7 @@ def _prologue(spec: ExpertFFN, w_down) -> str | None:
   if not (spec.gated and spec.fused and spec.gated_prologue is not False and name is not None):
     return None
   options = spec.gmm_options
-  quantized = any(options.get(key) is not None
-                  for key in ("quantization", "quantize_lhs", "quantize_rhs"))
+  quantized = any(options.get(key) is not None for key in ("quantize_lhs", "quantize_rhs"))
   if quantized or not isinstance(w_down, (jax.Array, np.ndarray)) or not jnp.issubdtype(
       w_down.dtype, jnp.floating):
     return None
