@@ -20,7 +20,7 @@ from gmm_jax._src.core import epilogue
 from gmm_jax._src.core.config import (GmmConfig, Problem, Tiling, accumulator_dtype, is_gated,
                                       problem_dims)
 from gmm_jax._src.tiling import tuning
-from gmm_jax._src.core.qarray import QArray, broadcast_scale, quant_mode
+from gmm_jax._src.core.qarray import QArray, broadcast_scale, quant_mode, stored_scale
 
 
 def next_power_of_2(x: int) -> int:
@@ -97,6 +97,9 @@ class QuantOperands(NamedTuple):
   rhs_zero: jax.Array | None
   k_block: int
   lhs_scale: jax.Array | None
+  # "blocked" with a float lhs: the ``(dtype, block, scale_dtype)`` act(z) of a gated
+  # prologue is quantized to in-kernel (`GmmConfig.quantize_prologue`; lhs_scale None).
+  prologue: tuple | None = None
 
 
 class QuantStatic(NamedTuple):
@@ -105,12 +108,13 @@ class QuantStatic(NamedTuple):
   mode: str
   has_zero: bool
   k_block: int
+  prologue: tuple | None = None
 
 
 def quant_static(quant: QuantOperands | None) -> QuantStatic | None:
   if quant is None:
     return None
-  return QuantStatic(quant.mode, quant.rhs_zero is not None, quant.k_block)
+  return QuantStatic(quant.mode, quant.rhs_zero is not None, quant.k_block, quant.prologue)
 
 
 _WEIGHT_TYPES = tuple(np.dtype(t) for t in (jnp.int8, jnp.int4, jnp.float8_e4m3fn,
@@ -169,7 +173,29 @@ def _check_blocked(lhs, rhs, cfg, blocked_types) -> None:
     raise NotImplementedError(f"{supported}; got lhs tile {lhs.tile}, rhs tile {rhs.tile}")
 
 
-def check_quant(lhs, rhs, cfg, *, scaled_types=INT8_SCALED, blocked_types=()) -> None:
+def _check_quantized_prologue(rhs, cfg, blocked_types, prologue: bool) -> None:
+  """A gated prologue quantized in-kernel (`GmmConfig.quantize_prologue`): a kernel that
+  declares it (`prologue`), a blocked pair it serves, and rhs blocks along K (if any) of
+  the prologue's block."""
+  dtype, block, scale_dtype = cfg.quantize_prologue
+  if not prologue:
+    raise NotImplementedError("this kernel does not quantize a gated prologue's act(z) "
+                              "in-kernel (fp8 training's forward; Triton does)")
+  if scale_dtype is not None and np.dtype(scale_dtype) != np.dtype(jnp.float32):
+    raise NotImplementedError(f"a gated prologue is quantized in-kernel with f32 scales; "
+                              f"got {np.dtype(scale_dtype)} scales")
+  if ((np.dtype(dtype), np.dtype(rhs.qtype)) not in
+      {(np.dtype(a), np.dtype(b)) for a, b in blocked_types} or rhs.zero_point is not None):
+    raise NotImplementedError(f"a quantized gated prologue multiplies {dtype} act(z) with "
+                              f"blocked 8-bit float weights; got {rhs.qtype} weights")
+  rhs_axis = rhs.ndim + (-1 if cfg.transpose_rhs else -2)
+  if rhs.scale_varies_along(rhs_axis) and rhs.tile[rhs_axis] != block:
+    raise NotImplementedError(f"a quantized gated prologue's blocks of {block} along K "
+                              f"need rhs blocks of {block} along K; got tile {rhs.tile}")
+
+
+def check_quant(lhs, rhs, cfg, *, scaled_types=INT8_SCALED, blocked_types=(),
+                prologue: bool = False) -> None:
   """Raises NotImplementedError for quantized operands the kernels cannot dequantize
   in-kernel (shapes and dtypes only: it runs on abstract values too). Plain operands pass.
 
@@ -178,9 +204,14 @@ def check_quant(lhs, rhs, cfg, *, scaled_types=INT8_SCALED, blocked_types=()) ->
       multiplies in-kernel (`INT8_SCALED`, optionally `FP8_SCALED`).
     blocked_types: the pairs whose "blocked" mode (either group type) the kernel serves
       (`FP8_BLOCKED`); none by default.
+    prologue: whether the kernel quantizes a gated prologue's act(z) in-kernel for a
+      blocked rhs (`GmmConfig.quantize_prologue`).
   """
   lq, rq = isinstance(lhs, QArray), isinstance(rhs, QArray)
   if not lq and not rq:
+    return
+  if not lq and getattr(cfg, "quantize_prologue", None):
+    _check_quantized_prologue(rhs, cfg, blocked_types, prologue)
     return
   supported = _supported(scaled_types)
   mode = quant_mode(lhs, rhs, cfg)
@@ -209,15 +240,23 @@ def check_quant(lhs, rhs, cfg, *, scaled_types=INT8_SCALED, blocked_types=()) ->
     raise NotImplementedError(f"{supported}; got lhs scales {lhs.scale.shape}")
 
 
-def _blocked_operands(lhs: QArray, rhs: QArray, cfg, m: int, k: int, n: int):
-  """`QuantOperands` of "blocked" mode: scales as ``[M, Kb]`` and ``[L or 1, Kb, N]``."""
-  k_block = blocked_k_block(lhs, rhs, cfg)
+def _blocked_operands(lhs: QArray | None, rhs: QArray, cfg, m: int, k: int, n: int):
+  """`QuantOperands` of "blocked" mode: scales as ``[M, Kb]`` and ``[L or 1, Kb, N]``;
+  lhs None: act(z) of a gated prologue, quantized in-kernel (no lhs scales; the
+  `QuantOperands.prologue` blocks)."""
+  lhs_scale, prologue = None, None
+  if lhs is None:
+    prologue = tuple(cfg.quantize_prologue)
+    k_block = prologue[1]
+  else:
+    k_block = blocked_k_block(lhs, rhs, cfg)
   num_kb = -(-k // k_block)
-  scale, tile = lhs.scale.astype(jnp.float32), lhs.tile
-  if cfg.transpose_lhs:
-    scale, tile = scale.T, tile[::-1]
-  scale = broadcast_scale(scale, (m, scale.shape[1]), (tile[0], 1))
-  lhs_scale = jnp.broadcast_to(scale, (m, num_kb))
+  if lhs is not None:
+    scale, tile = lhs.scale.astype(jnp.float32), lhs.tile
+    if cfg.transpose_lhs:
+      scale, tile = scale.T, tile[::-1]
+    scale = broadcast_scale(scale, (m, scale.shape[1]), (tile[0], 1))
+    lhs_scale = jnp.broadcast_to(scale, (m, num_kb))
   scale, _, tile = _rhs_scale_layout(rhs, cfg)
   scale = scale.astype(jnp.float32)
   scale = broadcast_scale(scale, scale.shape[:-1] + (n,), (1,) * (scale.ndim - 1) + tile[-1:])
@@ -225,22 +264,25 @@ def _blocked_operands(lhs: QArray, rhs: QArray, cfg, m: int, k: int, n: int):
     scale = scale[None]
   groups = cfg.num_local if cfg.group_type == "m" else 1
   rhs_scale = jnp.broadcast_to(scale, (groups, num_kb, n))
-  return QuantOperands("blocked", rhs_scale, None, k_block, lhs_scale)
+  return QuantOperands("blocked", rhs_scale, None, k_block, lhs_scale, prologue)
 
 
 def prepare_quant(lhs, rhs, cfg, m: int, k: int, n: int, *, scaled_types=INT8_SCALED,
-                  blocked_types=()):
+                  blocked_types=(), prologue: bool = False):
   """Splits QArray operands into plain values + `QuantOperands` for an in-kernel
   dequantizing gmm (NotImplementedError from `check_quant` for what the kernels cannot
-  serve; `scaled_types` and `blocked_types` as there).
+  serve; `scaled_types`, `blocked_types` and `prologue` as there).
 
   Returns:
     (lhs values, rhs values, QuantOperands or None when neither operand is quantized).
   """
-  check_quant(lhs, rhs, cfg, scaled_types=scaled_types, blocked_types=blocked_types)
+  check_quant(lhs, rhs, cfg, scaled_types=scaled_types, blocked_types=blocked_types,
+              prologue=prologue)
   if not isinstance(rhs, QArray):
     return lhs, rhs, None
   mode = quant_mode(lhs, rhs, cfg)
+  if mode == "blocked" and not isinstance(lhs, QArray):  # act(z) quantized in-kernel
+    return lhs, rhs.qvalue, _blocked_operands(None, rhs, cfg, m, k, n)
   if mode == "blocked":
     return lhs.qvalue, rhs.qvalue, _blocked_operands(lhs, rhs, cfg, m, k, n)
   # rhs scale as [L or 1, Kb, N or 1] in the canonical [K, N] orientation.
@@ -276,6 +318,8 @@ def kernel_dtypes(lhs, rhs, quant: QuantOperands | None):
   if quant is not None and quant.mode == "weight_only":
     dot_dtype = lhs.dtype if jnp.issubdtype(lhs.dtype, jnp.floating) else jnp.float32
     return np.dtype(dot_dtype), np.dtype(jnp.float32)
+  if quant is not None and quant.prologue is not None:  # the dot reads act(z)'s values
+    lhs = jax.ShapeDtypeStruct((), quant.prologue[0])
   if np.dtype(lhs.dtype) != np.dtype(rhs.dtype) and {np.dtype(lhs.dtype),
                                                      np.dtype(rhs.dtype)} <= set(_FP8_TYPES):
     return np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
@@ -334,7 +378,7 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
              default_tiling: Callable[..., Tiling], check_tiling: Callable[..., None],
              unsupported: Callable[[object], set], backend: str,
              implementation: str | None = None, platform: str | None = None,
-             scaled_types=INT8_SCALED, blocked_types=()) -> Prepared:
+             scaled_types=INT8_SCALED, blocked_types=(), prologue: bool = False) -> Prepared:
   """The steps every kernel entry point takes before its pallas_call.
 
   Args:
@@ -351,6 +395,7 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
       the tile tables and the autotune cache).
     scaled_types: the "scaled" dtype pairs the kernel multiplies (see `check_quant`).
     blocked_types: the "blocked" dtype pairs it serves (see `check_quant`).
+    prologue: whether it quantizes a gated prologue's act(z) in-kernel (see `check_quant`).
 
   Raises:
     NotImplementedError: quantized operands the kernels cannot dequantize, tiles they
@@ -359,7 +404,7 @@ def preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, *,
   m, k, n = problem_dims(lhs.shape, rhs.shape, cfg)
   mode = quant_mode(lhs, rhs, cfg)
   lhs, rhs, quant = prepare_quant(lhs, rhs, cfg, m, k, n, scaled_types=scaled_types,
-                                  blocked_types=blocked_types)
+                                  blocked_types=blocked_types, prologue=prologue)
   dot_dtype, acc_dtype = kernel_dtypes(lhs, rhs, quant)
   problem, automatic = None, False
   if tiling is None:
@@ -448,6 +493,16 @@ def finish_tile(accs, biases, activation, out_dtype, row_weights=None, *, kernel
     gate, up = gate + biases[0].astype(jnp.float32), up + biases[1].astype(jnp.float32)
   return epilogue.apply_epilogue(pairs[activation](gate, up), None, None, out_dtype,
                                  row_weights=row_weights)
+
+
+def quantize_rows(x, dtype):
+  """A tile ``[rows, block]`` quantized per row to the 8-bit float `dtype` as
+  `qarray.quantize` quantizes 1 x block blocks (absmax / the dtype's largest value, f32
+  scales): (values, f32 scales ``[rows, 1]``)."""
+  top = float(jnp.finfo(dtype).max)
+  x = x.astype(jnp.float32)
+  scale = stored_scale(jnp.max(jnp.abs(x), axis=1, keepdims=True) / top, jnp.float32)
+  return jnp.clip(x / scale, -top, top).astype(dtype), scale
 
 
 def gated_cotangent_tiles(pair, gate, up, ct):

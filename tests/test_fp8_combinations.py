@@ -2,8 +2,9 @@
 
 Hypothesis draws float32 m-grouped calls (`combinations.fp8_cases`): implementation (xla,
 reference; the kernels' interpret mode with ``-m slow``) x recipe x transpose_rhs x bias x
-activation (none, silu, gelu_tanh, gated swiglu) x row operands (lhs_indices, row_weights,
-out_indices) x group_offset x group sizes (an empty local group half the time, rows past
+activation (none, silu, gelu_tanh, gated swiglu) x a gated prologue (``lhs_activation``
+swiglu or geglu, half the calls that do not gather lhs) x row operands (lhs_indices,
+row_weights, out_indices) x group_offset x group sizes (an empty local group half the time, rows past
 the total) on two shapes with K, N multiples of the 128 blocks. Each case is held to its
 definition, the blockwise formula of tests/fp8_oracle.py fed the library's quantized
 blocks (`combinations.fp8_expected`), forward and gradients:
@@ -101,6 +102,9 @@ VMAP_CASES = [
     # nonzero on the rows past each element's groups.
     pytest.param(_CASE.replace(bias=True), "group_sizes", ((10, 0, 25), (0, 33, 4)),
                  id="group_sizes"),
+    # A gated prologue (the MoE down gmm reading z [M, 2K]) with the combine's rows.
+    pytest.param(_CASE.replace(lhs_activation="swiglu", rows=("row_weights", "out_indices"),
+                               out_rows=80), "lhs", (), id="lhs-prologue"),
     # Found by the slow draws: batching only the row weights leaves one fp8 gmm, whose
     # backward quantizes the batch's summed cotangent (not a loop of gradients).
     pytest.param(_CASE.replace(implementation="xla", activation="silu", sizes=(0, 3, 1),

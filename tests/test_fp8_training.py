@@ -390,7 +390,8 @@ def _loose_close(got, want, what):
 def test_a_gated_prologue_equals_its_formula(name, implementation, platform):
   """``gmm(z, w, lhs_activation=name, quantization="fp8")``: the fp8 gmm of act(z),
   whose dlhs gmm writes z's cotangent; on the kernels (their platform's blocked mode) the
-  cotangent comes from the kernel's epilogue, not formed around it."""
+  cotangent comes from the kernel's epilogue, not formed around it, and Triton quantizes
+  act(z) in its prologue (1 x 128 blocks, f32 scales)."""
   z, w, sizes, ct = _prologue_operands(name)
   options = dict(implementation=implementation, interpret=implementation.startswith("pallas"),
                  platform=platform)
@@ -408,6 +409,15 @@ def test_a_gated_prologue_equals_its_formula(name, implementation, platform):
     (epilogue,) = [d for d in decisions if d.cfg.cotangent_of == name]
     assert (epilogue.implementation, epilogue.quant_mode) == (implementation, "blocked")
     assert "gated_cotangent" not in epilogue.materialized, epilogue.describe()
+    # The forward: Triton quantizes act(z) in its prologue; the TPU kernel multiplies the
+    # blocks formed before it.
+    (forward,) = [d for d in decisions if d.cfg.group_type == "m" and d.cfg.cotangent_of is None
+                  and not d.cfg.transpose_rhs]
+    assert (forward.implementation, forward.quant_mode) == (implementation, "blocked")
+    in_kernel = implementation == "pallas_triton"
+    assert (forward.cfg.quantize_prologue is not None) is in_kernel, forward.cfg
+    assert (forward.cfg.lhs_activation == name) is in_kernel, forward.cfg
+    assert "gated_lhs" not in forward.materialized, forward.describe()
 
 
 @pytest.mark.parametrize("implementation, platform", [
@@ -472,3 +482,35 @@ def test_the_layer_trains_the_same_with_the_gated_prologue():
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.linalg.norm(a - b) <= 1e-3 * np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_the_kernels_tile_quantizer_is_the_recipes(dtype):
+  """`common.quantize_rows` (a kernel quantizing act(z) per 1 x 128 block) gives the
+  values and scales of `Fp8Training.activations` on the same block (an all-zero row
+  included)."""
+  from gmm_jax.pallas import common
+  x = jax.random.normal(jax.random.key(3), (16, 128), jnp.float32) * 30
+  x = x.at[5].set(0.0).astype(jnp.bfloat16)
+  values, scale = jax.jit(functools.partial(common.quantize_rows, dtype=dtype))(x)
+  want = gmm_jax.Fp8Training(dtype=dtype).activations(x, 1)
+  np.testing.assert_array_equal(np.asarray(scale), np.asarray(want.scale))
+  np.testing.assert_array_equal(np.asarray(values.astype(jnp.float32)),
+                                np.asarray(want.qvalue.astype(jnp.float32)))
+
+
+def test_power_of_2_scales_are_quantized_before_the_kernel():
+  """An e8m0 recipe's act(z) is formed and quantized before the Triton kernel (it
+  quantizes with f32 scales only), with the same result as the composition."""
+  z, w, sizes, ct = _prologue_operands("swiglu", dtype=jnp.bfloat16)
+  counts = jnp.asarray(sizes, jnp.int32)
+  recipe = gmm_jax.Fp8Training(scale_dtype=jnp.float8_e8m0fnu)
+  options = dict(implementation="pallas_triton", interpret=True, platform="gpu",
+                 quantization=recipe, preferred_element_type=jnp.bfloat16)
+  with registry.record() as decisions:
+    out = jax.jit(lambda z, w: gmm_jax.gmm(z, w, counts, lhs_activation="swiglu",
+                                           **options))(z, w)
+  (forward,) = decisions
+  assert forward.cfg.lhs_activation is None and forward.quant_mode == "blocked", forward
+  want = gmm_jax.gmm(gated_halves_f32("swiglu", z).astype(z.dtype), w, counts, **options)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))

@@ -76,7 +76,8 @@ BLOCKED_TYPES = common.FP8_BLOCKED
 def check_operands(lhs, rhs, cfg) -> None:
   """`common.check_quant` for these kernels: they also serve fp8 x fp8 "scaled" mode and
   fp8 "blocked" mode (scales varying along K, either group type)."""
-  common.check_quant(lhs, rhs, cfg, scaled_types=SCALED_TYPES, blocked_types=BLOCKED_TYPES)
+  common.check_quant(lhs, rhs, cfg, scaled_types=SCALED_TYPES, blocked_types=BLOCKED_TYPES,
+                     prologue=True)
 
 
 # ----------------------------------------------------------------------------- tiling
@@ -155,25 +156,33 @@ def num_warps(tiling: Tiling, halves: int = 1) -> int:
   return 8 if tiling.tile_m * tiling.tile_n * halves >= 128 * 128 else 4
 
 
-def num_stages(tiling: Tiling, itemsize: int, halves: int = 1, lhs_tiles: int = 1) -> int:
+def num_stages(tiling: Tiling, itemsize: int, halves: int = 1, lhs_tiles: int = 1,
+               lhs_itemsize: int | None = None) -> int:
   """Pipeline depth: as many stages (2..4) as shared memory holds.
 
   Triton keeps one buffer of each of the `lhs_tiles` lhs tiles (2 for a gated prologue:
-  z's gate and up tiles) and the `halves` weight tiles per stage; the epilogue's layout
+  z's gate and up tiles, of `lhs_itemsize` bytes each element where they differ from the
+  dot's `itemsize`) and the `halves` weight tiles per stage; the epilogue's layout
   conversion reuses them once the K loop is done.
   """
-  per_stage = (lhs_tiles * tiling.tile_m * tiling.tile_k
-               + halves * tiling.tile_k * tiling.tile_n) * itemsize
+  lhs_bytes = itemsize if lhs_itemsize is None else lhs_itemsize
+  per_stage = (lhs_tiles * tiling.tile_m * tiling.tile_k * lhs_bytes
+               + halves * tiling.tile_k * tiling.tile_n * itemsize)
   return int(max(2, min(4, (SMEM_BYTES - 8192) // max(per_stage, 1))))
 
 
-def compiler_params(tiling: Tiling, itemsize: int, cfg: GmmConfig) -> plgpu.CompilerParams:
-  """Warps and stages for a launch of `cfg` (`num_warps`, `num_stages`)."""
+def compiler_params(tiling: Tiling, itemsize: int, cfg: GmmConfig,
+                    lhs_itemsize: int | None = None) -> plgpu.CompilerParams:
+  """Warps and stages for a launch of `cfg` (`num_warps`, `num_stages`); `lhs_itemsize`:
+  the bytes of lhs's elements as stored where they differ from the dot's `itemsize` (a
+  gated prologue's z, quantized in-kernel)."""
   halves = 2 if cfg.gated else 1
   held = 2 if cfg.gated or cfg.cotangent_of is not None else 1
+  prologue = cfg.lhs_activation is not None
   return plgpu.CompilerParams(
       num_warps=num_warps(tiling, held),
-      num_stages=num_stages(tiling, itemsize, halves, 2 if cfg.lhs_activation else 1))
+      num_stages=num_stages(tiling, itemsize, halves, 2 if prologue else 1,
+                            lhs_itemsize if prologue else None))
 
 
 def unsupported_primitives(activation) -> set[str]:
@@ -198,7 +207,12 @@ def _blocked_scales(quant: common.QuantOperands) -> tuple[jax.Array, jax.Array]:
   """(rhs scales ``[L, Kb, N]``, lhs scales ``[Kb, M]``) of "blocked" mode: the lhs scales
   of one K block are contiguous (each step loads a row of them); at least one block (K = 0
   reads none, and the kernels get no zero-sized operand)."""
-  rhs_scale, lhs_scale = quant.rhs_scale, quant.lhs_scale.T
+  rhs_scale = quant.rhs_scale
+  if quant.lhs_scale is None:  # act(z) quantized in-kernel: no lhs scales
+    if rhs_scale.shape[1] == 0:
+      rhs_scale = jnp.ones((rhs_scale.shape[0], 1, rhs_scale.shape[2]), jnp.float32)
+    return rhs_scale, None
+  lhs_scale = quant.lhs_scale.T
   if lhs_scale.shape[0] == 0:
     lhs_scale = jnp.ones((1, lhs_scale.shape[1]), jnp.float32)
     rhs_scale = jnp.ones((rhs_scale.shape[0], 1, rhs_scale.shape[2]), jnp.float32)
@@ -271,7 +285,7 @@ def _preamble(lhs, rhs, counts, cfg: GmmConfig, tiling: Tiling | None, rows: epi
                              check_tiling=check_tiling, unsupported=unsupported_primitives,
                              backend="Pallas Triton", implementation="pallas_triton",
                              platform="gpu", scaled_types=SCALED_TYPES,
-                             blocked_types=BLOCKED_TYPES)
+                             blocked_types=BLOCKED_TYPES, prologue=True)
   if prepared.dot_dtype.itemsize == 1 and prepared.tiling.tile_k < 32:
     raise NotImplementedError(
         f"8-bit Triton dots need tile_k >= 32, got {prepared.tiling.tile_k}")
@@ -296,7 +310,10 @@ def _launch(prepared: common.Prepared, token_scale, rows: epilogue.Rows,
   """The operands, tiles, compiler parameters and cost of a non-empty launch."""
   # The bytes of an element of the dot's operands: 1 for two 8-bit floats multiplied as
   # they are (`fp8_dot`; e4m3 x e5m2 too), else the dot dtype's.
-  fp8_mma = (FP8_MMA and fp8_pair(prepared.lhs.dtype, prepared.rhs.dtype)
+  quant = prepared.quant
+  lhs_values = (prepared.lhs.dtype if quant is None or quant.prologue is None
+                else quant.prologue[0])  # act(z) quantized in-kernel: its 8-bit values
+  fp8_mma = (FP8_MMA and fp8_pair(lhs_values, prepared.rhs.dtype)
              and prepared.tiling.tile_k >= FP8_MMA_K)
   itemsize = 1 if fp8_mma else jnp.dtype(prepared.dot_dtype).itemsize
   m, k, n = prepared.dims
@@ -308,7 +325,7 @@ def _launch(prepared: common.Prepared, token_scale, rows: epilogue.Rows,
     tiling = fit_registers(tiling, cfg, blocked or fp8_mma)
   lhs, rhs, lhs_elements, rhs_elements = word_operands(lhs, rhs, out_shape, cfg.out_dtype,
                                                        cfg, tiling)
-  params = compiler_params(tiling, itemsize, cfg)
+  params = compiler_params(tiling, itemsize, cfg, prepared.lhs.dtype.itemsize)
   out_bytes = math.prod(out_shape) * np.dtype(cfg.out_dtype).itemsize
   return _Launch(prepared, lhs, rhs, quant, tiling, out_shape, lhs_elements, rhs_elements,
                  params, _cost(m, k, n, lhs, rhs, out_bytes, cfg))
@@ -358,11 +375,13 @@ def _check_gated_ends(lhs, rhs, cfg: GmmConfig) -> None:
   if name is None:
     return
   mode = quant_mode(lhs, rhs, cfg)
-  if cfg.lhs_activation is not None and (cfg.lhs_tangent or mode != "none"
-                                         or np.dtype(lhs.dtype).itemsize == 1):
+  quantized_prologue = mode == "blocked" and cfg.quantize_prologue is not None
+  if cfg.lhs_activation is not None and (cfg.lhs_tangent or np.dtype(lhs.dtype).itemsize == 1
+                                         or (mode != "none" and not quantized_prologue)):
     raise NotImplementedError(
         "the Triton kernel's gated prologue serves the value of an m-grouped gmm of 2- or "
-        f"4-byte float operands; got lhs_tangent={cfg.lhs_tangent}, lhs {lhs.dtype}, "
+        "4-byte float operands, or of blockwise fp8 weights with act(z) quantized in-kernel "
+        f"(fp8 training); got lhs_tangent={cfg.lhs_tangent}, lhs {lhs.dtype}, "
         f"quantization {mode!r} (the dispatcher forms its input)")
   if cfg.cotangent_of is not None and (cfg.gated or mode not in ("none", "blocked")
                                        or cfg.out_rows is not None):
@@ -435,8 +454,8 @@ def _gmm_m(launch: _Launch, counts, group_offset, bias, cfg: GmmConfig,
   quant_operands = []
   if quant is not None and quant.mode == "scaled":  # [L, N] and [M] scales
     quant_operands = [quant.rhs_scale[:, 0, :], quant.lhs_scale[:, 0]]
-  elif launch.blocked:  # [L, Kb, N] and [Kb, M] scales
-    quant_operands = list(_blocked_scales(quant))
+  elif launch.blocked:  # [L, Kb, N] and [Kb, M] scales (none for act(z) quantized here)
+    quant_operands = [scale for scale in _blocked_scales(quant) if scale is not None]
   elif quant is not None:
     quant_operands = [quant.rhs_scale] + ([] if quant.rhs_zero is None else [quant.rhs_zero])
   meta = metadata.make_tile_metadata(counts, m, tiling.tile_m, group_offset, cfg.num_local,

@@ -320,7 +320,7 @@ def _m_refs(refs, static: KernelStatic, quant: common.QuantStatic | None, gather
   scale_ref = refs.pop(0) if quant is not None else None
   zero_ref = refs.pop(0) if quant is not None and quant.has_zero else None
   lhs_scale_ref = (refs.pop(0) if quant is not None and quant.mode in ("scaled", "blocked")
-                   else None)
+                   and quant.prologue is None else None)
   lhs_indices_ref = refs.pop(0) if gather else None
   row_weights_ref = refs.pop(0) if weighted else None
   out_indices_ref = refs.pop(0) if scatter else None
@@ -411,7 +411,10 @@ def _m_kernel(group_ids_ref, item_start_ref, item_end_ref, lhs_ref, rhs_ref, *re
       new = []
       if blocked:  # this step's K block: the rows' scales
         block = first // quant.k_block
-        row_scale = _load_vector(ops.lhs_scale, (block,), rows)[:, None]
+        if quant.prologue is not None:  # act(z)'s block quantized here, as `quantize` does
+          x, row_scale = common.quantize_rows(x, quant.prologue[0])
+        else:
+          row_scale = _load_vector(ops.lhs_scale, (block,), rows)[:, None]
       for acc, span in zip(accs, halves):
         w = _load_tile(rhs_ref, (group,), ks, span, cfg.transpose_rhs, static.rhs_elements)
         if quant is not None and quant.mode == "weight_only":

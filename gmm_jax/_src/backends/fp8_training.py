@@ -68,8 +68,12 @@ def _product_input(cfg: GmmConfig, lhs):
 
 def _forward(static, lhs, rhs, bias, counts, group_offset):
   cfg, recipe, _ = static
-  return gmm_quantized(recipe.activations(_product_input(cfg, lhs), 1), recipe.weights(rhs),
-                       counts, group_offset, bias, cfg.replace(lhs_activation=None))
+  if cfg.lhs_activation is not None:  # act(z), quantized in the kernel's prologue where
+    # one serves it (`GmmConfig.quantize_prologue`)
+    return gmm_quantized(lhs, recipe.weights(rhs), counts, group_offset, bias,
+                         cfg.replace(quantize_prologue=recipe.forward_blocks))
+  return gmm_quantized(recipe.activations(lhs, 1), recipe.weights(rhs), counts,
+                       group_offset, bias, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -95,6 +95,8 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
   """
   if cfg.cotangent_of is not None:
     return _cotangent(lhs, rhs, counts, group_offset, bias, cfg, rows)
+  if cfg.quantize_prologue is not None:
+    return _quantized_prologue(lhs, rhs, counts, group_offset, bias, cfg)
   if cfg.has_rows:
     if quant_mode(lhs, rhs, cfg) != "weight_only" or output_scale is not None or (
         output_offset is not None):
@@ -146,6 +148,27 @@ def _cotangent(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, rows: Rows)
     return gated_cotangent(cfg.cotangent_of, source, y, cfg.out_dtype)
 
   operands = (lhs, rhs, counts, group_offset, bias, rows.source)
+  if len(set(served.values())) == 1:  # the same on every platform: no per-platform branch
+    return one(platforms[0], *operands)
+  return registry.on_lowering_platform(one, None, *operands)
+
+
+def _quantized_prologue(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig):
+  """A gated prologue whose act(z) is quantized in blocks along K
+  (`GmmConfig.quantize_prologue`, fp8 training's forward) on a "blocked" rhs: on each
+  platform the op's where an implementation there quantizes it in its prologue, else the
+  blocked gmm of `registry.quantized_prologue_input` (act(z) formed and quantized first)."""
+  platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
+  served = {p: registry.serves(lhs, rhs, cfg, p) for p in platforms}
+
+  def one(platform, lhs, rhs, counts, group_offset, bias):
+    if served[platform]:
+      return op.gmm(lhs, rhs, counts, group_offset, bias, cfg)
+    return gmm_quantized(registry.quantized_prologue_input(cfg, lhs), rhs, counts,
+                         group_offset, bias,
+                         cfg.replace(lhs_activation=None, quantize_prologue=None))
+
+  operands = (lhs, rhs, counts, group_offset, bias)
   if len(set(served.values())) == 1:  # the same on every platform: no per-platform branch
     return one(platforms[0], *operands)
   return registry.on_lowering_platform(one, None, *operands)

@@ -26,7 +26,7 @@ from gmm_jax._src.core import metadata, recording
 from gmm_jax._src.core.config import GmmConfig
 from gmm_jax._src.core.epilogue import (NO_ROWS, Rows, finish, gated_cotangent, gather_rows,
                                         prologue_input, scatter_rows)
-from gmm_jax._src.core.qarray import quant_mode as _quant_mode
+from gmm_jax._src.core.qarray import QArray, blockwise, quant_mode as _quant_mode
 
 # What an implementation may do natively beyond the plain gmm (`Backend.features`):
 # "gather" of m-grouped lhs rows, "gather_k" of the grouped (contraction) rows of a
@@ -296,6 +296,13 @@ def needed_features(cfg: GmmConfig) -> tuple[str, ...]:
   return tuple(name for name, use in zip(FEATURES, used) if use)
 
 
+def quantized_prologue_input(cfg: GmmConfig, lhs) -> QArray:
+  """`prologue_input` of a call with ``cfg.quantize_prologue``, quantized in its 1 x block
+  blocks along K (`qarray.blockwise`): the QArray a "blocked" gmm multiplies where no
+  kernel quantizes act(z) in its prologue."""
+  return blockwise(prologue_input(cfg.lhs_activation, lhs), 1, cfg.quantize_prologue)
+
+
 def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
             rows: Rows, missing: tuple[str, ...]):
   """`backend` on a call whose `missing` features it lacks (or refused), those done around
@@ -305,7 +312,8 @@ def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConf
   its result after it. A missing gated activation or row weights moves both, with the
   scatter, to the finishing step after it (`epilogue.finish`, on its f32 result), so that
   every path rounds once, after the activation and the weights, as the fused kernels do.
-  A missing gated prologue reads `epilogue.prologue_input` of lhs (formed before it); a
+  A missing gated prologue reads `epilogue.prologue_input` of lhs (formed before it;
+  quantized in its blocks with ``cfg.quantize_prologue``, `quantized_prologue_input`); a
   missing gated-cotangent epilogue applies `epilogue.gated_cotangent` to its result
   (rounded to out_dtype first, as the kernel rounds its product).
   """
@@ -322,8 +330,11 @@ def _around(backend: Backend, lhs, rhs, counts, group_offset, bias, cfg: GmmConf
       y = backend.fn(lhs, rhs, counts, group_offset, bias, inner)
     return gated_cotangent(cfg.cotangent_of, rows.source, y, cfg.out_dtype)
   if cfg.lhs_activation is not None and "gated_lhs" in missing:
-    lhs = prologue_input(cfg.lhs_activation, lhs, rows.source if cfg.lhs_tangent else None)
-    cfg = cfg.replace(lhs_activation=None, lhs_tangent=False)
+    if cfg.quantize_prologue is not None:  # act(z) in the blocks the kernel would form
+      lhs = quantized_prologue_input(cfg, lhs)
+    else:
+      lhs = prologue_input(cfg.lhs_activation, lhs, rows.source if cfg.lhs_tangent else None)
+    cfg = cfg.replace(lhs_activation=None, lhs_tangent=False, quantize_prologue=None)
     rows = rows._replace(source=None) if cfg.cotangent_of is None else rows
     missing = tuple(f for f in missing if f != "gated_lhs")
     if not missing:

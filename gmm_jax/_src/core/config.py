@@ -167,6 +167,11 @@ class GmmConfig:
       product ``[M, N]`` (rounded to out_dtype, row weights applied) as the cotangent of
       ``act(z)``: ``epilogue.gated_cotangent(z, product)``. The transpose of an
       `lhs_tangent` gmm: the input gradient of a gated prologue, written by the dlhs gmm.
+    quantize_prologue: with lhs_activation (its value) and a QArray rhs in blocks along
+      K: None, or ``(dtype, block, scale_dtype)``: act(z) is quantized in 1 x `block`
+      blocks along K to the 8-bit float `dtype` (absmax scales as
+      `qarray.quantize` computes them; `scale_dtype` None for f32, or float8_e8m0fnu)
+      before the "blocked" product: fp8 training's forward through a gated prologue.
   """
 
   group_type: GroupType
@@ -187,6 +192,7 @@ class GmmConfig:
   lhs_activation: str | None = None
   lhs_tangent: bool = False
   cotangent_of: str | None = None
+  quantize_prologue: tuple | None = None
 
   def __post_init__(self):
     implementation = self.implementation

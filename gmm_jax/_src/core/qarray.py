@@ -238,6 +238,16 @@ def _split_sharding(x):
       sharding.mesh, jax.sharding.PartitionSpec(*[a for s in spec for a in (s, None)]))
 
 
+def stored_scale(scale, scale_dtype):
+  """A block's f32 scale as `quantize` stores it: 1 for an all-zero block, rounded up to
+  a power of 2 for float8_e8m0fnu, in `scale_dtype` (the kernels that quantize a tile
+  in-kernel apply the same steps)."""
+  scale = jnp.where(scale > 0, scale, 1.0)
+  if np.dtype(scale_dtype) == E8M0:
+    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+  return scale.astype(scale_dtype)
+
+
 def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
              tiled_axes: Mapping[int, int] | None = None, scale_dtype=None,
              zero_point: bool = False, bound: float | None = None) -> QArray:
@@ -296,10 +306,7 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
     scale = (high - low) / (qmax - qmin)
   else:
     scale = jnp.max(jnp.abs(blocks), axis=reduce_axes) / (qmax if bound is None else bound)
-  scale = jnp.where(scale > 0, scale, 1.0)
-  if scale_dtype == E8M0:
-    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-  scale = scale.astype(scale_dtype)
+  scale = stored_scale(scale, scale_dtype)
   scale_f32 = scale.astype(jnp.float32)
   full_scale = broadcast_scale(scale_f32, x.shape, tile)
   zp = None
@@ -451,8 +458,8 @@ def quant_mode(lhs, rhs, cfg) -> str:
     raise NotImplementedError(
         "a quantized lhs needs a quantized rhs (modes: weight_only = float lhs x QArray rhs; "
         "scaled/blocked = QArray lhs x QArray rhs); dequantize lhs or quantize rhs")
-  if not lq:
-    return "weight_only"
+  if not lq:  # float lhs: quantized in the prologue (fp8 training), else weight-only
+    return "blocked" if getattr(cfg, "quantize_prologue", None) else "weight_only"
   if (lhs.scale_varies_along(k_axis(cfg, "lhs")) or
       rhs.scale_varies_along(rhs.ndim + k_axis(cfg, "rhs"))):
     return "blocked"
@@ -518,13 +525,27 @@ class Fp8Training:
   def activations(self, x, axis: int, dtype=None) -> QArray:
     """2-D `x` quantized in blocks of `block` along `axis`, one scale per block and per
     index of the other axis (1 x block per token, or block x 1 per column)."""
-    return quantize(x, self.dtype if dtype is None else dtype, channelwise_axes=1 - axis,
-                    tiled_axes={axis: self.block}, scale_dtype=self.scale_dtype)
+    return blockwise(x, axis, (self.dtype if dtype is None else dtype, self.block,
+                               self.scale_dtype))
+
+  @property
+  def forward_blocks(self) -> tuple:
+    """The forward activations' ``(dtype, block, scale_dtype)`` (`blockwise` along K;
+    `GmmConfig.quantize_prologue`)."""
+    return (self.dtype, self.block, self.scale_dtype)
 
   def weights(self, w) -> QArray:
     """``[G, A, B]`` weights quantized in `block` x `block` blocks per group."""
     return quantize(w, self.dtype, channelwise_axes=0,
                     tiled_axes={1: self.block, 2: self.block}, scale_dtype=self.scale_dtype)
+
+
+def blockwise(x, axis: int, blocks: tuple) -> QArray:
+  """2-D `x` quantized in 1-D blocks along `axis`: ``blocks = (dtype, block, scale_dtype)``
+  (absmax scales, one per block and per index of the other axis)."""
+  dtype, block, scale_dtype = blocks
+  return quantize(x, dtype, channelwise_axes=1 - axis, tiled_axes={axis: block},
+                  scale_dtype=scale_dtype)
 
 
 QUANTIZATIONS = {"fp8": Fp8Training(),

@@ -78,12 +78,15 @@ def dtype_key(lhs_dtype, rhs_dtype) -> str:
 def make_problem(implementation: str, platform: str | None, lhs, rhs, counts, cfg: GmmConfig,
                  dims: tuple[int, int, int], quant_mode: str = "none") -> Problem:
   """The `Problem` of a canonical call as `implementation` runs it (lhs/rhs: the stored
-  values, quantized values for QArrays)."""
+  values, quantized values for QArrays; a gated prologue quantized in-kernel,
+  ``cfg.quantize_prologue``, multiplies its 8-bit values)."""
   m, k, n = dims
+  lhs_dtype = (lhs.dtype if getattr(cfg, "quantize_prologue", None) is None
+               else cfg.quantize_prologue[0])
   return Problem(implementation=implementation, platform=platform,
                  device_kind=device_kind(platform), group_type=cfg.group_type, m=int(m),
                  k=int(k), n=int(n), num_groups=int(counts.shape[0]),
-                 num_local=int(cfg.num_local), lhs_dtype=np.dtype(lhs.dtype),
+                 num_local=int(cfg.num_local), lhs_dtype=np.dtype(lhs_dtype),
                  rhs_dtype=np.dtype(rhs.dtype), out_dtype=np.dtype(cfg.out_dtype),
                  quant_mode=quant_mode, transpose_lhs=bool(cfg.transpose_lhs),
                  transpose_rhs=bool(cfg.transpose_rhs))
