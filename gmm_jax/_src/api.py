@@ -216,8 +216,10 @@ def gmm(lhs: jax.typing.ArrayLike | QArray | GroupedArray | MaskedArray,
       rounded to lhs's dtype), so ``gmm(z, w_down, lhs_activation="swiglu")`` is an MoE
       down projection reading the up projection's output. Its input gradient is written
       by one gmm: the dlhs gmm's epilogue forms the ``[M, 2K]`` cotangent of z from its
-      product and z (natively on the TPU kernel, see `gmm_jax.explain`), with no ``[M,
-      K]`` cotangent of the activation kept beside it.
+      product and z (natively on the TPU and Triton kernels, see `gmm_jax.explain`), with
+      no ``[M, K]`` cotangent of the activation kept beside it. With fp8 training
+      (``quantization=``) act(z) is quantized in 1 x 128 blocks (in the Triton kernel's
+      prologue) and the dlhs gmm's epilogue reads the blockwise fp8 product.
     deterministic: True (default): the result, and every gradient, is bitwise identical
       from run to run on every implementation (split-K partial sums are summed in a fixed
       order, token rows in a fixed order). False lets an implementation add partial sums

@@ -56,7 +56,8 @@ class Case:
   ``gmm(..., quantization="fp8")`` issues them: the forward with e4m3 activations in 1 x 128
   blocks and e4m3 weights in 128 x 128 blocks, the dlhs of a `grad_dtype` output gradient
   in 1 x 128 blocks with the same weights transposed, the k-grouped drhs of activations and
-  gradients in 128 x 1 blocks; `activation` and `bias` apply to the forward)."""
+  gradients in 128 x 1 blocks, both written in bf16; `activation` and `bias` apply to the
+  forward)."""
 
   name: str
   shape: str
@@ -237,10 +238,11 @@ def _fp8_training(case: Case, sharding):
   def step(x, w, dy, x_rows, dy_rows, sizes, bias):
     y = gmm_jax.gmm(x, w, sizes, bias=bias, activation=case.activation,
                     preferred_element_type=jnp.bfloat16, tiling=_note("fwd"), **options)
-    dx = gmm_jax.gmm(dy, w, sizes, transpose_rhs=True, preferred_element_type=jnp.float32,
+    # The gradients in the operands' dtype (bf16), as fp8 training writes them.
+    dx = gmm_jax.gmm(dy, w, sizes, transpose_rhs=True, preferred_element_type=jnp.bfloat16,
                      tiling=_note("dlhs"), **options)
     dw = gmm_jax.gmm(x_rows, dy_rows, sizes, group_type="k", transpose_lhs=True,
-                     preferred_element_type=jnp.float32, tiling=_note("drhs"), **options)
+                     preferred_element_type=jnp.bfloat16, tiling=_note("drhs"), **options)
     return y, dx, dw
 
   return step, args

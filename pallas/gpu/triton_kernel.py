@@ -26,7 +26,10 @@ each K step's tile of z's gate half and the up half's tile K columns later and m
 input exists; a gated-cotangent epilogue (``cfg.cotangent_of``) finishes its product tile
 (row weights, rounding to out_dtype), reads z's gate and up tiles of the same rows (the
 ``source`` row operand ``[M, 2N]``) and stores both cotangent tiles, N columns apart, into
-the ``[M, 2N]`` output, so the product itself is never written.
+the ``[M, 2N]`` output, so the product itself is never written. In fp8 training ("blocked"
+mode) the prologue quantizes each K step's act(z) tile per row in-kernel
+(`common.quantize_rows`: the step is one 1 x ``k_block`` block) and multiplies its 8-bit
+values times their scales; the epilogue finishes the blockwise product as any other.
 
 k-grouping: one program per (K window of a group, M tile, N tile). Without split-K a
 group is one window and its program loops over the group's whole K range, then applies

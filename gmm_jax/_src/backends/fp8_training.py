@@ -21,6 +21,13 @@ The activation, row masking, row weights and the scatter to ``out_indices`` run 
 fp8 gmm on its f32 pre-activation (`epilogue.finish`), differentiated by jax; a gathered lhs
 (``lhs_indices``) is gathered before it, its gradient summed back per token in a fixed order
 (`op.rows_sum`).
+
+A gated prologue (``lhs_activation``: lhs is the pre-activation z ``[M, 2K]``, the gmm
+multiplies act(z)): the forward's activations are act(z) in 1 x b blocks
+(`GmmConfig.quantize_prologue`: quantized in the kernel's prologue where one serves it, else
+formed and quantized before it); the forward keeps z, the dlhs gmm writes z's cotangent
+from its epilogue (`GmmConfig.cotangent_of`, on the blockwise fp8 operands) and the weight
+gradient quantizes the recomputed act(z) in b x 1 blocks.
 """
 
 from __future__ import annotations
