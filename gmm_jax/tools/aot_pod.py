@@ -31,6 +31,8 @@ Strategies:
             shape on the tokens as E equal groups, under plain jit.
   default+a2a, ep+a2a: default / ep with ``transport="all_to_all"`` (fixed buffers; libtpu's
             ragged all-to-all refuses TPU slices with limited ICI routing, e.g. v5e 8x8).
+  default+fp8, unfused+fp8: default / unfused with ``quantization="fp8"`` (the experts'
+            gmms trained in fp8, `gmm_jax.Fp8Training`).
   ragged_dot: a baseline without gmm_jax: the same MoE math (router, top-k, tokens sorted by
             expert, ``jax.lax.ragged_dot`` for both projections, shared expert) written here.
 

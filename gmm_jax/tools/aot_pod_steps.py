@@ -41,10 +41,11 @@ DEFAULT_MODELS = ("mixtral", "deepseek-v3")
 # --small (CI): one small model, 2-3 minutes for every strategy on the small topologies.
 SMALL_MODELS = ("mixtral-small",)
 STRATEGIES = ("default", "default+set_mesh", "explicit", "ep", "unfused", "grouped_linear",
-              "ragged_dot", "default+blind", "default+a2a", "ep+a2a")
+              "ragged_dot", "default+blind", "default+a2a", "ep+a2a", "default+fp8",
+              "unfused+fp8")
 # The strategies without nn.MoE: a buffer factor does not apply to them.
 BASELINES = ("ragged_dot",)
-DEFAULT_STRATEGIES = STRATEGIES[:8]  # the "+a2a" variants on request
+DEFAULT_STRATEGIES = STRATEGIES[:8]  # the "+a2a" and "+fp8" variants on request
 # The strategies whose layer is built (`nnx.eval_shape`) and whose step is traced under
 # ``jax.set_mesh(mesh)``, and the axis types of their mesh.
 IN_MESH = {"default+set_mesh": "Auto", "explicit": "Explicit"}
@@ -95,6 +96,9 @@ def _layer_kwargs(strategy: str, mesh: Mesh, buffer_factor: float | None = None)
   if strategy.endswith("+a2a"):
     kwargs.update(transport="all_to_all")
     strategy = strategy[:-len("+a2a")]
+  if strategy.endswith("+fp8"):
+    kwargs.update(quantization="fp8")
+    strategy = strategy[:-len("+fp8")]
   if strategy == "ep":
     kwargs.update(expert_parallel=(mesh, "expert"), data_parallel=(mesh, ("data", "expert")))
   if strategy == "unfused":
