@@ -442,12 +442,14 @@ def test_a_gated_prologue_is_the_composition(implementation, platform):
                                rtol=1e-2, atol=1e-2, err_msg=what)
 
 
-@pytest.mark.parametrize("platform, native", [("tpu", True), ("gpu", True), ("cpu", False)])
+@pytest.mark.parametrize("platform, native", [("tpu", False), ("gpu", True), ("cpu", False)])
 def test_the_layer_takes_the_prologue_in_fp8_where_the_kernels_fuse_it(monkeypatch, platform,
                                                                        native):
   """ExpertFFN(quantization="fp8"): the default takes the gated prologue where the
-  platform's kernels write z's cotangent from the dlhs gmm's epilogue (Pallas TPU and
-  Triton), as in bf16; dynamic quantization (quantize_rhs=) never does."""
+  platform's kernels quantize act(z) in the forward's prologue and write z's cotangent
+  from the dlhs gmm's epilogue (Triton: not the TPU kernel, which multiplies act(z)'s
+  blocks formed before it); an E8M0 recipe (quantized before the kernel) and dynamic
+  quantization (quantize_rhs=) do not."""
   from gmm_jax._src.moe import experts
   monkeypatch.setattr(registry, "trace_platform", lambda: platform)
   w_down = jnp.zeros((4, 48, 32), jnp.bfloat16)
@@ -457,6 +459,8 @@ def test_the_layer_takes_the_prologue_in_fp8_where_the_kernels_fuse_it(monkeypat
     return experts._prologue(spec, w_down) == "swiglu"
 
   assert prologues((("quantization", "fp8"),)) is native
+  assert prologues((("quantization", gmm_jax.Fp8Training(
+      scale_dtype=jnp.float8_e8m0fnu)),)) is False
   assert prologues((("quantize_rhs", jnp.int8),)) is False
 
 

@@ -22,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from gmm_jax._src.api import gmm
 from gmm_jax._src.backends import registry
 from gmm_jax._src.core.config import GmmConfig
+from gmm_jax._src.core.qarray import as_quantization
 from gmm_jax._src.core.epilogue import (GATED_ACTIVATIONS, SWIGLU_ALPHA, SWIGLU_LIMIT,
                                         gather_rows, swiglu_clamped)
 from gmm_jax._src.core.grouped_array import from_ragged, to_ragged
@@ -84,8 +85,11 @@ class ExpertFFN:
       Mixtral's expert-parallel step on 4 chips 1.55 against 2.24 GiB; on CPU, where
       act(z) and the cotangent are formed around the gmms, neither wins everywhere
       (benchmarks/log.md, "The gated prologue by default where the kernels fuse it").
-      fp8 training (``quantization=``) takes it too: the forward quantizes act(z) for the
-      down gmm and the dlhs gmm writes z's cotangent from its blockwise fp8 operands.
+      In fp8 training (``quantization=``) the default takes it where the forward's kernel
+      also quantizes act(z) in its prologue (Triton) and the dlhs gmm writes z's
+      cotangent from its blockwise fp8 operands: the H200 step's temporaries 247 MB
+      against 537 MB; on TPU (act(z) quantized before the kernel) the epilogue path
+      holds less.
       Quantized down weights or dynamic quantization (``quantize_lhs``,
       ``quantize_rhs``) take the False path. Gradients
       are equal for an equal cotangent; the forward differs by one rounding (True rounds z
@@ -149,26 +153,36 @@ def _prologue(spec: ExpertFFN, w_down) -> str | None:
   if quantized or not isinstance(w_down, (jax.Array, np.ndarray)) or not jnp.issubdtype(
       w_down.dtype, jnp.floating):
     return None
-  if spec.gated_prologue is None and not prologue_is_native(name, options):
+  if spec.gated_prologue is None and not prologue_is_native(name, options, w_down):
     return None
   return name
 
 
-def prologue_is_native(name: str, options: dict[str, Any]) -> bool:
+def prologue_is_native(name: str, options: dict[str, Any], w_down=None) -> bool:
   """Whether the gmms of a gated prologue (`ExpertFFN.gated_prologue`) run natively where
   this is traced for: the kernel the forward's down gmm tries first applies act(z) in its
   prologue (``"gated_lhs"``) and the one its backward's dlhs gmm tries first writes z's
   cotangent in its epilogue (``"gated_cotangent"``). Pallas TPU and Triton do both; elsewhere
   act(z) and the cotangent would be formed around the kernels (benchmarks/log.md, "The gated
-  prologue by default where the kernels fuse it")."""
+  prologue by default where the kernels fuse it"). In fp8 training (``quantization=``, with
+  the down weights `w_down` ``[E, F, D]``) the forward's kernel must also quantize act(z) in
+  its prologue (Triton; the TPU kernel multiplies blocks formed before it, where the
+  measured step holds more: benchmarks/log.md, "fp8 training through the fused ends")."""
   platform = options.get("platform") or registry.trace_platform()
   platform = registry.normalize_platform(platform)
   chosen = registry.check_implementation(options.get("implementation"))
   forward = GmmConfig(group_type="m", num_local=1, lhs_activation=name, implementation=chosen)
   dlhs = GmmConfig(group_type="m", num_local=1, cotangent_of=name, transpose_rhs=True,
                    implementation=chosen)
-  return ("gated_lhs" in registry.native_features(forward, platform)
-          and "gated_cotangent" in registry.native_features(dlhs, platform))
+  native = ("gated_lhs" in registry.native_features(forward, platform)
+            and "gated_cotangent" in registry.native_features(dlhs, platform))
+  recipe = as_quantization(options.get("quantization"))
+  if not native or recipe is None or w_down is None:
+    return native
+  weights = jax.eval_shape(recipe.weights, jax.ShapeDtypeStruct(w_down.shape, w_down.dtype))
+  z = jax.ShapeDtypeStruct((recipe.block, 2 * w_down.shape[-2]), w_down.dtype)
+  forward = forward.replace(num_local=w_down.shape[0], quantize_prologue=recipe.forward_blocks)
+  return registry.serves(z, weights, forward, platform)
 
 
 def input_weighted(rows, weights):
