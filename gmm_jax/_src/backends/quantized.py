@@ -110,22 +110,32 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
     return op.gmm(lhs, dequantize(rhs, float_dtype), counts, group_offset, bias, cfg,
                   rows=rows)
   int_bias = bias is not None and is_integer_dtype(bias.dtype)
-  platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
-  served = {p: not int_bias and registry.serves(lhs, rhs, cfg, p) for p in platforms}
-  # A TPU without an int8 MXU path (TPU7x) multiplies integer values in bf16 (exact).
-  no_int8 = {p: p == "tpu" and not chips.int8_mxu() for p in platforms}
-  plan = {p: (served[p], no_int8[p]) for p in platforms}
-  operands = (lhs, rhs, counts, group_offset, bias, output_scale, output_offset)
 
-  def one(platform, *args):
-    kernel, bf16_values = plan[platform]
+  def decide(platform):  # (a kernel serves it, integer values multiplied in bf16)
+    # A TPU without an int8 MXU path (TPU7x) multiplies integer values in bf16 (exact).
+    return (not int_bias and registry.serves(lhs, rhs, cfg, platform),
+            platform == "tpu" and not chips.int8_mxu())
+
+  def one(plan, *args):
+    kernel, bf16_values = plan
     if kernel:
       return _in_kernel(*args, cfg)
     return _composed(*args, cfg, bf16_values=bf16_values)
 
-  if len(set(plan.values())) == 1:  # the same on every platform: no per-platform branch
-    return one(platforms[0], *operands)
-  return registry.on_lowering_platform(one, None, *operands)
+  return _by_platform(cfg, decide, one,
+                      (lhs, rhs, counts, group_offset, bias, output_scale, output_offset))
+
+
+def _by_platform(cfg: GmmConfig, decide, run, operands: tuple):
+  """``run(decide(platform), *operands)`` for the platform the call is lowered for: once
+  when every platform it may lower for decides the same (no per-platform branch), else
+  through `registry.on_lowering_platform`."""
+  platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
+  plan = {p: decide(p) for p in platforms}
+  if len(set(plan.values())) == 1:
+    return run(plan[platforms[0]], *operands)
+  return registry.on_lowering_platform(lambda p, *args: run(plan[p], *args), None,
+                                       *operands)
 
 
 def _cotangent(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, rows: Rows):
@@ -138,19 +148,14 @@ def _cotangent(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, rows: Rows)
       or cfg.lhs_tangent):
     raise NotImplementedError("a gated-cotangent epilogue of a quantized gmm reads no other "
                               "row operand (lhs_indices, row_weights, out_indices)")
-  platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
-  served = {p: registry.serves(lhs, rhs, cfg, p) for p in platforms}
-
-  def one(platform, lhs, rhs, counts, group_offset, bias, source):
-    if served[platform]:
+  def one(served, lhs, rhs, counts, group_offset, bias, source):
+    if served:
       return op.gmm(lhs, rhs, counts, group_offset, bias, cfg, rows=Rows(source=source))
     y = gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg.replace(cotangent_of=None))
     return gated_cotangent(cfg.cotangent_of, source, y, cfg.out_dtype)
 
-  operands = (lhs, rhs, counts, group_offset, bias, rows.source)
-  if len(set(served.values())) == 1:  # the same on every platform: no per-platform branch
-    return one(platforms[0], *operands)
-  return registry.on_lowering_platform(one, None, *operands)
+  return _by_platform(cfg, lambda p: registry.serves(lhs, rhs, cfg, p), one,
+                      (lhs, rhs, counts, group_offset, bias, rows.source))
 
 
 def _quantized_prologue(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig):
@@ -158,20 +163,15 @@ def _quantized_prologue(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig):
   (`GmmConfig.quantize_prologue`, fp8 training's forward) on a "blocked" rhs: on each
   platform the op's where an implementation there quantizes it in its prologue, else the
   blocked gmm of `registry.quantized_prologue_input` (act(z) formed and quantized first)."""
-  platforms = (cfg.platform,) if cfg.platform is not None else PLATFORMS
-  served = {p: registry.serves(lhs, rhs, cfg, p) for p in platforms}
-
-  def one(platform, lhs, rhs, counts, group_offset, bias):
-    if served[platform]:
+  def one(served, lhs, rhs, counts, group_offset, bias):
+    if served:
       return op.gmm(lhs, rhs, counts, group_offset, bias, cfg)
     return gmm_quantized(registry.quantized_prologue_input(cfg, lhs), rhs, counts,
                          group_offset, bias,
                          cfg.replace(lhs_activation=None, quantize_prologue=None))
 
-  operands = (lhs, rhs, counts, group_offset, bias)
-  if len(set(served.values())) == 1:  # the same on every platform: no per-platform branch
-    return one(platforms[0], *operands)
-  return registry.on_lowering_platform(one, None, *operands)
+  return _by_platform(cfg, lambda p: registry.serves(lhs, rhs, cfg, p), one,
+                      (lhs, rhs, counts, group_offset, bias))
 
 
 def _in_kernel(lhs, rhs, counts, group_offset, bias, output_scale, output_offset,
