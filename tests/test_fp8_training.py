@@ -518,3 +518,24 @@ def test_power_of_2_scales_are_quantized_before_the_kernel():
   assert forward.cfg.lhs_activation is None and forward.quant_mode == "blocked", forward
   want = gmm_jax.gmm(gated_halves_f32("swiglu", z).astype(z.dtype), w, counts, **options)
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+
+
+def test_tilings_choose_each_gmms_tiles():
+  """``tiling=gmm_jax.Tilings(fwd=, dlhs=, drhs=)`` reaches each of fp8 training's three
+  gmms (a kernel asks each callable for its own problem), as for the float gmm."""
+  seen = []
+
+  def note(role):
+    def choose(problem):
+      seen.append((role, problem.group_type, problem.quant_mode))
+      return None  # the kernel's own choice
+    return choose
+
+  tilings = gmm_jax.Tilings(fwd=note("fwd"), dlhs=note("dlhs"), drhs=note("drhs"))
+  x, w, _, ct = _data(0, m=256)
+  counts = jnp.asarray([100, 0, 130], jnp.int32)
+  f = lambda x, w: gmm_jax.gmm(x, w, counts, quantization="fp8", tiling=tilings,  # noqa: E731
+                               implementation="pallas_triton", interpret=True, platform="gpu")
+  jax.vjp(jax.jit(f), x, w)[1](ct)
+  assert set(seen) == {("fwd", "m", "blocked"), ("dlhs", "m", "blocked"),
+                       ("drhs", "k", "blocked")}, seen

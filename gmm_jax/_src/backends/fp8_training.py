@@ -44,6 +44,7 @@ from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gather_rows, prolo
 from gmm_jax._src.core.qarray import Fp8Training
 from gmm_jax._src.backends.quantized import gmm_quantized
 from gmm_jax._src.op.rows_sum import rows_sum
+from gmm_jax._src.tiling import tuning
 
 _F32 = np.dtype(jnp.float32)
 
@@ -112,7 +113,8 @@ def _fp8_backward(static, residuals, ct):
   # gradient exists. A gated prologue's dlhs gmm writes z's cotangent [M, 2K] from its
   # epilogue (`GmmConfig.cotangent_of`), reading z.
   d_cfg = base.replace(transpose_rhs=not tr, out_dtype=lhs_like.dtype,
-                       cotangent_of=cfg.lhs_activation)
+                       cotangent_of=cfg.lhs_activation,
+                       tiling=tuning.backward_tiling(cfg.tiling, "dlhs"))
   d_rows = NO_ROWS if cfg.lhs_activation is None else Rows(source=kept)
   d_lhs = gmm_quantized(ct_rows, recipe.weights(rhs), counts, group_offset, None, d_cfg,
                         rows=d_rows)
@@ -121,7 +123,7 @@ def _fp8_backward(static, residuals, ct):
   # drhs: k-grouped over the tokens, both operands in b x 1 blocks along the rows.
   ct_cols = recipe.activations(ct, 0, recipe.grad_dtype)
   k_cfg = base.replace(group_type="k", transpose_lhs=True, transpose_rhs=False,
-                       out_dtype=rhs.dtype)
+                       out_dtype=rhs.dtype, tiling=tuning.backward_tiling(cfg.tiling, "drhs"))
   if tr:  # [L, N, K] = dz_g^T lhs_g
     d_rhs = gmm_quantized(ct_cols, lhs_by_rows, counts, group_offset, None, k_cfg)
   else:  # [L, K, N] = lhs_g^T dz_g
