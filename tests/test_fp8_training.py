@@ -539,3 +539,32 @@ def test_tilings_choose_each_gmms_tiles():
   jax.vjp(jax.jit(f), x, w)[1](ct)
   assert set(seen) == {("fwd", "m", "blocked"), ("dlhs", "m", "blocked"),
                        ("drhs", "k", "blocked")}, seen
+
+
+@pytest.mark.parametrize("kind, z_spec, w_spec", [
+    ("auto", ("data",), ()),  # rows sharded
+    ("explicit", (), ("expert",)),  # experts sharded: the op's trace-time split
+    pytest.param("explicit", ("data",), (), marks=pytest.mark.slow),
+], ids=["auto-rows", "explicit-experts", "explicit-rows"])
+def test_a_gated_prologue_sharded_under_plain_jit(kind, z_spec, w_spec):
+  """fp8 training through a gated prologue on a 2 x 2 mesh: the gradients are the
+  unsharded ones (up to sum order), dz in z's dtype and, on Explicit axes, z's sharding."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  import meshes
+  mesh = meshes.mesh((2, 2), ("data", "expert"), kind)
+  z, w, _, _ = _prologue_operands("swiglu", m=256)
+  w = jnp.concatenate([w, w[:1] * 0.5])  # 4 experts
+  counts = jnp.asarray([64, 0, 100, 60], jnp.int32)
+  loss = lambda z, w: jnp.sum(gmm_jax.gmm(  # noqa: E731
+      z, w, counts, lhs_activation="swiglu", quantization="fp8") ** 2)
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  want = step(z, w)
+  sharded = (jax.device_put(z, NamedSharding(mesh, P(*z_spec))),
+             jax.device_put(w, NamedSharding(mesh, P(*w_spec))))
+  got = step(*sharded)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    _close(a, b, rel=1e-5)
+  dz = got[1][0]
+  assert dz.shape == z.shape and dz.dtype == z.dtype
+  if kind == "explicit":
+    assert jax.typeof(dz).sharding.spec == jax.typeof(sharded[0]).sharding.spec

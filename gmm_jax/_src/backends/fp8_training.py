@@ -42,7 +42,7 @@ from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig
 from gmm_jax._src.core.epilogue import NO_ROWS, Rows, finish, gather_rows, prologue_input
 from gmm_jax._src.core.qarray import Fp8Training
-from gmm_jax._src.backends.quantized import gmm_quantized
+from gmm_jax._src.backends.quantized import explicit_sharding, gmm_quantized, reshard_like
 from gmm_jax._src.op.rows_sum import rows_sum
 from gmm_jax._src.tiling import tuning
 
@@ -51,21 +51,6 @@ _F32 = np.dtype(jnp.float32)
 
 def _float0(x):
   return np.zeros(np.shape(x), jax.dtypes.float0)
-
-
-def _explicit(x):
-  """x's sharding when it lies on explicit mesh axes (a cotangent must then have it too),
-  else None."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or mesh.empty or not any(
-      t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-    return None
-  return sharding
-
-
-def _like(grad, sharding):
-  return grad if sharding is None else jax.sharding.reshard(grad, sharding)
 
 
 def _product_input(cfg: GmmConfig, lhs):
@@ -133,8 +118,8 @@ def _fp8_backward(static, residuals, ct):
     ids = jnp.where(ids >= 0, ids, cfg.num_local)  # rows of no local group are dropped
     d_bias = jax.ops.segment_sum(ct.astype(_F32), ids, cfg.num_local + 1)
     d_bias = d_bias[:cfg.num_local].astype(bias.dtype)
-  return (_like(d_lhs.astype(lhs_like.dtype), lhs_sharding),
-          _like(d_rhs.astype(rhs.dtype), rhs_sharding), d_bias, _float0(counts),
+  return (reshard_like(d_lhs.astype(lhs_like.dtype), lhs_sharding),
+          reshard_like(d_rhs.astype(rhs.dtype), rhs_sharding), d_bias, _float0(counts),
           _float0(group_offset))
 
 
@@ -184,7 +169,7 @@ def fp8_gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, recipe: Fp8Tra
   direct = cfg.activation is None and not cfg.has_rows
   core = cfg.without_rows().replace(activation=None,
                                     out_dtype=cfg.out_dtype if direct else _F32)
-  shardings = (_explicit(lhs), _explicit(rhs))
+  shardings = (explicit_sharding(lhs), explicit_sharding(rhs))
   z = _fp8_gmm((core, recipe, shardings), lhs, rhs, bias, counts, group_offset)
   if direct:
     return z

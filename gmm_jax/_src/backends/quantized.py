@@ -126,6 +126,22 @@ def gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, output_s
                       (lhs, rhs, counts, group_offset, bias, output_scale, output_offset))
 
 
+def explicit_sharding(x):
+  """x's sharding when it lies on explicit mesh axes (a value computed for it, such as its
+  cotangent, must then have it too), else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or mesh.empty or not any(
+      t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    return None
+  return sharding
+
+
+def reshard_like(x, sharding):
+  """x resharded to `sharding` (`explicit_sharding` of another value), or x for None."""
+  return x if sharding is None else jax.sharding.reshard(x, sharding)
+
+
 def _by_platform(cfg: GmmConfig, decide, run, operands: tuple):
   """``run(decide(platform), *operands)`` for the platform the call is lowered for: once
   when every platform it may lower for decides the same (no per-platform branch), else
@@ -148,11 +164,16 @@ def _cotangent(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, rows: Rows)
       or cfg.lhs_tangent):
     raise NotImplementedError("a gated-cotangent epilogue of a quantized gmm reads no other "
                               "row operand (lhs_indices, row_weights, out_indices)")
+  like_source = explicit_sharding(rows.source)
+
   def one(served, lhs, rhs, counts, group_offset, bias, source):
     if served:
-      return op.gmm(lhs, rhs, counts, group_offset, bias, cfg, rows=Rows(source=source))
-    y = gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg.replace(cotangent_of=None))
-    return gated_cotangent(cfg.cotangent_of, source, y, cfg.out_dtype)
+      out = op.gmm(lhs, rhs, counts, group_offset, bias, cfg, rows=Rows(source=source))
+    else:
+      y = gmm_quantized(lhs, rhs, counts, group_offset, bias, cfg.replace(cotangent_of=None))
+      out = gated_cotangent(cfg.cotangent_of, source, y, cfg.out_dtype)
+    # z's cotangent in z's layout on explicit mesh axes: every platform's branch the same.
+    return reshard_like(out, like_source)
 
   return _by_platform(cfg, lambda p: registry.serves(lhs, rhs, cfg, p), one,
                       (lhs, rhs, counts, group_offset, bias, rows.source))
