@@ -17,6 +17,9 @@ import gmm_jax
 import combinations as comb
 import fp8_oracle
 from gmm_jax._src.backends import registry
+from gmm_jax._src.moe import experts
+from gmm_jax.pallas import common
+from gmm_jax.tools import bench_moe
 from gmm_jax._src.core.epilogue import gated_halves_f32
 
 M, K, N, G = 200, 256, 384, 3
@@ -450,7 +453,6 @@ def test_the_layer_takes_the_prologue_in_fp8_where_the_kernels_fuse_it(monkeypat
   from the dlhs gmm's epilogue (Triton: not the TPU kernel, which multiplies act(z)'s
   blocks formed before it); an E8M0 recipe (quantized before the kernel) and dynamic
   quantization (quantize_rhs=) do not."""
-  from gmm_jax._src.moe import experts
   monkeypatch.setattr(registry, "trace_platform", lambda: platform)
   w_down = jnp.zeros((4, 48, 32), jnp.bfloat16)
 
@@ -468,7 +470,6 @@ def test_the_layer_trains_the_same_with_the_gated_prologue():
   """f32: the fp8 layer's result and gradients are the same with the prologue forced on
   and off (the same fp8 products of the same act(z); act(z)'s cotangent reaches z through
   the gated vjp in either order of rounding-free f32 steps)."""
-  from gmm_jax.tools import bench_moe
   params = bench_moe.layout("moe_fused", bench_moe.init_params(jax.random.key(0), 256, 256, 4))
   x = jax.random.normal(jax.random.key(1), (128, 256))
 
@@ -493,7 +494,6 @@ def test_the_kernels_tile_quantizer_is_the_recipes(dtype):
   """`common.quantize_rows` (a kernel quantizing act(z) per 1 x 128 block) gives the
   values and scales of `Fp8Training.activations` on the same block (an all-zero row
   included)."""
-  from gmm_jax.pallas import common
   x = jax.random.normal(jax.random.key(3), (16, 128), jnp.float32) * 30
   x = x.at[5].set(0.0).astype(jnp.bfloat16)
   values, scale = jax.jit(functools.partial(common.quantize_rows, dtype=dtype))(x)
