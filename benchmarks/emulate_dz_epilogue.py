@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import gmm_jax
-from gmm_jax.tools import bench_moe
+from gmm_jax.tools import bench_moe, deviceless
 from gmm_jax._src.core import epilogue
 
 T, D, F, E, TOP_K = 4096, 1024, 2048, 64, 2
@@ -86,7 +86,7 @@ def loss(ffn, params, x):
 def main(target: str, variant: str) -> None:
   if variant not in ("xla", "kernel"):
     raise ValueError(f"variant must be 'xla' or 'kernel', got {variant!r}")
-  device = bench_moe.deviceless_device(target)
+  device = deviceless.chip(target)
   sharding = jax.sharding.SingleDeviceSharding(device)
   params = jax.eval_shape(lambda: bench_moe.init_params(jax.random.key(0), D, F, E, BF16))
   params = jax.eval_shape(functools.partial(bench_moe.layout, "moe_fused"), params)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import gmm_jax
-from gmm_jax.tools import bench_moe
+from gmm_jax.tools import bench_moe, deviceless
 
 T, D, F, E, TOP_K = 4096, 1024, 2048, 64, 2
 
@@ -34,7 +34,7 @@ def block(prologue: bool | None, params, x):
 
 
 def main(target: str, prologue: bool | None, layers: int) -> None:
-  device = bench_moe.deviceless_device(target)
+  device = deviceless.chip(target)
   sharding = jax.sharding.SingleDeviceSharding(device)
 
   def loss(layer_params, x):

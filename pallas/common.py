@@ -14,13 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
 
-from gmm_jax._src.core import epilogue
+from gmm_jax._src.core import epilogue, jax_private
 from gmm_jax._src.core.config import (GmmConfig, Problem, Tiling, accumulator_dtype, is_gated,
                                       problem_dims)
 from gmm_jax._src.tiling import tuning
 from gmm_jax._src.core.qarray import QArray, broadcast_scale, quant_mode, stored_scale
+from gmm_jax.pallas.jax_pallas import pl
 
 
 def next_power_of_2(x: int) -> int:
@@ -513,24 +513,25 @@ def gated_cotangent_tiles(pair, gate, up, ct):
   return pull(ct.astype(jnp.float32))
 
 
-def unsupported_activation_primitives(activation, rules, *, kernel_activation,
+def unsupported_activation_primitives(activation, backend: str, *, kernel_activation,
                                       pairs) -> set[str]:
   """Primitives of `activation` as a kernel lowers it (`kernel_activation`; a gated one
-  through its `pairs` entry) on f32 tiles without a rule in `rules` (a lowering table;
-  None: unknown, empty)."""
-  if rules is None:
+  through its `pairs` entry) on f32 tiles without a rule in `backend`'s lowering table
+  (`jax_private.lowering_rules`: MissingJaxInternal, a NotImplementedError, where this jax
+  has none, so that an activation nothing checked never reaches the compiler)."""
+  if activation is None:
     return set()
   if is_gated(activation):
-    return unsupported_gated_primitives(pairs[activation], rules)
+    return unsupported_gated_primitives(pairs[activation], backend)
   return unsupported_primitives(epilogue.resolve_activation(kernel_activation(activation)),
-                                rules)
+                                jax_private.lowering_rules(backend))
 
 
-def unsupported_gated_primitives(pair, rules, cotangent: bool = False) -> set[str]:
+def unsupported_gated_primitives(pair, backend: str, cotangent: bool = False) -> set[str]:
   """Primitives of a gated `pair` (or, with `cotangent`, of its `gated_cotangent_tiles`)
-  on f32 tiles that have no rule in `rules` (a lowering table; None: unknown, empty)."""
-  if rules is None:
-    return set()
+  on f32 tiles that have no rule in `backend`'s lowering table (as
+  `unsupported_activation_primitives`)."""
+  rules = jax_private.lowering_rules(backend)
   if cotangent:
     def both(z):
       d_gate, d_up = gated_cotangent_tiles(pair, z, z, z)

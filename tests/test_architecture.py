@@ -27,6 +27,7 @@ FLOORS = {
     "gmm_jax._src.core.metadata": 0,
     "gmm_jax._src.core.errors": 0,
     "gmm_jax._src.core.recording": 0,  # GmmShapeError, describe, is_index: imports nothing
+    "gmm_jax._src.core.jax_private": 0,  # every private jax API, reached through it
     "gmm_jax._src.cli": 0,  # absl flags and the progress bar of the console scripts
     "gmm_jax._src.tiling.chips": 0,  # the chip tables and the TPU target reader
     "gmm_jax._src.tiling.traffic": 0,  # the HBM byte counters of the static cost models
@@ -49,6 +50,7 @@ FLOORS = {
     "gmm_jax._src.op.rows_sum": 2,
     "gmm_jax.pallas": 2,
     "gmm_jax.pallas.common": 2,
+    "gmm_jax.pallas.jax_pallas": 2,  # the Pallas modules, by the path this jax prefers
     "gmm_jax.pallas.gpu": 2,
     "gmm_jax.pallas.gpu.triton": 2,
     "gmm_jax.pallas.gpu.triton_kernel": 2,
@@ -115,6 +117,16 @@ PUBLIC_PACKAGE = "gmm_jax"
 # Imports between modules of one floor that are part of one unit: a kernel package and its
 # shared preamble, a package and its modules, a facade and its helper modules.
 SAME_FLOOR = {
+    # The accessors of jax's private APIs: a leaf that imports nothing from gmm_jax, which
+    # the floor-0 modules that need one of them use.
+    *((f"gmm_jax._src.{name}", "gmm_jax._src.core.jax_private")
+      for name in ("tiling.chips",)),
+    # Every kernel module takes its Pallas modules from one place.
+    *((module, "gmm_jax.pallas.jax_pallas") for module in (
+        "gmm_jax.pallas.common", "gmm_jax.pallas.gpu.triton", "gmm_jax.pallas.gpu.triton_kernel",
+        "gmm_jax.pallas.gpu.mosaic_gpu", "gmm_jax.pallas.gpu.mosaic_gpu_kernel",
+        *(f"gmm_jax.pallas.tpu.{name}" for name in (
+            "mosaic_tpu", "mosaic_tpu_plan", "mosaic_tpu_kernel", "mosaic_tpu_fp8")))),
     # The error type and how messages name values: a leaf that imports nothing, which the
     # floor-0 data modules use for their messages.
     ("gmm_jax._src.core.qarray", "gmm_jax._src.core.errors"),
@@ -179,6 +191,9 @@ SAME_FLOOR = {
       for name in ("aot_cases", "aot_code", "aot_model", "deviceless")),
     # The device-side check of the model times the cases' programs.
     ("gmm_jax.tools.aot_measure", "gmm_jax.tools.aot_cases"),
+    # The device script's tools compile for a deviceless chip in its dry run.
+    *((f"gmm_jax.tools.{name}", "gmm_jax.tools.deviceless")
+      for name in ("aot_measure", "bench_accel", "bench_moe")),
     *(("gmm_jax.tools.aot_pod", f"gmm_jax.tools.{name}")
       for name in ("aot_pod_compile", "aot_pod_steps")),
     *(("gmm_jax.tools.aot_pod_compile", f"gmm_jax.tools.{name}")
@@ -208,11 +223,12 @@ SAME_FLOOR = {
                 "gmm_jax.nn.hf_architectures", "gmm_jax.nn.hf_options",
                 "gmm_jax.nn.hf_weights", "gmm_jax.nn.hf_unsupported")),
 }
-# Function-level (or try-guarded) imports are for optional dependencies only: Pallas, flax,
-# the comparison libraries, and jax's private table of primitives that need devices while
-# lowering and its concrete-mesh context (op.py).
-OPTIONAL = ("jax._src.pallas.", "jax._src.dispatch", "jax._src.mesh", "flax", "tokamax",
-            "qwix")
+# Function-level (or try-guarded) imports are for optional dependencies only: flax and the
+# comparison libraries. (jax's private modules are imported by name in one module,
+# `jax_private`, through importlib.)
+OPTIONAL = ("flax", "tokamax", "qwix")
+# The one module that may reach jax's private modules (``jax._src``).
+JAX_PRIVATE = "gmm_jax._src.core.jax_private"
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -316,6 +332,32 @@ def test_no_function_level_import_of_gmm_jax_or_a_required_dependency():
         for name in names:
           if not any(name == o.rstrip(".") or name.startswith(o) for o in OPTIONAL):
             offenders.append(f"{module}:{node.lineno} imports {name} inside a function")
+  assert not offenders, "\n".join(offenders)
+
+
+def test_only_jax_private_reaches_jax_internals():
+  """No module but `jax_private` imports ``jax._src`` or ``jaxlib``, or names one of their
+  modules in a string outside a docstring (an ``importlib`` path): every private jax API
+  gmm_jax uses has its one accessor there, tested on every supported jax."""
+  offenders = []
+  for module, tree in _sources().items():
+    if module == JAX_PRIVATE:
+      continue
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)}
+    for node in ast.walk(tree):
+      if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+      elif isinstance(node, ast.ImportFrom):
+        names = [node.module or ""]
+      elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings):
+        names = [node.value]
+      else:
+        continue
+      offenders += [f"{module}:{node.lineno} {name}" for name in names
+                    if name.startswith(("jax._src", "jaxlib"))]
   assert not offenders, "\n".join(offenders)
 
 

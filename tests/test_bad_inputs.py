@@ -40,7 +40,9 @@ BAD_INPUTS = [
     ("precision_triple", _gmm(precision=("high", "high", "high")), "must be a pair"),
     ("transpose_lhs_string", _gmm(transpose_lhs="false"), "transpose_lhs must be a bool, got 'false'"),
     ("transpose_rhs_int", _gmm(transpose_rhs=1), "transpose_rhs must be a bool, got 1"),
-    ("interpret_none", _gmm(interpret=None), "interpret must be a bool, got None"),
+    ("interpret_none", _gmm(interpret=None),
+     "interpret must be a bool, a jax.experimental.pallas.tpu.InterpretParams or a "
+     "jax.experimental.pallas.mosaic_gpu.InterpretGPUParams, got None"),
     ("float_to_int", _gmm(preferred_element_type=jnp.int32),
      r"preferred_element_type=int32 is an integer type but the operands are floating"),
     ("bool_out", _gmm(preferred_element_type=bool), "must be a floating or integer dtype, got bool"),

@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import lowering
 from lowering import has_module
 
-from gmm_jax.tools import bench_moe
+from gmm_jax.tools import bench_moe, deviceless
 
 SHAPE = ["--tokens", "32", "--embed", "16", "--mlp", "32", "--experts", "4", "--top-k", "2"]
 
@@ -47,14 +48,14 @@ def test_moe_blocks_are_the_same_function():
 
 def test_unknown_deviceless_target_is_refused():
   with pytest.raises(ValueError, match="unknown deviceless target"):
-    bench_moe.deviceless_device("a100")
+    deviceless.chip("a100")
 
 
 _has = has_module  # tests/lowering.py
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (_has("jax_plugins.xla_cuda12") and _has("libtpu")),
+@pytest.mark.skipif(not (lowering.has_gpu_compiler() and _has("libtpu")),
                     reason="needs the deviceless-compile environment (.ci/aot_env.sh)")
 def test_deviceless_rows_for_h200_and_v5e():
   rows = bench_moe.compile_deviceless("h200", 32, 128, 256, 4, 2, [jnp.bfloat16],

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import h200
 import pytest
+import simulators
 from gmm_test_base import make_operands
 from oracle import f64, gmm_oracle, local_rows, tolerances
 
@@ -34,11 +35,15 @@ pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is dep
 
 
 def _run(lhs, rhs, sizes, offset, bias, cfg, tiling):
-  def kernel(*args):
-    return mosaic.gmm_mosaic_gpu(*args, cfg, tiling, direct_interpret=True)
+  """The kernel, called directly under jit, in jax's Mosaic GPU simulator (race detector
+  on; `cfg.interpret` stands for it)."""
+  cfg = cfg.replace(interpret=simulators.gpu())
 
-  return jax.jit(kernel)(
-      lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset), bias)
+  def kernel(*args):
+    return mosaic.gmm_mosaic_gpu(*args, cfg, tiling)
+
+  with simulators.no_race("gpu"):
+    return jax.jit(kernel)(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset), bias)
 
 
 # ------------------------------------------------------------- numerics (GPU interpreter)
@@ -256,9 +261,10 @@ def test_bf16_accumulates_in_f32():
   np.testing.assert_array_equal(f64(got), np.full((m, n), 256.0 + k - 1))
 
 
-def test_the_dispatcher_hands_interpret_mode_to_triton():
-  # The GPU interpreter's ordered callbacks cannot run inside the gmm op's lowering, so in
-  # interpret mode the kernel refuses and the next implementation serves, gradients too.
+def test_the_dispatcher_hands_plain_interpret_mode_to_triton():
+  # interpret=True (Pallas's plain interpret mode) cannot run this kernel, so it refuses
+  # and the next implementation serves, gradients too (jax's simulator runs it:
+  # tests/test_simulators.py).
   lhs, rhs, _ = make_operands("m", m=48, k=64, n=64, num_local=3, lhs_dtype=jnp.bfloat16,
                               seed=3)
   sizes = jnp.asarray([20, 0, 25], jnp.int32)
@@ -279,12 +285,13 @@ def test_the_dispatcher_hands_interpret_mode_to_triton():
                                atol=2e-2 * float(np.abs(f64(w)).max()))
 
 
-@pytest.mark.skipif(HAS_INTERPRETER, reason="this jax has the Mosaic GPU interpreter")
-def test_interpret_mode_is_refused_without_the_interpreter():
+def test_plain_interpret_mode_is_refused():
+  # interpret=True is Pallas's plain interpret mode, which cannot run this kernel: only
+  # jax's Mosaic GPU simulator can (interpret=plgpu.InterpretGPUParams(...)).
   lhs, rhs, _ = make_operands("m", m=16, k=64, n=64, num_local=1, lhs_dtype=jnp.bfloat16)
   cfg = GmmConfig(group_type="m", num_local=1, interpret=True)
-  with pytest.raises(NotImplementedError, match="interpret"):
-    _run(lhs, rhs, [16], 0, None, cfg, None)
+  with pytest.raises(NotImplementedError, match="InterpretGPUParams"):
+    mosaic.gmm_mosaic_gpu(lhs, rhs, jnp.asarray([16], jnp.int32), jnp.int32(0), None, cfg)
 
 
 # -------------------------------------------------------------------------- refusals

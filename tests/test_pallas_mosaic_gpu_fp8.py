@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import simulators
 from oracle import dequantize, f64, gmm_oracle, local_rows
 
 import gmm_jax
@@ -55,10 +56,15 @@ def _operands(m, k, n, num_local, transpose_rhs, lhs_type, seed, column_scales=F
 
 
 def _run(lhs, rhs, sizes, offset, bias, cfg, tiling):
-  def kernel(*args):
-    return mosaic.gmm_mosaic_gpu(*args, cfg, tiling, direct_interpret=True)
+  """The kernel, called directly under jit, in jax's Mosaic GPU simulator (race detector
+  on; `cfg.interpret` stands for it)."""
+  cfg = cfg.replace(interpret=simulators.gpu())
 
-  return jax.jit(kernel)(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset), bias)
+  def kernel(*args):
+    return mosaic.gmm_mosaic_gpu(*args, cfg, tiling)
+
+  with simulators.no_race("gpu"):
+    return jax.jit(kernel)(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.int32(offset), bias)
 
 
 # (M, K, N, sizes, num_local, offset, transpose_rhs, lhs values, activation + bias, out

@@ -1,10 +1,9 @@
-"""The Mosaic GPU kernel's share of a gmm's gradients, in jax's GPU interpreter on CPU.
+"""The Mosaic GPU kernel's share of a gmm's gradients, in jax's Mosaic GPU simulator on CPU.
 
-Through the dispatcher, interpret mode hands every gmm to Triton (the interpreter's ordered
-callbacks cannot run inside the gmm op), so the op's gradients never reach this kernel on
-CPU. Here the backward gmms are recorded from the op (their exact configs: dlhs is an
-m-grouped gmm with the rhs transposed, drhs a k-grouped one) and the m-grouped ones are run
-on the Mosaic GPU kernel directly, against the numpy float64 oracle. check_grads is not
+The backward gmms are recorded from the op (their exact configs: dlhs is an m-grouped gmm
+with the rhs transposed, drhs a k-grouped one) and the m-grouped ones are run on the Mosaic
+GPU kernel directly, under the simulator with its race detector, against the numpy float64
+oracle (tests/test_simulators.py runs the op's own gradients there). check_grads is not
 used: the kernel takes only 16-bit operands, whose finite differences say nothing.
 """
 
@@ -14,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import simulators
 from gmm_test_base import make_operands
 from oracle import f64, gmm_oracle, tolerances
 
@@ -47,11 +47,13 @@ def _recorded_configs(lhs, rhs, sizes, bias, **options):
 
 
 def _mosaic(lhs, rhs, sizes, bias, cfg):
-  def kernel(lhs, rhs, counts, bias):
-    return mosaic.gmm_mosaic_gpu(lhs, rhs, counts, jnp.int32(0), bias,
-                                 cfg.replace(interpret=True), direct_interpret=True)
+  cfg = cfg.replace(interpret=simulators.gpu())
 
-  return jax.jit(kernel)(lhs, rhs, jnp.asarray(sizes, jnp.int32), bias)
+  def kernel(lhs, rhs, counts, bias):
+    return mosaic.gmm_mosaic_gpu(lhs, rhs, counts, jnp.int32(0), bias, cfg)
+
+  with simulators.no_race("gpu"):
+    return jax.jit(kernel)(lhs, rhs, jnp.asarray(sizes, jnp.int32), bias)
 
 
 @needs_interpreter

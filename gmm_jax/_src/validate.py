@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from gmm_jax._src.backends import fp8_training, registry
-from gmm_jax._src.core import group_list, metadata
+from gmm_jax._src.core import group_list, jax_private, metadata
 from gmm_jax._src.core.config import (GATED_ACTIVATIONS, GROUP_TYPES, PLATFORMS, GmmConfig,
                                       Tiling, Tilings, is_gated)
 from gmm_jax._src.core.epilogue import NO_ROWS, Rows, resolve_activation
@@ -40,6 +40,16 @@ def _check_bool(value, name: str) -> bool:
   if not isinstance(value, (bool, np.bool_)):
     raise ValueError(f"{name} must be a bool, got {value!r}")
   return bool(value)
+
+
+def _check_interpret(value):
+  """`interpret`: a bool, or the parameters of one of jax's simulators."""
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  if jax_private.is_simulator_params(value):
+    return value
+  raise ValueError("interpret must be a bool, a jax.experimental.pallas.tpu.InterpretParams "
+                   f"or a jax.experimental.pallas.mosaic_gpu.InterpretGPUParams, got {value!r}")
 
 
 def _as_operand(x, name: str):
@@ -530,7 +540,7 @@ def validate(lhs, rhs, groups, *, group_type, group_list_type, num_groups, bias,
   """Every check of a gmm call, and its canonical form."""
   transpose_lhs = _check_bool(transpose_lhs, "transpose_lhs")
   transpose_rhs = _check_bool(transpose_rhs, "transpose_rhs")
-  interpret = _check_bool(interpret, "interpret")
+  interpret = _check_interpret(interpret)
   deterministic = _check_bool(deterministic, "deterministic")
   straight_through = _check_bool(straight_through, "straight_through")
   group_type = _group_type(group_type, groups)

@@ -41,18 +41,13 @@ import argparse
 import dataclasses
 import functools
 import math
-import os
-import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import custom_partitioning  # noqa: F401  (its plugin callback; private)
-from jax._src import xla_bridge  # private: the PJRT plugin registry
-from jax._src.lib import xla_client  # private: the PJRT plugin loader
-from jax.experimental import topologies
 
 import gmm_jax
+from gmm_jax.tools import deviceless
 from gmm_jax._src.tiling.autotune import min_wall_time
 
 
@@ -185,7 +180,7 @@ class Row:
   dtype: str
   seconds: float | None
   temp_bytes: int
-  target: str = "cpu"  # "cpu" (this machine) or a deviceless target of `DEVICELESS`
+  target: str = "cpu"  # "cpu" (this machine) or a deviceless target (`deviceless.TARGETS`)
 
 
 def training_step(block, top_k: int, quantization=None):
@@ -233,50 +228,13 @@ def run(tokens: int, embed: int, mlp: int, experts: int, top_k: int, dtypes, *,
   return rows
 
 
-# Deviceless targets: (platform, topology, GPU target config under gmm_jax/tools/targets).
-DEVICELESS = {"h200": ("cuda", "1x1x1", "nvidia_h200.txtpb"),
-              "h100": ("cuda", "1x1x1", "nvidia_h100.txtpb"),
-              "v5e": ("tpu", "v5e:1x1", None), "v6e": ("tpu", "v6e:1x1", None)}
-TARGET_DIR = pathlib.Path(__file__).with_name("targets")
-
-
-def _register_tpu_partitioner():
-  """`custom_partitioning`'s partitioner registered with libtpu, as jax does when a TPU
-  backend starts (a deviceless TPU compile of the moe blocks needs it; the same steps as
-  `gmm_jax.tools.deviceless.register_tpu_partitioner`).
-  """
-  if xla_client.pjrt_plugin_loaded("tpu"):
-    return
-  c_api = xla_client.load_pjrt_plugin_dynamically("tpu", xla_bridge.get_tpu_library_path())
-  if not xla_client.pjrt_plugin_initialized("tpu"):
-    xla_client.initialize_pjrt_plugin("tpu")
-  for callback in xla_bridge._plugin_callbacks:
-    if getattr(callback, "keywords", {}).get("name") == "CustomSPMDPartitioning":
-      callback(c_api=c_api)
-
-
-def deviceless_device(target: str):
-  """The first device of one chip of `target` (a key of `DEVICELESS`), described without
-  the hardware."""
-  if target not in DEVICELESS:
-    raise ValueError(f"unknown deviceless target {target!r}; use one of {sorted(DEVICELESS)}")
-  platform, topology, config = DEVICELESS[target]
-  if platform == "tpu":
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold it
-    _register_tpu_partitioner()
-    return topologies.get_topology_desc(topology, platform="tpu").devices[0]
-  return topologies.get_topology_desc(
-      platform="cuda", topology=topology,
-      target_config=(TARGET_DIR / config).read_text()).devices[0]
-
-
 def compile_deviceless(target: str, tokens: int, embed: int, mlp: int, experts: int,
                        top_k: int, dtypes, blocks=tuple(BLOCKS),
                        quantization=None) -> list[Row]:
   """Each block's training step compiled for one chip of `target` without the hardware
   (abstract arguments, traced and compiled under that chip as the default device, so that
   gmm picks its kernels); rows of temporary bytes, no time."""
-  device = deviceless_device(target)
+  device = deviceless.chip(target)
   sharding = jax.sharding.SingleDeviceSharding(device)
   rows = []
   for dtype in dtypes:
@@ -322,7 +280,7 @@ def main(argv=None) -> list[Row]:
                       help="also time the ragged_dot block (dense work per group on CPU)")
   parser.add_argument("--repeats", type=int, default=3,
                       help="timing rounds on this machine (0: compile for memory only)")
-  parser.add_argument("--deviceless", nargs="*", default=[], choices=sorted(DEVICELESS),
+  parser.add_argument("--deviceless", nargs="*", default=[], choices=sorted(deviceless.TARGETS),
                       help="also compile each step for one chip of these targets, without "
                            "the hardware (jax >= 0.12 with the CUDA plugin and libtpu)")
   parser.add_argument("--quantization", choices=("fp8", "fp8_e5m2_grads"), default=None,
@@ -336,7 +294,7 @@ def main(argv=None) -> list[Row]:
              time_ragged=args.time_ragged, repeats=args.repeats, blocks=blocks,
              quantization=args.quantization)
   # TPU first: libtpu must be loaded by the partitioner's registration.
-  for target in sorted(args.deviceless, key=lambda t: DEVICELESS[t][0] != "tpu"):
+  for target in sorted(args.deviceless, key=lambda t: deviceless.TARGETS[t][0] != "tpu"):
     rows += compile_deviceless(target, args.tokens, args.embed, args.mlp, args.experts,
                                args.top_k, dtypes, blocks, args.quantization)
   print(f"MoE layer training step (fwd+bwd), T={args.tokens} D={args.embed} F={args.mlp} "

@@ -10,15 +10,17 @@ compile processes, and the end of their report (the table, its summary, the file
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
 import pathlib
 
-from jax._src import custom_partitioning  # noqa: F401  (its plugin callback; private)
-from jax._src import xla_bridge  # private: the PJRT plugin registry
-from jax._src.lib import xla_client  # private: the PJRT plugin loader
+import jax
+import numpy as np
 from jax.experimental import topologies
 
 from gmm_jax._src import cli
+from gmm_jax._src.core.jax_private import register_tpu_partitioner
 
 TARGET_DIR = pathlib.Path(__file__).with_name("targets")
 # name -> (platform, topology, target config file (GPU)). A program is compiled for the
@@ -81,27 +83,60 @@ def topology_of(target: str):
   return _topology_desc(*TARGETS[target])
 
 
-def register_tpu_partitioner():
-  """Registers `custom_partitioning`'s partitioner with libtpu, as jax does when a TPU
-  backend starts: describing a topology loads libtpu without running the plugin callbacks,
-  and a deviceless compile of a program with a custom partitioning then fails with "Custom
-  emitter for CustomSPMDPartitioning not found" (an artifact of compiling deviceless).
-  Call it before the first TPU topology is described (the plugin's C API is only handed
-  out by the load). Only that callback runs: the others register CPU and CUDA handlers."""
-  if xla_client.pjrt_plugin_loaded("tpu"):
-    raise RuntimeError("libtpu is loaded already: register the partitioner before describing "
-                       "a TPU topology")
-  c_api = xla_client.load_pjrt_plugin_dynamically("tpu", xla_bridge.get_tpu_library_path())
-  if not xla_client.pjrt_plugin_initialized("tpu"):
-    xla_client.initialize_pjrt_plugin("tpu")
-  callbacks = [c for c in xla_bridge._plugin_callbacks
-               if getattr(c, "keywords", {}).get("name") == "CustomSPMDPartitioning"]
-  if not callbacks:
-    raise RuntimeError("jax registered no CustomSPMDPartitioning plugin callback")
-  for callback in callbacks:
-    callback(c_api=c_api)
+@functools.cache
+def chip(target: str):
+  """The first device of one chip of `target` (a name of `TARGETS`), described without the
+  hardware (a TPU after libtpu's partitioner is registered)."""
+  if target not in TARGETS:
+    raise ValueError(f"unknown deviceless target {target!r}; use one of {sorted(TARGETS)}")
+  if TARGETS[target][0] == "tpu":
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold it
+    register_tpu_partitioner()
+  return topology_of(target).devices[0]
 
 
+def on_chip(target: str, args):
+  """`args` (arrays, abstract values, QArrays: any pytree) as abstract values placed on one
+  chip of `target`: what a deviceless compile is traced with."""
+  sharding = jax.sharding.SingleDeviceSharding(chip(target))
+  return jax.tree.map(
+      lambda a: None if a is None else jax.ShapeDtypeStruct(np.shape(a), a.dtype,
+                                                            sharding=sharding),
+      args, is_leaf=lambda a: a is None)
+
+
+def compile_for(target: str, fn, args):
+  """``jax.jit(fn)`` lowered and compiled for one chip of `target` on `args`' shapes and
+  dtypes, with that chip as the default device (so gmm picks its kernels): nothing runs."""
+  abstract = on_chip(target, args)
+  with jax.default_device(chip(target)):
+    return jax.jit(fn).lower(*abstract).compile()
+
+
+def compiling_timer(target: str):
+  """A timer of `autotune.min_wall_time`'s signature, ``(fn, args, repeats) -> seconds``,
+  that compiles ``fn`` for `target` (`compile_for`) instead of running it: its seconds
+  are NaN. The device script's dry run times with it."""
+  def timer(fn, args, repeats: int = 1) -> float:
+    del repeats
+    compile_for(target, fn, args)
+    return math.nan
+  return timer
+
+
+# The device kinds of the GPU targets, as jax names the local device.
+GPU_TARGET_KINDS = {"NVIDIA H100": "h100", "NVIDIA H200": "h200", "NVIDIA B200": "b200"}
+
+
+def local_target(kind: str | None = None) -> str:
+  """The GPU target of `TARGETS` whose kind the local GPU (or device kind `kind`) is:
+  "h100" for "NVIDIA H100 80GB HBM3". ValueError for a GPU gmm_jax has no target for."""
+  kind = jax.devices()[0].device_kind if kind is None else kind
+  for name, target in sorted(GPU_TARGET_KINDS.items(), key=lambda item: -len(item[0])):
+    if name in kind:
+      return target
+  raise ValueError(f"no deviceless target for the device kind {kind!r}; known: "
+                   f"{sorted(GPU_TARGET_KINDS)}")
 
 
 def describe(topology: Topology):

@@ -27,11 +27,11 @@ scaled, blocked int8, blocks that are not multiples of 128), a transposed lhs, o
 other than bf16 x bf16 / f16 x f16 (e.g.
 the dlhs of an f32-output gmm with an activation, whose cotangent is f32: Triton's), K or N not a
 multiple of 8 (TMA strides are multiples of 16 bytes), activations without a Mosaic GPU
-lowering, any GPU other than an sm_90 (wgmma is Hopper-only), and interpret mode through
-the dispatcher. jax 0.12's Mosaic GPU interpreter runs the kernel on the CPU (simulating
-shared memory, TMA, barriers and wgmma) when `gmm_mosaic_gpu` is called directly with
-``direct_interpret=True``; its ordered IO callbacks cannot be lowered inside the gmm op, and
-jax 0.10's interpreter cannot run the kernel at all.
+lowering, any GPU other than an sm_90 (wgmma is Hopper-only), and Pallas's plain interpret
+mode (``interpret=True``). On a CPU the kernel runs under jax's Mosaic GPU simulator
+(``interpret=plgpu.InterpretGPUParams(...)``, jax >= 0.11: shared memory, TMA, barriers and
+wgmma simulated, with a race detector), through the gmm op like any call (the op declares
+the simulator's effects); jax 0.10's simulator cannot run it.
 
 The target GPU is the device the program is lowered for. A deviceless compile runs under
 ``jax.default_device(<a device of the target topology>)``, so it is
@@ -51,10 +51,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from gmm_jax._src.core import metadata
+from gmm_jax._src.core import jax_private, metadata
 from gmm_jax._src.tiling import cost_models
 from gmm_jax._src.core.config import GmmConfig, Tiling, problem_dims
 from gmm_jax._src.core.epilogue import resolve_activation
@@ -62,12 +60,7 @@ from gmm_jax._src.core.qarray import QArray, quant_mode
 from gmm_jax.pallas import common
 from gmm_jax.pallas.gpu.mosaic_gpu_kernel import (BAND, COMPUTE_WGS, KernelPlan, kernel_body,
                                                   warp_specialized)
-
-try:
-  from jax._src.pallas.mosaic_gpu.core import PrimitiveSemantics as _PrimitiveSemantics
-  _WARPGROUP_THREADS = _PrimitiveSemantics.Warpgroup
-except (ImportError, AttributeError):
-  _WARPGROUP_THREADS = None
+from gmm_jax.pallas.jax_pallas import mosaic_gpu as plgpu, pl
 
 GRANULE = 8  # rows per tile of the TMA's swizzled shared-memory layout: windows start here
 SUPPORTED = ("the Mosaic GPU kernel serves m-grouping with bf16 x bf16 or f16 x f16 "
@@ -199,33 +192,19 @@ def _stages(tiling: Tiling, k: int, itemsize: int, out_itemsize: int) -> int:
 
 
 def unsupported_primitives(activation) -> set[str]:
-  """Primitives of `activation` (on an f32 tile) without a Mosaic GPU lowering rule (best
-  effort: empty when the private lowering table cannot be read)."""
-  try:
-    from jax._src.pallas.mosaic_gpu import lowering as mgpu_lowering
-    rules = mgpu_lowering.mosaic_lowering_rules
-  except (ImportError, AttributeError):
+  """Primitives of `activation` (on an f32 tile) without a Mosaic GPU lowering rule for the
+  kernel's warpgroup lowering (MissingJaxInternal, a NotImplementedError, where this jax
+  has no readable table)."""
+  if activation is None:
     return set()
-  # Keyed by (lowering semantics, thread semantics); the kernel lowers Warpgroup x Warpgroup.
-  rules = rules.get((LOWERING_SEMANTICS, _WARPGROUP_THREADS), rules)
+  rules = jax_private.lowering_rules("mosaic_gpu", LOWERING_SEMANTICS)
   rules = {p: rule for p, rule in rules.items() if p.name not in NO_LAYOUT_RULE}
   return common.unsupported_primitives(resolve_activation(activation), rules)
 
 
 # ----------------------------------------------------------------------------- entry point
 
-INTERPRET_NUM_SMS = 2  # programs of the persistent loop in interpret mode (CPU threads)
-
-
-def _interpret_params():
-  """The GPU interpreter's parameters (Pallas Mosaic GPU interpret mode, which simulates
-  shared memory, barriers, TMA and wgmma on the CPU), or NotImplementedError."""
-  # jax 0.10's interpreter exists but cannot run this kernel (it has no memory space for
-  # a Ref operand); jax 0.12 exports the parameters publicly and runs it.
-  if not hasattr(plgpu, "InterpretGPUParams"):
-    raise NotImplementedError(
-        f"{SUPPORTED}; interpret mode needs jax's Mosaic GPU interpreter (jax >= 0.12)")
-  return plgpu.InterpretGPUParams()
+INTERPRET_NUM_SMS = 2  # programs of the persistent loop in the simulator (CPU threads)
 
 
 class WorkItems(NamedTuple):
@@ -311,7 +290,7 @@ def check_operands(lhs, rhs, cfg: GmmConfig) -> None:
 
 
 def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
-                   tiling: Tiling | None = None, *, direct_interpret: bool = False):
+                   tiling: Tiling | None = None):
   """m-grouped gmm on canonical operands (see `GmmConfig`) with the Mosaic GPU kernel.
 
   Args:
@@ -322,11 +301,6 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     bias: None or ``[num_local, N]``.
     cfg: the static options.
     tiling: tiles (see `check_tiling`); default ``cfg.tiling``, else `default_tiling`.
-    direct_interpret: with ``cfg.interpret``, run jax's Mosaic GPU interpreter (jax >=
-      0.12). Only for a direct call under jit: the interpreter's ordered IO callbacks get
-      no effect token inside the gmm op's lowering (KeyError: OrderedIOEffect), so the
-      dispatcher's calls refuse interpret mode and Triton's interpreter serves them.
-
   Returns:
     ``[M, N]`` of ``cfg.out_dtype``; rows no local group owns are 0.
 
@@ -334,11 +308,13 @@ def gmm_mosaic_gpu(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig,
     NotImplementedError: see the module docstring (the dispatcher then tries Triton).
   """
   check_operands(lhs, rhs, cfg)
-  if cfg.interpret and not direct_interpret:
+  simulated = jax_private.simulator(cfg.interpret) == "gpu"
+  if cfg.interpret and not simulated:
     raise NotImplementedError(
-        f"{SUPPORTED}; interpret mode runs jax's Mosaic GPU interpreter, whose ordered "
-        "callbacks cannot run inside the gmm op: Triton's interpreter serves the dispatcher")
-  interpret = _interpret_params() if cfg.interpret else None
+        f"{SUPPORTED}; interpret=True: this kernel runs on the CPU only under jax's Mosaic "
+        "GPU simulator (interpret=plgpu.InterpretGPUParams(...), jax >= 0.11); Triton's "
+        "interpreter serves interpret=True")
+  interpret = cfg.interpret if simulated else None
   num_sms = INTERPRET_NUM_SMS if cfg.interpret else _check_target()
   blocked = _blocked(lhs, rhs, cfg)
   rhs_qarray = rhs

@@ -41,11 +41,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.core.epilogue import apply_epilogue, resolve_activation
+from gmm_jax.pallas.jax_pallas import mosaic_gpu as plgpu, pl
 
 # A jax without (this much of) Pallas Mosaic GPU raises ImportError here or above, and
 # backends.py then skips the registration.

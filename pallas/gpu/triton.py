@@ -38,8 +38,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from gmm_jax._src.tiling import cost_models
 from gmm_jax._src.core import epilogue, metadata
@@ -53,6 +51,7 @@ from gmm_jax.pallas.gpu.triton_fp8 import FP8_MMA, FP8_MMA_K, fp8_pair
 from gmm_jax.pallas.gpu.triton_kernel import (GATED_PAIRS, KernelStatic, _k_kernel, _m_kernel,
                                               kernel_activation, tile_columns)
 from gmm_jax.pallas.gpu.triton_large import word_operands
+from gmm_jax.pallas.jax_pallas import pl, triton as plgpu
 
 # The row operations (`epilogue.Rows`), gated activations and the MoE backward's gated ends
 # (a gated prologue's value, a gated-cotangent epilogue) the m-grouped kernel does
@@ -186,22 +185,11 @@ def compiler_params(tiling: Tiling, itemsize: int, cfg: GmmConfig,
 
 
 def unsupported_primitives(activation) -> set[str]:
-  """Primitives of `activation` (on an f32 tile) without a Pallas Triton lowering rule.
-
-  Best effort: empty when the lowering table (a private jax module) cannot be read.
-  """
+  """Primitives of `activation` (on an f32 tile) without a Pallas Triton lowering rule
+  (MissingJaxInternal, a NotImplementedError, where this jax has no readable table)."""
   return common.unsupported_activation_primitives(
-      activation, _triton_rules(), kernel_activation=kernel_activation, pairs=GATED_PAIRS)
+      activation, "triton", kernel_activation=kernel_activation, pairs=GATED_PAIRS)
 
-
-def _triton_rules():
-  """Pallas Triton's lowering rules by primitive, or None when the table (a private jax
-  module) cannot be read."""
-  try:
-    from jax._src.pallas.triton import lowering as triton_lowering
-    return triton_lowering.triton_lowering_rules
-  except (ImportError, AttributeError):
-    return None
 
 def _blocked_scales(quant: common.QuantOperands) -> tuple[jax.Array, jax.Array]:
   """(rhs scales ``[L, Kb, N]``, lhs scales ``[Kb, M]``) of "blocked" mode: the lhs scales
@@ -393,7 +381,7 @@ def _check_gated_ends(lhs, rhs, cfg: GmmConfig) -> None:
   if not cfg.interpret:
     what = ("the prologue" if cfg.lhs_activation else "the cotangent of") + f" {name!r}"
     common.require_lowerable(common.unsupported_gated_primitives(
-        GATED_PAIRS[name], _triton_rules(), cotangent=cfg.cotangent_of is not None),
+        GATED_PAIRS[name], "triton", cotangent=cfg.cotangent_of is not None),
         what, "Pallas Triton")
 
 

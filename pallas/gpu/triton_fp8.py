@@ -10,6 +10,7 @@ Triton's warp-level MMA on f16 values instead: wgmma needs 64 rows.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.extend as jex
@@ -17,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.interpreters import mlir
+
+from gmm_jax._src.core import jax_private
 
 # Pallas Triton's dot_general (jax 0.10 to 0.12) emits Triton's dot without
 # ``maxNumImpreciseAcc``, and Triton then refuses Hopper's fp8 wgmma for an f32 accumulator
@@ -82,13 +85,13 @@ def _fp8_dot_triton(triton_lowering, ctx, lhs, rhs, *, contract):
 
 def _register_fp8_mma() -> bool:
   """Adds `fp8_dot`'s rule to Pallas Triton's lowering table (a private jax module, the
-  same on jax 0.10 to 0.12); False where this jax has none (the kernels then multiply fp8
-  tiles with Pallas's own dot: f16 MMA, exact)."""
+  same on jax 0.10 to 0.12); False, with a warning, where this jax has none (the kernels
+  then multiply fp8 tiles with Pallas's own dot: f16 MMA, exact, at the f16 rate)."""
   try:
-    from jax._src.pallas.triton import lowering as triton_lowering
-    for name in ("triton_lowering_rules", "tt_dialect", "ir", "_zeros"):
-      getattr(triton_lowering, name)
-  except (ImportError, AttributeError):
+    triton_lowering = jax_private.triton_lowering_module()
+  except jax_private.MissingJaxInternal as err:
+    warnings.warn(f"gmm_jax: {err}; the Triton kernels multiply fp8 tiles with f16 MMA",
+                  RuntimeWarning, stacklevel=2)
     return False
   triton_lowering.triton_lowering_rules[fp8_dot_p] = functools.partial(_fp8_dot_triton,
                                                                       triton_lowering)

@@ -63,8 +63,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from gmm_jax._src.core.config import GmmConfig, Tiling, out_columns
 from gmm_jax._src.tiling.cost_models import program_order, row_classes
@@ -72,6 +70,7 @@ from gmm_jax.pallas import common
 from gmm_jax.pallas.common import edge_mask
 from gmm_jax.pallas.gpu.triton_fp8 import FP8_MMA, FP8_MMA_K, fp8_dot, fp8_pair
 from gmm_jax.pallas.gpu.triton_large import unpack
+from gmm_jax.pallas.jax_pallas import pl, triton as plgpu
 
 # ----------------------------------------------------------------------------- epilogue
 

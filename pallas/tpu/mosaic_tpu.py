@@ -24,8 +24,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig, Tiling
@@ -36,6 +34,7 @@ from gmm_jax.pallas import common
 from gmm_jax.pallas.tpu.mosaic_tpu_fp8 import blocked_scales
 from gmm_jax.pallas.tpu.mosaic_tpu_kernel import Step, k_kernel, m_kernel
 from gmm_jax.pallas.tpu.mosaic_tpu_plan import TpuPlan, plan
+from gmm_jax.pallas.jax_pallas import pl, tpu as pltpu
 
 # What the kernels do in their epilogue beyond the plain gmm (`dispatch.Backend.features`):
 # row weights (m-grouping) and gated activations (both group types). Gathered and scattered

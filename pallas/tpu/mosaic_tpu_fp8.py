@@ -20,13 +20,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
 
 from gmm_jax._src.core.config import GmmConfig, Tiling
 from gmm_jax._src.tiling import cost_models
 from gmm_jax._src.tiling.cost_models import LANE
 from gmm_jax.pallas import common
 from gmm_jax.pallas.tpu.mosaic_tpu_tile import dot, mask_k
+from gmm_jax.pallas.jax_pallas import pl
 
 _FP8_TYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 

@@ -40,8 +40,6 @@ from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig, Tiling
@@ -51,6 +49,7 @@ from gmm_jax.pallas.tpu.mosaic_tpu_fp8 import block_widths, blocked_product, dot
 from gmm_jax.pallas.tpu.mosaic_tpu_plan import k_chunks, out_row_chunk
 from gmm_jax.pallas.tpu.mosaic_tpu_tile import (GATED_PAIRS, dequantized, dot, mask_k,
                                                 tile_epilogue)
+from gmm_jax.pallas.jax_pallas import pl, tpu as pltpu
 
 
 class Step:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jax.experimental import pallas as pl
 
 from gmm_jax._src.core import metadata
 from gmm_jax._src.core.config import GmmConfig, Tiling, out_columns
@@ -37,6 +36,7 @@ from gmm_jax.pallas import common
 from gmm_jax.pallas.tpu.mosaic_tpu_fp8 import block_widths, blocked_dot_dtype, blocked_tile_k
 from gmm_jax.pallas.tpu.mosaic_tpu_tile import (unsupported_cotangent_primitives,
                                                 unsupported_primitives)
+from gmm_jax.pallas.jax_pallas import pl
 
 ALIGN = cost_models.TPU_ALIGN  # BlockSpec index maps address whole tiles
 # The kernels' host-side model, which gmm_jax.tools.bench reads beside `default_tiling` (the

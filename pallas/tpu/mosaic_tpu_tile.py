@@ -9,7 +9,6 @@ for (`unsupported_primitives`), which the plan checks before a compiled call.
 
 from __future__ import annotations
 
-import jax.extend
 import jax.numpy as jnp
 from jax import lax
 
@@ -31,32 +30,17 @@ def kernel_activation(activation):
 GATED_PAIRS = common.gated_pairs(kernel_activation)
 
 
-def _mosaic_rules():
-  """Mosaic TPU's (TensorCore) lowering rules by primitive, or None when the table (a
-  private jax module) cannot be read."""
-  try:
-    from jax._src.pallas.mosaic import lowering as mosaic_lowering
-    rules = mosaic_lowering.lowering_rules
-    if not isinstance(next(iter(rules)), jax.extend.core.Primitive):  # keyed by core type
-      rules = next(table for core, table in rules.items() if str(core).lower() == "tc")
-  except (ImportError, AttributeError, StopIteration):
-    return None
-  return rules
-
-
 def unsupported_primitives(activation) -> set[str]:
-  """Primitives of `activation` without a Mosaic TPU (TensorCore) lowering rule.
-
-  Best effort: empty when the lowering table (a private jax module) cannot be read.
-  """
+  """Primitives of `activation` without a Mosaic TPU (TensorCore) lowering rule
+  (MissingJaxInternal, a NotImplementedError, where this jax has no readable table)."""
   return common.unsupported_activation_primitives(
-      activation, _mosaic_rules(), kernel_activation=kernel_activation, pairs=GATED_PAIRS)
+      activation, "mosaic_tpu", kernel_activation=kernel_activation, pairs=GATED_PAIRS)
 
 
 def unsupported_cotangent_primitives(name: str) -> set[str]:
   """Primitives of the gated-cotangent epilogue of `name` without a Mosaic TPU lowering
-  (best effort, as `unsupported_primitives`)."""
-  return common.unsupported_gated_primitives(GATED_PAIRS[name], _mosaic_rules(), cotangent=True)
+  (as `unsupported_primitives`)."""
+  return common.unsupported_gated_primitives(GATED_PAIRS[name], "mosaic_tpu", cotangent=True)
 
 
 def dot(x, w, cfg: GmmConfig, dot_dtype, acc_dtype):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from gmm_jax._src.tiling import chips, cost_models
 from gmm_jax._src.backends import registry
+from gmm_jax._src.core import jax_private
 from gmm_jax._src.backends import lax_ragged_dot as lax_ragged, reference, xla
 from gmm_jax._src.core.qarray import QArray
 
@@ -88,6 +89,24 @@ def _check_tpu_chip(lhs, rhs, cfg) -> None:
         "kernel's there)")
 
 
+# The kernel each of jax's simulators runs (`jax_private.simulator` of `interpret`); the
+# others take interpret=True (Pallas's plain interpret mode) or run compiled.
+SIMULATED = {"tpu": "pallas_tpu", "gpu": "pallas_mosaic_gpu"}
+
+
+def _check_interpret(name: str, cfg) -> None:
+  """NotImplementedError when `cfg.interpret` asks for a simulator that does not run kernel
+  `name` (the TPU simulator runs the Mosaic TPU kernel, the GPU one the Mosaic GPU kernel)."""
+  asked = jax_private.simulator(cfg.interpret)
+  if asked is not None and SIMULATED[asked] != name:
+    runs = "; ".join(f"{params} runs {kernel}" for params, kernel in (
+        ("pltpu.InterpretParams", SIMULATED["tpu"]),
+        ("plgpu.InterpretGPUParams", SIMULATED["gpu"])))
+    raise NotImplementedError(
+        f"{name} does not run under jax's {asked.upper()} simulator ({runs}; interpret=True "
+        "runs the others in Pallas's plain interpret mode)")
+
+
 def _guarded(name: str, module, function: str, platform: str):
   """(fn, check) of kernel `name`: the module's, behind the target-chip check of its
   platform (run before the module's own static check and before the kernel)."""
@@ -98,10 +117,12 @@ def _guarded(name: str, module, function: str, platform: str):
     chip_check = lambda lhs, rhs, cfg: _check_arch(name, cfg)  # noqa: E731
 
   def check(lhs, rhs, cfg):
+    _check_interpret(name, cfg)
     chip_check(lhs, rhs, cfg)
     module.check_operands(lhs, rhs, cfg)
 
   def fn(lhs, rhs, counts, group_offset, bias, cfg, **kw):
+    _check_interpret(name, cfg)
     chip_check(lhs, rhs, cfg)
     return inner(lhs, rhs, counts, group_offset, bias, cfg, **kw)
 

@@ -134,7 +134,10 @@ class GmmConfig:
     out_dtype: dtype of the result.
     precision: passed to the dots (a canonical `jax.lax.Precision`, pair or algorithm).
     implementation: None (the platform's chain) or the names to try, in order.
-    interpret: run Pallas kernels in interpret mode.
+    interpret: False (compiled kernels), True (Pallas's plain interpret mode), or the
+      parameters of one of jax's simulators (`pltpu.InterpretParams`,
+      `plgpu.InterpretGPUParams`): the kernel of that family runs under the simulator
+      (the primitive then declares the simulator's effects; see `op.primitive`).
     tiling: None (tuned cache, built-in tile table, else the backend's heuristic), a `Tiling`,
       a callable ``Problem -> Tiling | None``, or `Tilings` (per gmm of a training step;
       the op hands each backward gmm its entry).
@@ -182,7 +185,7 @@ class GmmConfig:
   out_dtype: np.dtype = np.dtype(np.float32)
   precision: Any = None
   implementation: tuple[str, ...] | None = None
-  interpret: bool = False
+  interpret: Any = False
   tiling: Any = None
   platform: Platform | None = None
   gather_rows: int | None = None

@@ -8,19 +8,18 @@ Floor 2 (the op package).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
-from jax._src import config as _jax_config  # the vma check's switch (`_plain_types`)
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src.backends import registry
+from gmm_jax._src.core import jax_private
 from gmm_jax._src.sharding import strategy
 from gmm_jax._src.core.epilogue import NO_ROWS
 from gmm_jax._src.op import primitive
@@ -82,13 +81,9 @@ def _bound_on(platform):
 # if the primitive is in jax's private set of primitives that need them while lowering.
 # Whether a trace has concrete devices is also private (`jax.sharding.get_mesh` refuses to
 # run inside jit).
-try:
-  import jax._src.dispatch as _jax_dispatch
-
-  _jax_dispatch.prim_requires_devices_during_lowering.add(gmm_p)
-  PARTITIONABLE = concrete_mesh is not None
-except (ImportError, AttributeError):  # a jax without them: plain lowering only
-  PARTITIONABLE = False
+# Without either (a jax that lacks them; `jax_private` warns) only the plain lowering runs.
+PARTITIONABLE = (jax_private.require_devices_during_lowering(gmm_p)
+                 and concrete_mesh is not None)
 
 
 def _arg_spec(shape) -> P:
@@ -256,31 +251,25 @@ def _warn_fallback():
     warnings.warn(f"gmm_jax: {FALLBACK.why}", stacklevel=2)
 
 
-# jax's switch of the vma check (private; None in a jax without it).
-_CHECK_VMA = getattr(_jax_config, "_check_vma", None)
-
-
-def _plain_types():
-  """A context in which the implementation is traced on plain types: inside
-  ``jax.shard_map(check_vma=True)`` jax would otherwise ask each Pallas call of it to type
-  its output's varying axes, which the plain operands do not have (the primitive's own
-  abstract evaluation types the result). jax's switch for it is private: without it, a
-  null context (check_vma=True then needs the kernels' own types)."""
-  if _CHECK_VMA is None:
-    return contextlib.nullcontext()
-  return _CHECK_VMA(False)
-
-
 def _lowering(ctx, *operands, platform, **params):
-  with _plain_types():
-    return _lower(ctx, *operands, platform=platform, **params)
+  # The implementation is traced on plain types: inside ``jax.shard_map(check_vma=True)``
+  # jax would otherwise ask each Pallas call of it to type its output's varying axes, which
+  # the plain operands do not have (the primitive's own abstract evaluation types the
+  # result).
+  # Its slicing and while loops are traced on plain types too: mesh-typed or varying avals
+  # would make them sharding-typed. The plain context is a copy: the effect tokens its
+  # lowering produces (a simulated kernel's) go back to jax's.
+  plain = ctx.replace(avals_in=[jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in],
+                      avals_out=[jax.core.ShapedArray(a.shape, a.dtype)
+                                 for a in ctx.avals_out])
+  with jax_private.vma_check_off():
+    out = _lower(plain, *operands, platform=platform, **params)
+  if plain.tokens_out is not None:
+    ctx.set_tokens_out(plain.tokens_out)
+  return out
 
 
 def _lower(ctx, *operands, platform, **params):
-  # The implementation is traced on plain types: mesh-typed or varying avals would make
-  # its slicing and while loops sharding-typed.
-  ctx = ctx.replace(avals_in=[jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in],
-                    avals_out=[jax.core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_out])
   params.pop("out_hint")
   if params["cfg"].platform is not None:
     platform = params["cfg"].platform

@@ -20,7 +20,7 @@ from jax.interpreters import ad
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src.backends import registry
-from gmm_jax._src.core import metadata
+from gmm_jax._src.core import jax_private, metadata
 from gmm_jax._src.sharding import strategy
 from gmm_jax._src.core.config import GmmConfig, output_shape
 from gmm_jax._src.core.epilogue import NO_ROWS, Rows, gated_cotangent
@@ -28,13 +28,8 @@ from gmm_jax._src.core.qarray import QArray, dequantize
 from gmm_jax._src.op.gated_tangent import gated_input
 
 # Whether a trace has concrete devices is private to jax (`jax.sharding.get_mesh` refuses
-# to run inside jit); without it every trace binds `gmm_p` (see `_primitive`).
-try:
-  import jax._src.mesh as _jax_mesh
-
-  concrete_mesh = _jax_mesh.get_concrete_mesh
-except (ImportError, AttributeError):
-  concrete_mesh = None
+# to run inside jit); without it (a warning says so) every trace binds `gmm_p`.
+concrete_mesh = jax_private.concrete_mesh()
 
 # The name of the pre-activation that the jvp of a gmm with an activation (or varying row
 # weights) computes (f32; a 16-bit output's dtype for 16-bit outputs, see
@@ -110,6 +105,7 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
     if present:
       operands.append(value)
   operands = [jnp.asarray(x) for x in operands]
+  cfg = with_forced_interpret(cfg)
   mesh = explicit_mesh(operands)
   if mesh is not None and primitive is None:
     return _split(mesh, lhs, rhs, counts, group_offset, bias, cfg, out_hint, rows)
@@ -117,6 +113,24 @@ def gmm(lhs, rhs, counts, group_offset, bias, cfg: GmmConfig, out_hint=None,
   return (primitive or current_primitive()).bind(
       *operands, cfg=cfg, trees=(lhs_tree, rhs_tree), has_bias=bias is not None,
       out_hint=out_hint)
+
+
+def with_forced_interpret(cfg: GmmConfig) -> GmmConfig:
+  """`cfg` with the simulator parameters of an enclosing ``pltpu.force_tpu_interpret_mode``
+  or ``plgpu.force_gpu_interpret_mode`` as its `interpret` (jax runs every Pallas call
+  traced inside under them, whatever its own `interpret`: the primitive declares their
+  effects, and the kernels choose by them)."""
+  forced = jax_private.forced_interpret_params()
+  if forced is None or cfg.interpret is forced:
+    return cfg
+  return cfg.replace(interpret=forced)
+
+
+def effects(cfg: GmmConfig) -> frozenset:
+  """The effects of a gmm bound with `cfg`: those of its kernel's simulated pallas_call
+  (jax's simulators run a kernel through ordered IO callbacks), declared so that the
+  implementation's lowering gets their tokens; none otherwise."""
+  return jax_private.interpret_effects(cfg.interpret)
 
 
 # ------------------------------------------------------------------ the trace-time split
@@ -278,8 +292,12 @@ def abstract_eval(*avals, cfg, trees, has_bias, out_hint):
                               manual_axis_type=avals[0].mat)
 
 
+def _effectful_abstract_eval(*avals, **params):
+  return abstract_eval(*avals, **params), effects(params["cfg"])
+
+
 for _prim in PRIMITIVES:
-  _prim.def_abstract_eval(abstract_eval)
+  _prim.def_effectful_abstract_eval(_effectful_abstract_eval)
 
 
 # ----------------------------------------------------------------------- eager and lowering

@@ -26,11 +26,12 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from gmm_jax._src.core import jax_private
 from gmm_jax._src.core.config import GmmConfig
 from gmm_jax._src.core.epilogue import Rows
 from gmm_jax._src.op import transpose
-from gmm_jax._src.op.primitive import (abstract_eval, current_primitive, gmm, gmm_deviceless_p,
-                                       gmm_p, row_operands, unpack)
+from gmm_jax._src.op.primitive import (abstract_eval, current_primitive, effects, gmm,
+                                       gmm_deviceless_p, gmm_p, row_operands, unpack)
 
 prologue_tangent_p = Primitive("gmm_jax_prologue_tangent")
 
@@ -163,14 +164,11 @@ def _batch(operands, dims, **params):
 
 
 prologue_tangent_p.def_impl(_value)
-prologue_tangent_p.def_abstract_eval(_abstract)
+prologue_tangent_p.def_effectful_abstract_eval(
+    lambda *avals, **params: (_abstract(*avals, **params), effects(params["cfg"])))
 ad.primitive_jvps[prologue_tangent_p] = _jvp
 ad.primitive_transposes[prologue_tangent_p] = _transpose_rule
 batching.primitive_batchers[prologue_tangent_p] = _batch
 mlir.register_lowering(prologue_tangent_p, mlir.lower_fun(_value, multiple_results=False))
-try:  # its gmms' lowering may partition them (see `lowering`): it needs the devices too
-  import jax._src.dispatch as _jax_dispatch
-
-  _jax_dispatch.prim_requires_devices_during_lowering.add(prologue_tangent_p)
-except (ImportError, AttributeError):
-  pass
+# Its gmms' lowering may partition them (see `lowering`): it needs the devices too.
+jax_private.require_devices_during_lowering(prologue_tangent_p)

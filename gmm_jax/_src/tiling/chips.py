@@ -18,6 +18,8 @@ import dataclasses
 
 import jax
 
+from gmm_jax._src.core import jax_private
+
 MIB = 2**20
 GIB = 2**30
 
@@ -166,10 +168,13 @@ def int8_mxu(kind: str | None = None) -> bool:
 
 def target_tpu_info():
   """The target TPU's `TpuInfo` (the default device's), or None when it is not a TPU."""
-  try:  # an optional dependency: this jax's Pallas TPU backend
-    from jax._src.pallas.mosaic import tpu_info
-    return tpu_info.get_tpu_info()
-  except Exception:  # noqa: BLE001  (CPU: ValueError; older jax or no device: others)
+  try:
+    return jax_private.tpu_info()
+  except jax_private.MissingJaxInternal:
+    jax_private.warn_missing("tpu_info", "the TPU tiles and cost models use gmm_jax's own "
+                             "chip table (TPU_CHIPS)")
+    return None
+  except Exception:  # noqa: BLE001  (CPU: ValueError; no device or not a TPU: others)
     return None
 
 
