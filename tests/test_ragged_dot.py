@@ -14,9 +14,14 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from oracle import f64, gmm_oracle, tolerances
 
+from gmm_jax._src.core import jax_private
+
 Numbers = jax.lax.RaggedDotDimensionNumbers
 M, K, N, G = 12, 8, 5, 3
 SIZES = [4, 0, 6]
+# jax.lax.ragged_dot's dimension numbers (lhs [m, k], rhs [g, k, n]).
+RAGGED_NUMBERS = Numbers(dot_dimension_numbers=(([1], [1]), ([], [])),
+                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 def _rand(shape, seed, dtype=jnp.float32):
@@ -31,6 +36,61 @@ def test_takes_every_argument_of_jax(name):
     assert param in ours, param
     assert list(ours).index(param) == position, param  # positional calls match too
     assert ours[param].default == spec.default, param
+
+
+JAX_HAS_REDUCTION_ORDER = "reduction_order" in inspect.signature(jax.lax.ragged_dot).parameters
+
+
+def _orders():
+  """jax's reduction orders, by name (the order classes are not exported by jax)."""
+  ro = jax_private.resolve("reduction_order")
+  return {"none": None, "unordered": "unordered", "scoped": ro.Unordered("experts"),
+          "tiled-linear": ro.Tile(4, "unordered", "linear"),
+          "cast": ro.Cast(jnp.float32, "unordered"), "linear": "linear",
+          "unreduced": "unreduced", "invalid": "sideways"}
+
+
+@pytest.mark.skipif(not JAX_HAS_REDUCTION_ORDER, reason="jax < 0.12.1 has no reduction_order")
+@pytest.mark.parametrize("name", ["none", "unordered", "scoped", "tiled-linear", "cast",
+                                  "linear", "unreduced", "invalid"])
+@pytest.mark.parametrize("fn", ["ragged_dot", "ragged_dot_general"])
+def test_reduction_order_as_jax(fn, name):
+  """Free orders run on gmm and ordered ones are jax's own: the same values, and the same
+  errors where jax has none ("linear": no XLA lowering; "unreduced"; an invalid name)."""
+  order = _orders()[name]
+  lhs, rhs = _rand((M, K), 5), _rand((G, K, N), 6)
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  numbers = (RAGGED_NUMBERS,) if fn == "ragged_dot_general" else ()
+
+  def call(module):
+    return jax.jit(lambda *a: getattr(module, fn)(*a, *numbers, reduction_order=order))(
+        lhs, rhs, sizes)
+
+  try:
+    want = call(jax.lax)
+  except (NotImplementedError, ValueError) as err:
+    with pytest.raises(type(err)):
+      call(gmm_jax)
+    return
+  np.testing.assert_allclose(f64(call(gmm_jax)), f64(want), **tolerances(jnp.float32, k=K))
+  if name in ("none", "unordered", "scoped"):  # served by gmm: with group_offset too
+    got = gmm_jax.ragged_dot(lhs, rhs[1:], sizes, group_offset=1, reduction_order=order)
+    np.testing.assert_allclose(f64(got)[4:], f64(want)[4:], **tolerances(jnp.float32, k=K))
+  else:
+    with pytest.raises(NotImplementedError, match="group_offset"):
+      gmm_jax.ragged_dot(lhs, rhs[1:], sizes, group_offset=1, reduction_order=order)
+
+
+@pytest.mark.skipif(JAX_HAS_REDUCTION_ORDER, reason="this jax has reduction_order")
+def test_reduction_order_on_a_jax_without_it():
+  lhs, rhs = _rand((M, K), 5), _rand((G, K, N), 6)
+  sizes = jnp.asarray(SIZES, jnp.int32)
+  want = jax.lax.ragged_dot(lhs, rhs, sizes)
+  for order in (None, "unordered"):
+    np.testing.assert_allclose(gmm_jax.ragged_dot(lhs, rhs, sizes, reduction_order=order),
+                               want, **tolerances(jnp.float32, k=K))
+  with pytest.raises(NotImplementedError, match="0.12.1"):
+    gmm_jax.ragged_dot(lhs, rhs, sizes, reduction_order="linear")
 
 
 @pytest.mark.parametrize("dtype, preferred_element_type, precision", [

@@ -20,6 +20,7 @@ work lists and kernel grids while tracing.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import NamedTuple, Sequence
 
@@ -29,6 +30,7 @@ import numpy as np
 from jax import lax
 
 from gmm_jax._src.api import gmm
+from gmm_jax._src.core import jax_private
 from gmm_jax._src.core.errors import GmmShapeError, describe
 from gmm_jax._src.core.qarray import as_qarray
 
@@ -128,11 +130,33 @@ def _jax_ragged_dot_general(lhs, rhs, group_sizes, numbers, precision, preferred
                                 preferred_element_type=preferred_element_type)
 
 
+def _ordered(reduction_order, group_offset, implementation) -> bool:
+  """Whether the call asks for an order of the contraction's sums (a `reduction_order` of
+  jax >= 0.12.1 other than None / "unordered" / a scoped Unordered): an order gmm's
+  implementations do not promise, so jax's own ragged_dot_general computes the call."""
+  if reduction_order is None:
+    return False
+  if "reduction_order" not in inspect.signature(lax.ragged_dot_general).parameters:
+    if reduction_order == "unordered":
+      return False
+    raise NotImplementedError(
+        f"reduction_order={reduction_order!r}: jax {jax.__version__}'s ragged_dot has no "
+        "reduction_order (jax >= 0.12.1 has); None and 'unordered' are served")
+  if jax_private.reduction_order_is_free(reduction_order):
+    return False
+  if group_offset is not None or implementation is not None:
+    raise NotImplementedError(
+        f"reduction_order={reduction_order!r} with group_offset or implementation: an "
+        "ordered reduction is computed by jax.lax.ragged_dot_general, which has neither "
+        "(None, 'unordered' and Unordered scopes run on gmm with both)")
+  return True
+
+
 def ragged_dot(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
                group_sizes: jax.typing.ArrayLike, precision=None,
                preferred_element_type: jax.typing.DTypeLike | None = None,
                group_offset: jax.typing.ArrayLike | None = None, out_sharding=None, *,
-               implementation: str | Sequence[str] | None = None,
+               reduction_order=None, implementation: str | Sequence[str] | None = None,
                interpret: bool = False) -> jax.Array:
   """A drop-in for `jax.lax.ragged_dot` (m-grouping, counts), backed by `gmm`.
 
@@ -152,6 +176,11 @@ def ragged_dot(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
       ``[group_offset, group_offset + rhs.shape[0])`` of group_sizes.
     out_sharding: optional NamedSharding (or PartitionSpec of the current mesh) of the
       result.
+    reduction_order: as in jax >= 0.12.1's: None, "unordered" (or a scoped
+      ``Unordered``) run on gmm, whose implementations choose their own order of sums; an
+      ordered one ("linear", a tiled, cast, padded or ring order) is a promise about the
+      order of the float sums, which jax's own ``jax.lax.ragged_dot`` keeps: the call is
+      jax's (its values and errors), without group_offset or implementation.
     implementation, interpret: as in `gmm`.
 
   Returns:
@@ -160,8 +189,14 @@ def ragged_dot(lhs: jax.typing.ArrayLike, rhs: jax.typing.ArrayLike,
   Raises:
     GmmShapeError: shapes or dtypes jax rejects (a TypeError, as jax raises, and a
       ValueError).
-    ValueError: a concrete group_sizes that is negative or sums past M.
+    ValueError: a concrete group_sizes that is negative or sums past M, or a
+      reduction_order jax rejects.
+    NotImplementedError: an ordered reduction_order with group_offset or implementation,
+      or on a jax without reduction_order.
   """
+  if _ordered(reduction_order, group_offset, implementation):
+    return lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
+                          out_sharding=out_sharding, reduction_order=reduction_order)
   out_dtype = _check_as_jax(lhs, rhs, group_sizes, _RAGGED_DOT_NUMBERS,
                             preferred_element_type, group_offset)
   lhs, rhs = _jax_types(lhs, rhs, out_dtype)
@@ -359,7 +394,7 @@ def _contracting(lhs, rhs, group_sizes, dims: _Dims, layout: _Ragged, options: d
 
 def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=None,
                        preferred_element_type=None, group_offset=None, out_sharding=None, *,
-                       implementation=None, interpret: bool = False):
+                       reduction_order=None, implementation=None, interpret: bool = False):
   """A drop-in for `jax.lax.ragged_dot_general`, backed by `gmm`.
 
   Same arguments and results as jax's (`jax.lax.RaggedDotDimensionNumbers`, the three
@@ -375,14 +410,22 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   values, and jax's derivatives (no reverse mode for a ragged contracting dimension);
   group_offset then raises NotImplementedError, as in jax.
 
+  `reduction_order` (jax >= 0.12.1) is as in `ragged_dot`: an ordered one makes the call
+  jax's own.
+
   Raises:
     GmmShapeError: dimension numbers, shapes or dtypes jax rejects (a TypeError, as jax
       raises, and a ValueError).
     ValueError: an invalid concrete group list (negative, or summing past the ragged
-      dimension).
-    NotImplementedError: group_offset outside the ragged non-contracting mode.
+      dimension), or a reduction_order jax rejects.
+    NotImplementedError: group_offset outside the ragged non-contracting mode; an ordered
+      reduction_order with group_offset or implementation, or on a jax without it.
   """
   numbers = ragged_dot_dimension_numbers
+  if _ordered(reduction_order, group_offset, implementation):
+    return lax.ragged_dot_general(lhs, rhs, group_sizes, numbers, precision,
+                                  preferred_element_type, out_sharding=out_sharding,
+                                  reduction_order=reduction_order)
   try:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = numbers.dot_dimension_numbers
     ragged_dims = tuple(numbers.lhs_ragged_dimensions)
