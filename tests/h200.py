@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
 
 import pytest
+import lowering
 
 import gmm_jax
 
@@ -16,12 +16,9 @@ def topology():
   """The 1-chip H200 topology from the package's target description. Skips only where this
   jax has no GPU compiler at all; with the plugin installed, a target that cannot be
   described is a failure, not a skip."""
-  try:
-    found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:  # no jax_plugins package at all
-    found = False
-  if not found:
-    pytest.skip("jax_plugins.xla_cuda12 is not importable: this jax install has no GPU compiler")
+  if not lowering.has_gpu_compiler():
+    pytest.skip(f"{lowering.GPU_COMPILER} is not importable: this jax install has no GPU "
+                "compiler")
   assert H200.exists(), f"the package's GPU target description is missing: {H200}"
   from jax.experimental import topologies  # noqa: PLC0415  (needs the plugin checked above)
   return topologies.get_topology_desc(platform="cuda", topology="1x1x1",

@@ -59,3 +59,13 @@ def has_module(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
   except ModuleNotFoundError:
     return False
+
+
+# jax's CUDA plugins, either of which compiles GPU programs deviceless (with nvJitLink).
+GPU_COMPILERS = ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+GPU_COMPILER = " or ".join(GPU_COMPILERS)
+
+
+def has_gpu_compiler() -> bool:
+  """Whether this jax install has a CUDA plugin (CUDA 12 or 13) that compiles for GPUs."""
+  return any(has_module(module) for module in GPU_COMPILERS)

@@ -35,7 +35,9 @@ if [ "${1:-}" = "-m" ] && [ "${2:-}" = "venv" ]; then
   mkdir -p "$3/bin"
   echo 'deactivate() { :; }' > "$3/bin/activate"
 fi
-if [ "$(basename "$0")" = "aot_env.sh" ]; then echo "$CI_AOT_VENV"; fi
+case "$(basename "$0") $*" in
+  "aot_env.sh "|"jax_env.sh device"|"jax_env.sh newest") echo "$CI_AOT_VENV" ;;
+esac
 exit 0
 """
 
@@ -55,12 +57,23 @@ STEPS = [
                   "tests/test_deviceless.py tests/test_deviceless_partition.py "
                   "tests/test_aot_pod_deviceless.py tests/test_pallas_mosaic_gpu.py "
                   "tests/test_chips.py tests/test_deviceless_mosaic_fp8.py "
-                  "tests/test_deviceless_tpu_fp8.py tests/test_deviceless_decode.py"),
+                  "tests/test_deviceless_tpu_fp8.py tests/test_deviceless_decode.py "
+                  "tests/test_smoke.py"),
     ("python -m gmm_jax.tools.aot", "python -m gmm_jax.tools.aot --require"),
+    ("jax_env.sh device", "jax_env.sh device"),
+    ("python -m pytest", "python -m pytest -q -ra -p no:cacheprovider -o addopts= "
+                         "tests/test_smoke.py tests/test_jax_private.py "
+                         "tests/test_simulators.py tests/test_gpu_script.py"),
+    ("jax_env.sh newest", "jax_env.sh newest"),
+    ("python -m pytest", "python -m pytest -q -ra -p no:cacheprovider -o addopts= "
+                         "tests/test_smoke.py tests/test_jax_private.py "
+                         "tests/test_simulators.py"),
 ]
-# Started in the background after `python --version` and waited for before the step that
-# installs gmm_jax into that environment (`aot_env.sh`); its line may land anywhere before it.
-BACKGROUND = "aot_env.sh --deps-only"
+# Started in the background after `python --version` and waited for before the steps that
+# install gmm_jax into their environments (`aot_env.sh`, `jax_env.sh device`); their lines
+# may land anywhere before those.
+BACKGROUND = ("aot_env.sh --deps-only", "jax_env.sh device --deps-only",
+              "jax_env.sh newest --deps-only")
 
 
 def _executable(path: pathlib.Path, text: str) -> None:
@@ -74,7 +87,7 @@ def _run_ci(tmp_path: pathlib.Path, fail: str | None,
   checkout = tmp_path / "checkout"
   (checkout / ".ci").mkdir(parents=True)
   shutil.copy(ROOT / ".ci" / "run", checkout / ".ci" / "run")
-  for name in ("wheel_check.sh", "docs.sh", "aot_env.sh"):
+  for name in ("wheel_check.sh", "docs.sh", "aot_env.sh", "jax_env.sh"):
     _executable(checkout / ".ci" / name, STUB)
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()
@@ -98,21 +111,27 @@ def _run_ci(tmp_path: pathlib.Path, fail: str | None,
   return result.returncode, [line.strip() for line in log.read_text().splitlines()]
 
 
-def _foreground(log: list[str], started: bool = True, waited: bool = True) -> list[str]:
-  """The log without the background step's line, which must come once (when the run got
-  past `python --version`), before the step that waits for it. A run that stopped before
-  that wait (`waited` False) may have exited before the background step logged its line:
-  at most once then."""
-  counts = (int(started),) if waited or not started else (0, 1)
-  assert log.count(BACKGROUND) in counts, log
-  assert "aot_env.sh" not in log or log.index(BACKGROUND) < log.index("aot_env.sh"), log
-  return [line for line in log if line != BACKGROUND]
+def _foreground(log: list[str], started: bool = True, waited: tuple[str, ...] = ()) -> list[str]:
+  """The log without the background steps' lines. Each must come once (when the run got
+  past `python --version`), before the step that waits for it; the second stack's line
+  after the first's (they build one after the other). A run that stopped before a step's
+  wait (not in `waited`) may have exited before that line was logged: at most once then
+  (and a failing first stack logs no second line)."""
+  waits = {"aot_env.sh --deps-only": "aot_env.sh",
+           "jax_env.sh device --deps-only": "jax_env.sh device",
+           "jax_env.sh newest --deps-only": "jax_env.sh device"}
+  for line in BACKGROUND:
+    counts = (int(started),) if waits[line] in waited or not started else (0, 1)
+    assert log.count(line) in counts, (line, log)
+    if waits[line] in log and line in log:
+      assert log.index(line) < log.index(waits[line]), log
+  return [line for line in log if line not in BACKGROUND]
 
 
 def test_all_steps_run_in_order_and_pass(tmp_path):
   status, log = _run_ci(tmp_path, fail=None)
   assert status == 0, log
-  log = _foreground(log)
+  log = _foreground(log, waited=("aot_env.sh", "jax_env.sh device"))
   assert len(log) == len(STEPS), log
   for line, (marker, whole) in zip(log, STEPS):
     assert line.startswith(marker), (marker, line)
@@ -125,14 +144,21 @@ def test_a_failing_step_stops_ci(tmp_path, index):
   marker, whole = STEPS[index]
   status, log = _run_ci(tmp_path, fail=whole or marker, exact=whole is not None)
   assert status != 0, f"{marker!r} failed but .ci/run exited 0; it ran: {log}"
-  waits_at = [marker for marker, _ in STEPS].index("aot_env.sh")
-  log = _foreground(log, started=index > 0, waited=index >= waits_at)
+  markers = [marker for marker, _ in STEPS]
+  waited = tuple(step for step in ("aot_env.sh", "jax_env.sh device")
+                 if index >= markers.index(step))
+  log = _foreground(log, started=index > 0, waited=waited)
   assert len(log) == index + 1 and log[-1].startswith(marker), (
       f"{marker!r} failed but .ci/run went on: {log}")
 
 
-def test_a_failing_background_environment_stops_ci_before_the_deviceless_steps(tmp_path):
-  status, log = _run_ci(tmp_path, fail=BACKGROUND, exact=True)
-  assert status != 0, f"the background environment failed but .ci/run exited 0: {log}"
-  ran = _foreground(log)
-  assert ran[-1] == "docs.sh", f"the run went on past the wait for the environment: {log}"
+@pytest.mark.parametrize("background, last", [
+    ("aot_env.sh --deps-only", "docs.sh"),
+    ("jax_env.sh device --deps-only", "python -m gmm_jax.tools.aot --require"),
+    ("jax_env.sh newest --deps-only", "python -m gmm_jax.tools.aot --require")])
+def test_a_failing_background_environment_stops_ci_before_its_steps(tmp_path, background,
+                                                                     last):
+  status, log = _run_ci(tmp_path, fail=background, exact=True)
+  assert status != 0, f"{background} failed but .ci/run exited 0: {log}"
+  ran = [line for line in log if line not in BACKGROUND]
+  assert ran[-1] == last, f"the run went on past the wait for the environment: {log}"

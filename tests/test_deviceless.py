@@ -9,7 +9,6 @@ a topology that cannot be described fails.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import lowering
 from gmm_jax._src.tiling import cost_models, tuning
 from gmm_jax._src.backends import registry
 from gmm_jax._src.core.config import GmmConfig, Tiling
@@ -29,16 +29,13 @@ H200 = pathlib.Path(gmm_jax.__file__).parent / "tools" / "targets" / "nvidia_h20
 
 
 # The module that must be importable for jax to describe each kind of topology.
-COMPILER_MODULE = {"tpu": "libtpu", "gpu": "jax_plugins.xla_cuda12"}
+COMPILER_MODULE = {"tpu": "libtpu", "gpu": lowering.GPU_COMPILER}
 
 
 def _require_compiler(kind: str) -> None:
   """Skips (with the reason) only where the compiler for `kind` is not installed at all."""
   module = COMPILER_MODULE[kind]
-  try:
-    found = importlib.util.find_spec(module) is not None
-  except ModuleNotFoundError:  # its parent package (jax_plugins) is missing
-    found = False
+  found = lowering.has_gpu_compiler() if kind == "gpu" else lowering.has_module(module)
   if not found:
     pytest.skip(f"{module} is not importable: this jax install has no {kind} compiler")
 

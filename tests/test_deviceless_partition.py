@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import lowering
 from gmm_jax._src.backends import registry
 from gmm_jax._src.moe import routing
 from jax.experimental import topologies
@@ -28,12 +29,8 @@ H200 = pathlib.Path(gmm_jax.__file__).parent / "tools" / "targets" / "nvidia_h20
 
 
 def _gpu_pod(devices: int = 8):
-  try:
-    found = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:
-    found = False
-  if not found:
-    pytest.skip("jax_plugins.xla_cuda12 is not importable: this jax has no GPU compiler")
+  if not lowering.has_gpu_compiler():
+    pytest.skip(f"{lowering.GPU_COMPILER} is not importable: this jax has no GPU compiler")
   return topologies.get_topology_desc(platform="cuda", topology=f"1x1x{devices}",
                                       target_config=H200.read_text())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
+import lowering
 from lowering import has_module
 
 from gmm_jax.tools import bench_moe
@@ -30,7 +31,7 @@ def _temporaries(*blocks) -> dict[str, int]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has("jax_plugins.xla_cuda12"),
+@pytest.mark.skipif(not lowering.has_gpu_compiler(),
                     reason="needs the deviceless-compile environment (.ci/aot_env.sh)")
 def test_fused_moe_step_temporaries_on_h200():
   temp = _temporaries("moe_fused", "moe_unfused")
@@ -40,7 +41,7 @@ def test_fused_moe_step_temporaries_on_h200():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has("jax_plugins.xla_cuda12"),
+@pytest.mark.skipif(not lowering.has_gpu_compiler(),
                     reason="needs the deviceless-compile environment (.ci/aot_env.sh)")
 def test_gated_prologue_step_plans_fewer_temporaries_on_h200():
   # ExpertFFN(gated_prologue=True): the down gmm's dlhs writes z's cotangent, so neither
@@ -53,7 +54,7 @@ def test_gated_prologue_step_plans_fewer_temporaries_on_h200():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (_has("jax_plugins.xla_cuda12") and _has("libtpu")),
+@pytest.mark.skipif(not (lowering.has_gpu_compiler() and _has("libtpu")),
                     reason="needs the deviceless-compile environment (.ci/aot_env.sh)")
 def test_fused_moe_tpu_step_within_1_2x_of_the_h200_one():
   # The memory targets with the layer's defaults at the bench's shape: on one TPU v5e the

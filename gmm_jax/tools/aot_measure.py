@@ -24,6 +24,7 @@ import numpy as np
 from absl import flags
 
 from gmm_jax._src import cli
+from gmm_jax.tools import deviceless
 from gmm_jax.tools.aot_cases import CASES, MOE_TOP_K, SHAPES, build
 
 
@@ -35,6 +36,10 @@ def _define_flags() -> flags.FlagValues:
                       flag_values=fv)
   flags.DEFINE_integer("repeats", 10, "timed runs per case (after 2 warm-up runs)",
                        lower_bound=1, flag_values=fv)
+  flags.DEFINE_bool("deviceless", False,
+                    "compile each case for one chip of --target without the hardware "
+                    "instead of timing it (the device script's dry run; NaN times)",
+                    flag_values=fv)
   return fv
 
 
@@ -78,6 +83,19 @@ def measure(case, repeats: int) -> float:
     jax.block_until_ready(step(*values))
     times.append(time.perf_counter() - start)
   return float(np.median(times))
+
+
+def compile_only(target: str):
+  """A `compare` timer that compiles each case for one chip of `target` (deviceless)
+  instead of running it: NaN seconds."""
+  def timer(case, repeats: int) -> float:
+    del repeats
+    device = deviceless.chip(target)
+    fn, args = build(case, jax.sharding.SingleDeviceSharding(device))
+    with jax.default_device(device):
+      jax.jit(fn).lower(*args).compile()
+    return float("nan")
+  return timer
 
 
 def compare(rows: list[dict], target: str, repeats: int, timer=measure) -> list[dict]:
@@ -127,9 +145,18 @@ def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   args = cli.parse_flags(_define_flags(), "gmm-jax-aot-measure", argv, __doc__)
   rows = json.loads(pathlib.Path(args.rows).read_text())
-  print(f"{jax.devices()[0].device_kind}: the rows of {args.target} in {args.rows}")
-  print(table(compare(rows, args.target, args.repeats)))
-  return 0
+  if args.deviceless:
+    print(f"deviceless {args.target} (compiled, not run): the rows of {args.target} in "
+          f"{args.rows}")
+    results = compare(rows, args.target, args.repeats, compile_only(args.target))
+  else:
+    print(f"{jax.devices()[0].device_kind}: the rows of {args.target} in {args.rows}")
+    results = compare(rows, args.target, args.repeats)
+  print(table(results))
+  if not results:
+    print(f"no case of {args.target} with modelled times in {args.rows}")
+    return 1
+  return 1 if any("error" in r for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -99,6 +99,11 @@ def _define_flags() -> flags.FlagValues:
                        lower_bound=1, flag_values=fv)
   flags.DEFINE_bool("interpret", False,
                     "run Pallas kernels in interpret mode (gpu table on a CPU)", flag_values=fv)
+  flags.DEFINE_string("deviceless", None,
+                      "gpu table and --autotune: compile every program for one chip of this "
+                      "target (h100, h200, b200: `gmm_jax.tools.deviceless`) instead of "
+                      "timing it, on a machine without it (the device script's dry run)",
+                      flag_values=fv)
   flags.DEFINE_bool("proxies", False,
                     "the kernels' static proxies instead (no timing): MMA rows / useful rows, "
                     "modelled HBM bytes / ideal, grid steps, on the gpu shapes", flag_values=fv)
@@ -146,14 +151,15 @@ def _jobs(args, gpu: bool, square_given: bool):
         (f"autotune {dtype} {name(shape)}",
          lambda d=dtype, s=shape: run_autotune([s], jnp.dtype(d), "fwd+bwd" in args.modes,
                                                args.repeats, args.interpret,
-                                               args.implementation))
+                                               args.implementation,
+                                               deviceless_target=args.deviceless))
         for dtype in args.dtypes for shape in shapes]
   if gpu:
     return gpu_header(), [
         (f"{dtype} {name(shape)} {dist}",
          lambda c=(dtype, shape, dist): [format_gpu_row(row) for row in run_gpu_case(
              jnp.dtype(c[0]), c[1], c[2], args.modes, args.implementation, args.repeats,
-             args.interpret)])
+             args.interpret, deviceless_target=args.deviceless)])
         for dtype in args.dtypes for shape in shapes for dist in args.sizes]
   return header(), [
       (f"{dtype} M={m} K=N={kn} G={g} {dist}",
@@ -180,8 +186,12 @@ def main(argv=None) -> int:
   for name, value in PLATFORM_DEFAULTS[platform].items():
     if getattr(args, name) is None:
       setattr(args, name, value)
-  print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
-        f"{jax.devices()[0].device_kind}; times are the minimum of {args.repeats} runs")
+  if args.deviceless:
+    print(f"jax {jax.__version__}: every program compiled for one {args.deviceless} "
+          "without the hardware (deviceless), nothing timed")
+  else:
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, "
+          f"{jax.devices()[0].device_kind}; times are the minimum of {args.repeats} runs")
   head, jobs = _jobs(args, platform in ("gpu", "tpu"), square_given)
   print(head, flush=True)
   bar = cli.Progress(len(jobs), cli.show_progress(args))

@@ -17,6 +17,7 @@ from gmm_jax import autotune, gmm
 from gmm_jax._src.backends import registry
 from gmm_jax._src.core.config import GmmConfig, Problem
 from gmm_jax._src.tiling import tuning
+from gmm_jax.tools import deviceless
 from gmm_jax.tools.bench_host import fmt, fwd_bwd, group_sizes, time_fn
 
 
@@ -45,8 +46,9 @@ def _gpu_candidates(dtype, implementation, interpret):
   fns = {"gmm": ours, "ragged": ragged, "dense": dense}
   tokamax_ragged_dot = _tokamax_ragged_dot()
   if tokamax_ragged_dot is not None:
-    fns["tokamax"] = lambda x, w, gs: tokamax_ragged_dot(
-        x, w, gs, preferred_element_type=acc).astype(dtype)
+    # In the operands' dtype, as gmm: tokamax's kernels accumulate in f32 themselves, and its
+    # backward refuses a cotangent (an f32 result's) of another dtype than the weights.
+    fns["tokamax"] = lambda x, w, gs: tokamax_ragged_dot(x, w, gs, preferred_element_type=dtype)
   return fns
 
 
@@ -74,27 +76,54 @@ class GpuRow:
   implementation: str = ""
 
 
-def run_gpu_case(dtype, shape, distribution, modes=("fwd", "fwd+bwd"),
-                 implementation=None, repeats=10, interpret=False, seed=0):
-  """Times one MoE shape on the default device: gmm (the dispatcher's choice unless
-  `implementation`), jax.lax.ragged_dot, a dense matmul of the same FLOPs and tokamax's
-  ragged_dot when importable. Returns a `GpuRow` per mode (a candidate that fails to compile
-  or run is recorded as None)."""
-  m, k, n, num_groups = MOE_SHAPES[shape] if isinstance(shape, str) else shape
-  name = shape if isinstance(shape, str) else f"{m}x{k}x{n}x{num_groups}"
+def _operands(dtype, m, k, n, num_groups, distribution, seed, deviceless_target):
+  """lhs, rhs, group sizes and a cotangent of one row (abstract, on one chip of a deviceless
+  target, where one is given)."""
+  if deviceless_target is not None:
+    return deviceless.on_chip(deviceless_target, (
+        jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((num_groups, k, n), dtype),
+        jax.ShapeDtypeStruct((num_groups,), jnp.int32),
+        jax.ShapeDtypeStruct((m, n), jnp.float32)))
   rng = np.random.default_rng(seed)
   lhs = jnp.asarray(rng.standard_normal((m, k), np.float32), dtype)
   rhs = jnp.asarray(rng.standard_normal((num_groups, k, n), np.float32) / np.sqrt(k), dtype)
   sizes = jnp.asarray(group_sizes(m, num_groups, distribution, seed))
   cot = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.float32)
-  fns = _gpu_candidates(dtype, implementation, interpret)
-  # Correctness on the same operands: gmm against ragged_dot (both f32-accumulated), relative
-  # to the largest |ragged_dot| entry.
+  return lhs, rhs, sizes, cot
+
+
+def _check(fns, lhs, rhs, sizes, deviceless_target):
+  """(gmm's implementations, its error against ragged_dot relative to the largest |ragged_dot|
+  entry, both f32-accumulated); deviceless: the implementations the compile chose, no
+  error."""
+  if deviceless_target is not None:
+    with registry.record() as decisions:
+      deviceless.compile_for(deviceless_target, fns["gmm"], (lhs, rhs, sizes))
+    return ",".join(sorted({d.implementation for d in decisions})), None
   want = jax.jit(fns["ragged"])(lhs, rhs, sizes).astype(jnp.float32)
   with registry.record() as decisions:
     got = jax.jit(fns["gmm"])(lhs, rhs, sizes).astype(jnp.float32)
   chosen = ",".join(sorted({d.implementation for d in decisions}))
-  error = float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
+  return chosen, float(jnp.max(jnp.abs(got - want))
+                       / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
+
+
+def run_gpu_case(dtype, shape, distribution, modes=("fwd", "fwd+bwd"),
+                 implementation=None, repeats=10, interpret=False, seed=0,
+                 deviceless_target=None):
+  """Times one MoE shape on the default device: gmm (the dispatcher's choice unless
+  `implementation`), jax.lax.ragged_dot, a dense matmul of the same FLOPs and tokamax's
+  ragged_dot when importable. Returns a `GpuRow` per mode (a candidate that fails to compile
+  or run is recorded as None). With `deviceless_target` (a name of `deviceless.TARGETS`)
+  every candidate is compiled for one chip of it instead (NaN seconds, no error)."""
+  m, k, n, num_groups = MOE_SHAPES[shape] if isinstance(shape, str) else shape
+  name = shape if isinstance(shape, str) else f"{m}x{k}x{n}x{num_groups}"
+  lhs, rhs, sizes, cot = _operands(dtype, m, k, n, num_groups, distribution, seed,
+                                   deviceless_target)
+  fns = _gpu_candidates(dtype, implementation, interpret)
+  chosen, error = _check(fns, lhs, rhs, sizes, deviceless_target)
+  time_fn_of = (time_fn if deviceless_target is None
+                else deviceless.compiling_timer(deviceless_target))
   out = []
   for mode in modes:
     seconds = {}
@@ -104,7 +133,7 @@ def run_gpu_case(dtype, shape, distribution, modes=("fwd", "fwd+bwd"),
       else:
         compiled, args = jax.jit(fwd_bwd(fn)), (lhs, rhs, sizes, cot)
       try:
-        seconds[candidate] = time_fn(compiled, args, repeats)
+        seconds[candidate] = time_fn_of(compiled, args, repeats)
       except Exception as err:  # noqa: BLE001 - report and go on with the others
         print(f"# {candidate} {mode} {name} {distribution} failed: "
               f"{type(err).__name__}: {str(err)[:300]}", flush=True)
@@ -137,9 +166,11 @@ def format_gpu_row(row: GpuRow) -> str:
 
 
 def run_autotune(shapes, dtype, backward: bool, repeats: int, interpret: bool = False,
-                 implementation=None, candidates=None) -> list[str]:
+                 implementation=None, candidates=None, deviceless_target=None) -> list[str]:
   """`gmm_jax.autotune` on MoE shapes (balanced and skewed routing as the representative
-  distributions); one Markdown row per tuned gmm."""
+  distributions); one Markdown row per tuned gmm. With `deviceless_target` the candidates
+  are compiled for one chip of it instead of timed (`autotune`'s deviceless `device`)."""
+  device = None if deviceless_target is None else deviceless.chip(deviceless_target)
   rows = []
   for shape in shapes:
     m, k, n, g = MOE_SHAPES[shape] if isinstance(shape, str) else shape
@@ -148,7 +179,7 @@ def run_autotune(shapes, dtype, backward: bool, repeats: int, interpret: bool = 
     try:
       results = autotune(m, k, n, g, dtype=dtype, group_sizes=sizes, backward=backward,
                          repeats=repeats, interpret=interpret, implementation=implementation,
-                         candidates=candidates)
+                         candidates=candidates, device=device)
     except Exception as err:  # noqa: BLE001 - report and go on with the other shapes
       rows.append(f"| {name} | - | failed: {type(err).__name__}: {str(err)[:200]} | | | | |")
       continue

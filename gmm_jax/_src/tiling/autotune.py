@@ -6,6 +6,7 @@ Floor 6: uses the public gmm, and the tuning floor for the problem keys and the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -91,7 +92,7 @@ def autotune(m: int, k: int, n: int, num_groups: int, *, group_type: str = "m",
              group_sizes: Sequence | None = None, backward: bool = False,
              implementation=None, candidates: Sequence[Tiling] | None = None,
              repeats: int = 5, interpret: bool = False, cache=None,
-             write: bool = True, seed: int = 0) -> tuple[TuneResult, ...]:
+             write: bool = True, seed: int = 0, device=None) -> tuple[TuneResult, ...]:
   """Times candidate tilings of one gmm on the default device and caches the fastest.
 
   Builds random operands of the given shapes, finds the `Problem` that gmm would run
@@ -122,6 +123,11 @@ def autotune(m: int, k: int, n: int, num_groups: int, *, group_type: str = "m",
     cache: the cache file (default as above).
     write: store the results (False: only measure).
     seed: the operands' random seed.
+    device: the device to tune for (default: the default device). A device of a deviceless
+      topology (`jax.experimental.topologies`, e.g. an H100's described on a CPU host)
+      compiles the default and every candidate for that chip instead of timing them: each
+      time is NaN and nothing is cached, and a candidate that fails to compile fails
+      here as it would on the chip (a check of a sweep before it runs on the hardware).
 
   Returns:
     One `TuneResult` per tuned gmm ("fwd", then "dlhs" and "drhs" with backward=True).
@@ -144,9 +150,18 @@ def autotune(m: int, k: int, n: int, num_groups: int, *, group_type: str = "m",
                  interpret=interpret)
   counts = [jnp.asarray(s) for s in distributions]
   program = functools.partial(_program, weights_differentiable=weight_dtype is None)
+  timer, context = min_wall_time, contextlib.nullcontext()
+  if device is not None and _deviceless(device):
+    (lhs, rhs), counts = _abstract_on(device, (lhs, rhs)), _abstract_on(device, counts)
+    timer, context, write = _compiling(device), jax.default_device(device), False
+  elif device is not None:
+    (lhs, rhs), counts = jax.device_put((lhs, rhs), device), jax.device_put(counts, device)
+    context = jax.default_device(device)
   results = []
   for role in (ROLES if backward else ("fwd",)):
-    result = _tune_role(role, program, options, (lhs, rhs), counts, candidates, repeats)
+    with context:
+      result = _tune_role(role, program, options, (lhs, rhs), counts, candidates, repeats,
+                          timer)
     results.append(result)
     if write:
       tuning.cache_store(result.problem, result.best, {
@@ -155,6 +170,32 @@ def autotune(m: int, k: int, n: int, num_groups: int, *, group_type: str = "m",
           "jax": jax.__version__, "date": datetime.date.today().isoformat(),
           "candidates": len(result.timings)}, None if cache is None else pathlib.Path(cache))
   return tuple(results)
+
+
+def _deviceless(device) -> bool:
+  """Whether `device` is described without the hardware (none of this process's devices)."""
+  try:
+    return device not in jax.local_devices(backend=device.platform)
+  except RuntimeError:  # no runtime backend for its platform in this process
+    return True
+
+
+def _abstract_on(device, tree):
+  """`tree`'s arrays (QArrays' too) as abstract values on `device`."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                      tree)
+
+
+def _compiling(device):
+  """`min_wall_time`'s signature, compiling the program for a deviceless `device` instead
+  of running it (NaN seconds)."""
+  def timer(fn, args, repeats: int = 1) -> float:
+    del repeats
+    with jax.default_device(device):
+      fn.lower(*args).compile()
+    return float("nan")
+  return timer
 
 
 def _distributions(grouped: int, num_groups: int, group_sizes) -> list[np.ndarray]:
@@ -206,7 +247,7 @@ def _program(tilings, role: str, gmm_options: dict, *, weights_differentiable: b
 
 
 def _tune_role(role: str, program, options: dict, operands, counts, candidates,
-               repeats: int) -> TuneResult:
+               repeats: int, timer=None) -> TuneResult:
   """Times the default and each candidate tiling of the `role` gmm, with the implementation
   that serves it pinned."""
   lhs, rhs = operands
@@ -221,7 +262,7 @@ def _tune_role(role: str, program, options: dict, operands, counts, candidates,
   def run_with(tiling):
     choose = lambda p, t=tiling: t if p == problem else None
     fn = program(Tilings(**{role: choose}), role, pinned)
-    return sum(min_wall_time(fn, (lhs, rhs, c), repeats) for c in counts)
+    return sum((timer or min_wall_time)(fn, (lhs, rhs, c), repeats) for c in counts)
 
   default_seconds = run_with(None)
   timings = []
@@ -235,6 +276,7 @@ def _tune_role(role: str, program, options: dict, operands, counts, candidates,
   if not measured:
     raise ValueError(f"no candidate tiling ran for {problem}: "
                      f"{[t for t, _ in timings]}")
+  # (NaN times, a deviceless sweep's, compare false: the first candidate that compiled.)
   seconds, best = min(measured, key=lambda st: st[0])
   return TuneResult(role, problem, best, seconds, default_seconds, tuple(timings))
 
