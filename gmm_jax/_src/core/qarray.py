@@ -303,23 +303,38 @@ def quantize(x, dtype, *, channelwise_axes: Sequence[int] = (),
   if zero_point:
     low = jnp.minimum(jnp.min(blocks, axis=reduce_axes), 0.0)
     high = jnp.maximum(jnp.max(blocks, axis=reduce_axes), 0.0)
-    scale = (high - low) / (qmax - qmin)
+    scale = (high - low) * _reciprocal(qmax - qmin)
   else:
-    scale = jnp.max(jnp.abs(blocks), axis=reduce_axes) / (qmax if bound is None else bound)
+    scale = jnp.max(jnp.abs(blocks), axis=reduce_axes) * _reciprocal(
+        qmax if bound is None else bound)
   scale = stored_scale(scale, scale_dtype)
-  scale_f32 = scale.astype(jnp.float32)
-  full_scale = broadcast_scale(scale_f32, x.shape, tile)
-  zp = None
-  if zero_point:
-    zp_f32 = jnp.clip(jnp.round(qmin - low / scale_f32), qmin, qmax)
-    zp = zp_f32.astype(dtype)
-    q = jnp.round(xf / full_scale) + broadcast_scale(zp_f32, x.shape, tile)
-  elif is_integer_dtype(dtype):
-    q = jnp.round(xf / full_scale)
-  else:
-    q = xf / full_scale  # the cast rounds to nearest even
-  q = jnp.clip(q, qmin, qmax).astype(dtype)
-  return QArray(q, scale, zp, tile=tile)
+  q, zp = _scaled_values(xf, scale.astype(jnp.float32), tile, dtype,
+                         low if zero_point else None)
+  return QArray(jnp.clip(q, qmin, qmax).astype(dtype), scale, zp, tile=tile)
+
+
+def _scaled_values(xf, scale_f32, tile, dtype, low):
+  """f32 `xf` in units of its scale, rounded for an integer `dtype` and offset by the
+  integer zero point of an asymmetric one (whose tiles' minimum is `low`), not yet
+  clipped; and that zero point (None if symmetric)."""
+  if not is_integer_dtype(dtype):
+    return xf / broadcast_scale(scale_f32, xf.shape, tile), None  # the cast rounds (RNE)
+  # x times the scale's f32 reciprocal: XLA turns a division by a broadcast scale into that
+  # product on jax <= 0.12.0.1 (so qwix's, MaxText's, values) but not on 0.12.1, which
+  # moves values on rounding ties (qwix's bound 127.5 makes many). Written out, it is the
+  # same on every version.
+  q = jnp.round(xf * broadcast_scale(1.0 / scale_f32, xf.shape, tile))
+  if low is None:
+    return q, None
+  qmin, qmax = _qrange(dtype)
+  zp = jnp.clip(jnp.round(qmin - low / scale_f32), qmin, qmax)
+  return q + broadcast_scale(zp, xf.shape, tile), zp.astype(dtype)
+
+
+def _reciprocal(value: float) -> np.float32:
+  """1 / value rounded to f32: the product XLA makes of a division by a constant on every
+  jax version, written out so that none can differ."""
+  return np.float32(1) / np.float32(value)
 
 
 def _check_tiled(tiled_axes, channelwise: tuple[int, ...], ndim: int) -> dict[int, int]:
