@@ -16,6 +16,7 @@ those are stored as unsigned integers of the same width and viewed back.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -77,36 +78,69 @@ CASES = {
     # tokamax's gmm (MaxText asks for implementation="mosaic", see SUBSTITUTE)
     "tokamax": dict(use_tokamax_gmm=True),
     "int8_qwix": dict(FIT_TILES, quantization="int8", use_qwix_quantization=True),
+    # MaxText's quantized tokamax path: its megablox ops.gmm (custom_vjp) quantizing with
+    # qwix and calling tokamax.ragged_dot / ragged_dot_general for the three gmms
+    "tokamax_int8": dict(FIT_TILES, quantization="int8", use_tokamax_gmm=True),
 }
 
 # Keyword values replaced in a case's calls of an API, in the recording, the replay and the
 # live runs alike: MaxText's tokamax path asks for tokamax's Mosaic kernel, which runs on a
 # TPU only (on the CPU tokamax raises "Unsupported TPU device kind: cpu", and compat.tokamax
 # NotImplementedError), so tokamax's XLA implementation stands in for it.
-SUBSTITUTE = {"tokamax": {"tokamax.ragged_dot": {"implementation": "xla"},
-                          "tokamax.ragged_dot_general": {"implementation": "xla"}}}
+TOKAMAX_ON_CPU = {"tokamax.ragged_dot": {"implementation": "xla"},
+                  "tokamax.ragged_dot_general": {"implementation": "xla"}}
+SUBSTITUTE = {case: TOKAMAX_ON_CPU for case in ("tokamax", "tokamax_int8")}
 
-def substituted(module, case: str):
+
+def substituted(module, case: str | None = None):
   """`module` (tokamax or compat.tokamax) with the case's SUBSTITUTE applied to its
-  functions; the module itself when the case has none."""
-  subs = {api.split(".", 1)[1]: kwargs for api, kwargs in SUBSTITUTE.get(case, {}).items()}
+  functions (the module itself when the case has none); with no case, TOKAMAX_ON_CPU (for
+  MaxText's own variants of a case, which may take its tokamax path)."""
+  subs = SUBSTITUTE.get(case, {}) if case is not None else TOKAMAX_ON_CPU
   if not subs:
     return module
   proxy = types.SimpleNamespace(**{k: getattr(module, k) for k in dir(module)
                                    if not k.startswith("__")})
-  for name, kwargs in subs.items():
-    fn = getattr(module, name)
-    setattr(proxy, name, functools.partial(_call_with, fn, kwargs))
+  for api, kwargs in subs.items():
+    name = api.split(".", 1)[1]
+    setattr(proxy, name, functools.partial(call_with, getattr(module, name), kwargs))
   return proxy
 
 
-def _call_with(fn, forced, *args, **kwargs):
+def call_with(fn, forced, *args, **kwargs):
+  """fn called with `forced` keyword values over the given ones."""
   return fn(*args, **dict(kwargs, **forced))
+
+
+@contextlib.contextmanager
+def maxtext_tokamax(layer_module, ops_module, case: str | None = None):
+  """MaxText's layer (``maxtext.layers.moe``) calling `layer_module` as tokamax and its
+  megablox ops.gmm (``maxtext.kernels.megablox.ops``, MaxText's quantized tokamax path)
+  calling `ops_module`, each `substituted` for `case`."""
+  from maxtext.kernels.megablox import ops  # pylint: disable=import-outside-toplevel
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+  saved = moe.tokamax, ops.tokamax
+  moe.tokamax, ops.tokamax = substituted(layer_module, case), substituted(ops_module, case)
+  try:
+    yield
+  finally:
+    moe.tokamax, ops.tokamax = saved
 
 
 # The APIs a record may name, and the module MaxText's layer reaches each through.
 TOP_LEVEL = ("mblx.gmm", "tokamax.ragged_dot", "tokamax.ragged_dot_general")
 KERNEL_LEVEL = ("backend.gmm", "backend.tgmm")
+
+# The module of MaxText's megablox ops.gmm (a custom_vjp): the tokamax calls made from it
+# (its quantized tokamax path) are its kernels, not differentiated themselves.
+MEGABLOX_OPS = "maxtext.kernels.megablox.ops"
+
+
+def is_top_level(record: dict) -> bool:
+  """Whether moe.py made the call itself (its vjp is MaxText's gradient of it); a tokamax
+  call made from megablox's ops.gmm is one of that function's kernels. Records made before
+  the caller was kept have no "caller": the API decides."""
+  return record["api"] in TOP_LEVEL and record.get("caller") != MEGABLOX_OPS
 
 
 # --- tolerances ----------------------------------------------------------------------------
@@ -144,6 +178,45 @@ def assert_grads_close(actual, expected, what: str = "") -> None:
   diff = relative_norm_diff(actual, expected)
   assert diff < GRAD_RELATIVE_NORM, (
       f"{what}: relative norm difference {diff:.3e} >= {GRAD_RELATIVE_NORM}")
+
+
+# A quantized case is held to its own noise instead: how far MaxText's result moves when
+# only its f32 rounding does (the same quantization, the same math: other tiles, or its
+# other kernels). compare_tree's 1e-2 cannot tell a weight gradient taken at the quantized
+# lhs, as MaxText takes it, from one at the float lhs (0.5-1% apart at int8).
+NOISE_FACTOR = 3.0
+
+
+def call_variants(values: dict) -> dict:
+  """MaxText's own variants of one recorded call, as keyword changes: its tiles halved,
+  and its other backend (megablox's kernels for tokamax's, and back)."""
+  variants = {}
+  if isinstance(values.get("tiling"), (tuple, list)):
+    variants["tiles"] = {"tiling": tuple(max(int(t) // 2, 8) for t in values["tiling"])}
+  if "use_tokamax_backend" in values:
+    variants["backend"] = {"use_tokamax_backend": not values["use_tokamax_backend"]}
+  return variants
+
+
+def layer_variants(overrides: dict) -> dict:
+  """MaxText's own variants of a case's layer, as config overrides (as `call_variants`)."""
+  tiles = {k: max(int(v) // 2, 8) for k, v in overrides.items() if "_tile_" in k}
+  return {"tiles": dict(overrides, **tiles),
+          "backend": dict(overrides, use_tokamax_gmm=not overrides.get("use_tokamax_gmm"))}
+
+
+def spread(variants: dict, reference: dict) -> dict:
+  """{tensor: the largest relative norm difference of a variant's from the reference's}
+  for `variants` {name: {tensor: array}}."""
+  return {key: max(relative_norm_diff(got[key], value) for got in variants.values())
+          for key, value in reference.items()}
+
+
+def assert_within_noise(actual, expected, noise: float, what: str = "") -> None:
+  diff = relative_norm_diff(actual, expected)
+  assert diff <= NOISE_FACTOR * noise, (
+      f"{what}: relative norm difference {diff:.3e} > {NOISE_FACTOR:g} x MaxText's own "
+      f"{noise:.3e}")
 
 
 # --- arrays with their exact bits in npz ---------------------------------------------------
@@ -205,6 +278,13 @@ def encode(value, arrays: dict) -> Any:
     return {"__dtype__": np.dtype(value).name}
   if isinstance(value, jax.lax.Precision):
     return {"__precision__": value.name}
+  if isinstance(value, jax.lax.RaggedDotDimensionNumbers):
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = value.dot_dimension_numbers
+    return {"__ragged_dot_dims__": {
+        "dot_dimension_numbers": [[list(lhs_contract), list(rhs_contract)],
+                                  [list(lhs_batch), list(rhs_batch)]],
+        "lhs_ragged_dimensions": list(value.lhs_ragged_dimensions),
+        "rhs_group_dimensions": list(value.rhs_group_dimensions)}}
   if isinstance(value, (tuple, list)):
     items = [encode(v, arrays) for v in value]
     return {"__tuple__": items} if isinstance(value, tuple) else items
@@ -240,6 +320,14 @@ def decode(obj, arrays, *, qarray: Callable, group_sizes: Callable | None = None
     return jnp.dtype(obj["__dtype__"])
   if "__precision__" in obj:
     return jax.lax.Precision[obj["__precision__"]]
+  if "__ragged_dot_dims__" in obj:
+    dims = obj["__ragged_dot_dims__"]
+    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dims["dot_dimension_numbers"]
+    return jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=((tuple(lhs_contract), tuple(rhs_contract)),
+                               (tuple(lhs_batch), tuple(rhs_batch))),
+        lhs_ragged_dimensions=list(dims["lhs_ragged_dimensions"]),
+        rhs_group_dimensions=list(dims["rhs_group_dimensions"]))
   if "__tuple__" in obj:
     return tuple(again(o) for o in obj["__tuple__"])
   if "__qarray__" in obj:

@@ -243,6 +243,37 @@ def test_quantized_rhs_as_tokamax_takes_it():
   np.testing.assert_allclose(f64(out), want, **tolerances(jnp.float32, k=16, scale=16.0))
 
 
+@pytest.mark.parametrize("api", ["ragged_dot", "trans_rhs"])
+def test_quantized_operands_on_xla_are_dequantized_first(api):
+  """With implementation="xla", QArrays are dequantized in their scale's dtype before the
+  product, as tokamax's XLA implementation does (its ``quantization.as_array``, qwix's
+  ``dequantize``): with bf16 scales each value is rounded to bf16, which the product of
+  the quantized values times the scales (gmm's scaled mode) is not, by far more than the
+  f32 tolerance. MaxText's quantized tokamax path makes these calls."""
+  lhs, rhs, sizes = _inputs(5)
+  x = gmm_jax.quantize(lhs, jnp.int8, channelwise_axes=(0,), scale_dtype=jnp.bfloat16)
+  if api == "trans_rhs":
+    rhs = jnp.swapaxes(rhs, 1, 2)  # [G, N, K]
+  w = gmm_jax.quantize(rhs, jnp.int8, channelwise_axes=(0, 1 if api == "trans_rhs" else 2),
+                       scale_dtype=jnp.bfloat16)
+  kwargs = dict(preferred_element_type=jnp.float32, implementation="xla")
+  got = _jit(lambda: tk.ragged_dot(x, w, sizes, **kwargs) if api == "ragged_dot" else
+             tk.ragged_dot_general(x, w, sizes, DIMS["trans_rhs"], **kwargs))
+
+  def oracle(q, in_bf16):
+    exact = dequantize(q)  # q * scale, exact in f32 for int8 values and bf16 scales
+    return f64(jnp.asarray(exact, jnp.float32).astype(jnp.bfloat16)) if in_bf16 else exact
+
+  def want(in_bf16):
+    weights = oracle(w, in_bf16)
+    weights = np.swapaxes(weights, 1, 2) if api == "trans_rhs" else weights
+    return gmm_oracle(oracle(x, in_bf16), weights, np.asarray(sizes), "m")
+
+  tol = tolerances(jnp.float32, k=16, scale=16.0)
+  np.testing.assert_allclose(f64(got), want(True), **tol)
+  assert not np.allclose(f64(got), want(False), **tol)
+
+
 def test_mismatched_reduction_dimensions_raise_value_error():
   lhs, rhs, sizes = _inputs()
   with pytest.raises(ValueError, match="reduction dimension"):

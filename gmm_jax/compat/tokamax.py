@@ -31,6 +31,13 @@ calls them. Where the two differ, by design:
   (tokamax raises an ExceptionGroup); a name whose gmm_jax backends are not registered in
   this installation falls through like an implementation that cannot serve the call
   (tokamax raises ValueError for it).
+
+Quantized operands (qwix ``QArray``s, as MaxText's quantized tokamax path passes them, or
+gmm_jax's) with ``implementation="xla"`` are multiplied as tokamax's XLA implementation
+multiplies them: dequantized first, in their scale's dtype, and an rhs ``[G, N, K]``
+contracted as ``[G, K, N]`` (as ``jax.lax.ragged_dot_general`` contracts it), so that
+MaxText's calls give tokamax's bits (`_as_tokamax_xla`). Other implementations take them as
+`gmm_jax.gmm` does.
 """
 
 from __future__ import annotations
@@ -215,10 +222,33 @@ def _check_reduction_dims(lhs, rhs, dims) -> None:
                        f"the reduction dimension {dim2} of rhs {np.shape(rhs)}")
 
 
+def _dequantized(x):
+  """A QArray (qwix's or gmm_jax's) as tokamax's ``quantization.as_array`` makes it: qwix's
+  ``dequantize``, the values times the scale in the scale's dtype; an array as it is."""
+  if hasattr(x, "qvalue") and hasattr(x, "scale"):
+    return gmm_jax.dequantize(x, x.scale.dtype)
+  return x
+
+
+def _as_tokamax_xla(lhs, rhs, dims):
+  """The operands of tokamax's XLA implementation as it multiplies them: quantized ones
+  dequantized first (it multiplies floats, where gmm_jax's quantized modes multiply the
+  quantized values and scale the product: the same up to f32 rounding, which a quantized
+  gmm that follows can turn into a different rounding of its input), and an rhs
+  ``[G, N, K]`` as ``[G, K, N]`` (jax.lax.ragged_dot_general contracts it so; gmm's
+  transposed-rhs path sums in another order). Returns (lhs, rhs, dims)."""
+  lhs, rhs = _dequantized(lhs), _dequantized(rhs)
+  if dims == _TRANS_RHS_DIMS and np.ndim(lhs) == 2 and np.ndim(rhs) == 3:
+    rhs, dims = jnp.swapaxes(rhs, 1, 2), _DEFAULT_DIMS
+  return lhs, rhs, dims
+
+
 def _gmm_step(lhs, rhs, sizes, dims, names, precision, preferred_element_type, group_offset,
               activation, fuse_gateup_activation):
   """One gmm_jax call: the gmm itself for an lhs ``[M, K]`` with ragged rows (the activation
   fused in the f32 accumulator), else gmm_jax.ragged_dot_general."""
+  if names == ("xla",):
+    lhs, rhs, dims = _as_tokamax_xla(lhs, rhs, dims)
   gated = None
   if fuse_gateup_activation is not None:
     ragged_rows = (np.ndim(lhs) == 2 and np.ndim(rhs) == 3
