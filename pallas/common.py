@@ -501,8 +501,11 @@ def quantize_rows(x, dtype):
   scales): (values, f32 scales ``[rows, 1]``)."""
   top = float(jnp.finfo(dtype).max)
   x = x.astype(jnp.float32)
-  scale = stored_scale(jnp.max(jnp.abs(x), axis=1, keepdims=True) / top, jnp.float32)
-  return jnp.clip(x / scale, -top, top).astype(dtype), scale
+  # Products with f32 reciprocals, as `quantize` writes them (no compiler rewrites a
+  # division differently then: the same bits on every jax and backend).
+  scale = stored_scale(jnp.max(jnp.abs(x), axis=1, keepdims=True)
+                       * (np.float32(1) / np.float32(top)), jnp.float32)
+  return jnp.clip(x * (1.0 / scale), -top, top).astype(dtype), scale
 
 
 def gated_cotangent_tiles(pair, gate, up, ct):

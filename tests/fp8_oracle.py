@@ -1,10 +1,12 @@
 """A numpy oracle of fp8 training's blockwise formula (independent of gmm_jax).
 
-Quantization: per block, ``scale = max|x| / 448`` (E4M3; 57344 for E5M2; 1 for an all-zero
-block), values ``round_to_nearest_even(clip(x / scale))`` in the 8-bit float (ml_dtypes),
-computed in f32. XLA may round a few values to the neighbouring fp8 value (it rewrites the
-division), so the formula's tests feed the oracle the library's quantized blocks (read by
-numpy: `expand`) and test the quantization against `quantize_blocks` separately.
+Quantization: per block, ``scale = max|x| * f32(1 / 448)`` (E4M3; 57344 for E5M2; 1 for an
+all-zero block), values ``round_to_nearest_even(clip(x * f32(1 / scale)))`` in the 8-bit
+float (ml_dtypes), computed in f32: the library's formula, which writes its divisions as
+products with f32 reciprocals so that every jax gives the same bits (XLA rewrote a division
+by a broadcast scale into that product up to jax 0.12.0.1; 0.12.1 divides exactly). The
+formula's tests feed the oracle the library's quantized blocks (read by numpy: `expand`)
+and test the quantization against `quantize_blocks` separately.
 
 Products: per group, the dequantized operands (values times their block scales, in
 float64) multiplied in float64, which is the sum over contraction blocks of the block
@@ -38,11 +40,11 @@ def quantize_blocks(x, dtype, blocks, e8m0: bool = False) -> np.ndarray:
     block = x[index]
     if block.size == 0:
       continue
-    scale = np.float32(np.max(np.abs(block)) / np.float32(top))
+    scale = np.float32(np.max(np.abs(block)) * (np.float32(1) / np.float32(top)))
     scale = np.float32(1.0) if scale == 0 else scale
     if e8m0:
       scale = _power_of_2_up(scale)
-    values = np.clip(block / scale, -top, top).astype(dtype)
+    values = np.clip(block * (np.float32(1) / scale), -top, top).astype(dtype)
     out[index] = values.astype(np.float64) * np.float64(scale)
   return out
 

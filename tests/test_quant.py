@@ -864,3 +864,61 @@ def test_16bit_scales(scale_dtype):
   got = gmm_jax.gmm(x, q, SIZES)
   check(got, np_gmm(x, np_dequantize(q), SIZES) * row_mask(SIZES, M), rtol=1e-5)
   assert rel_error(got, np_gmm(x, w, SIZES) * row_mask(SIZES, M)) <= 0.015
+
+
+def _np_quantize_rows(x, dtype, bound, reciprocal=True):
+  """numpy's f32 arithmetic of `quantize`'s formula, per row: scale = absmax times the f32
+  reciprocal of the bound (1 for an all-zero row), values = x times the scale's f32
+  reciprocal (`reciprocal`; else divided by it), rounded half to even (integers) or by the
+  8-bit float cast (RNE), clipped."""
+  x = np.asarray(x, np.float32)
+  scale = np.max(np.abs(x), axis=1, keepdims=True) * (np.float32(1) / np.float32(bound))
+  scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+  scaled = (x * (np.float32(1) / scale) if reciprocal else x / scale).astype(np.float32)
+  if np.issubdtype(dtype, np.integer):
+    info = np.iinfo(dtype)
+    return np.clip(np.round(scaled), info.min, info.max).astype(dtype), scale
+  top = float(ml_dtypes.finfo(dtype).max)
+  return np.clip(scaled, -top, top).astype(dtype), scale
+
+
+def _ties(dtype, bound, rng):
+  """Rows whose values sit on rounding ties in units of their scale: halves (integers) or
+  midpoints between neighbouring 8-bit floats, times each row's scale, and the row's
+  absmax at the bound (so its scale is absmax times the bound's reciprocal)."""
+  if np.issubdtype(dtype, np.integer):
+    steps = rng.integers(-254, 255, size=(64, 127)) / 2.0
+  else:  # a positive 8-bit float below the largest and the next one (its bits plus one)
+    grid = np.float32(ml_dtypes.finfo(dtype).max) * rng.uniform(0.01, 0.9, size=(64, 127))
+    below = grid.astype(dtype)
+    above = (below.view(np.uint8) + np.uint8(1)).view(dtype)
+    steps = (below.astype(np.float64) + above.astype(np.float64)) / 2
+    steps = steps * rng.choice([-1.0, 1.0], size=steps.shape)
+  absmax = rng.uniform(0.5, 4.0, size=(64, 1))
+  scale = (absmax.astype(np.float32) * (np.float32(1) / np.float32(bound))).astype(np.float32)
+  x = np.concatenate([absmax, steps * scale], axis=1).astype(np.float32)
+  x[3] = 0.0  # an all-zero row: scale 1
+  return x
+
+
+@pytest.mark.parametrize("dtype, bound", [
+    (np.dtype(np.int8), 127.5), (np.dtype(np.int8), None),
+    (np.dtype(ml_dtypes.float8_e4m3fn), None), (np.dtype(ml_dtypes.float8_e5m2), None)])
+def test_quantized_bits_are_the_formulas_on_every_jax(dtype, bound):
+  """The same bits on every supported jax: `quantize` writes its divisions as products with
+  f32 reciprocals (XLA rewrote a division by a broadcast scale into that product up to jax
+  0.12.0.1 and divides exactly from 0.12.1), so numpy's f32 arithmetic of the formula is
+  met bit for bit. The values sit on rounding ties (halves of the scale with qwix's int8
+  bound 127.5, midpoints between 8-bit floats), where dividing instead rounds some of them
+  the other way: the data holds such values, so a quantizer that divided would fail here
+  on the jax that divides exactly."""
+  top = bound if bound is not None else (
+      float(np.iinfo(dtype).max) if np.issubdtype(dtype, np.integer)
+      else float(ml_dtypes.finfo(dtype).max))
+  x = _ties(dtype, top, np.random.default_rng(41))
+  values, scale = _np_quantize_rows(x, dtype, top)
+  divided, _ = _np_quantize_rows(x, dtype, top, reciprocal=False)
+  assert np.sum(values.view(np.uint8) != divided.view(np.uint8)) >= 10  # ties that matter
+  got = quantize(jnp.asarray(x), jnp.dtype(dtype), channelwise_axes=(0,), bound=bound)
+  np.testing.assert_array_equal(np.asarray(got.scale).reshape(scale.shape), scale)
+  np.testing.assert_array_equal(np.asarray(got.qvalue).view(np.uint8), values.view(np.uint8))

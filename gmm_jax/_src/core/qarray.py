@@ -317,13 +317,15 @@ def _scaled_values(xf, scale_f32, tile, dtype, low):
   """f32 `xf` in units of its scale, rounded for an integer `dtype` and offset by the
   integer zero point of an asymmetric one (whose tiles' minimum is `low`), not yet
   clipped; and that zero point (None if symmetric)."""
-  if not is_integer_dtype(dtype):
-    return xf / broadcast_scale(scale_f32, xf.shape, tile), None  # the cast rounds (RNE)
   # x times the scale's f32 reciprocal: XLA turns a division by a broadcast scale into that
   # product on jax <= 0.12.0.1 (so qwix's, MaxText's, values) but not on 0.12.1, which
   # moves values on rounding ties (qwix's bound 127.5 makes many). Written out, it is the
-  # same on every version.
-  q = jnp.round(xf * broadcast_scale(1.0 / scale_f32, xf.shape, tile))
+  # same on every version; so for 8-bit floats, whose cast rounds (RNE), and for the kernels
+  # that quantize a tile in-kernel (`pallas/common.quantize_rows`).
+  scaled = xf * broadcast_scale(1.0 / scale_f32, xf.shape, tile)
+  if not is_integer_dtype(dtype):
+    return scaled, None
+  q = jnp.round(scaled)
   if low is None:
     return q, None
   qmin, qmax = _qrange(dtype)
