@@ -116,3 +116,29 @@ def test_mappings_per_program_and_clear_caches_returns_them():
   kept = _maps() - start
   assert kept <= 0.1 * added, (
       f"jax.clear_caches() gave back only {added - kept} of the {added} maps of 4 programs")
+
+
+def test_a_process_near_the_limit_is_warned_once(monkeypatch):
+  """gmm_jax reads the map count every `CHECK_EVERY` gmm programs lowered for the CPU and
+  warns once, naming the remedies, when it passes `WARN_SHARE` of the limit (here set just
+  above what the process holds)."""
+  from gmm_jax._src.core import host_limits
+  monkeypatch.setattr(host_limits, "_state", {"lowerings": 0, "warned": False})
+  held = host_limits.map_count()
+  assert held is not None and held > 0
+  monkeypatch.setattr(host_limits, "map_limit", lambda: int(held / host_limits.WARN_SHARE))
+  fn = jax.jit(_forward)
+  with pytest.warns(ResourceWarning, match="jax.clear_caches"):
+    for m in range(1, host_limits.CHECK_EVERY + 1):  # distinct shapes: one lowering each
+      fn.lower(*_args(m))
+  assert host_limits._state["warned"]
+  assert not host_limits.check()  # once per process
+
+
+def test_no_warning_far_from_the_limit(monkeypatch, recwarn):
+  from gmm_jax._src.core import host_limits
+  monkeypatch.setattr(host_limits, "_state", {"lowerings": 0, "warned": False})
+  monkeypatch.setattr(host_limits, "map_limit", lambda: 10 * host_limits.map_count())
+  for _ in range(host_limits.CHECK_EVERY):
+    host_limits.note_cpu_lowering()
+  assert not [w for w in recwarn if issubclass(w.category, ResourceWarning)]

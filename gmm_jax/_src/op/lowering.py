@@ -19,7 +19,7 @@ from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from gmm_jax._src.backends import registry
-from gmm_jax._src.core import jax_private
+from gmm_jax._src.core import host_limits, jax_private
 from gmm_jax._src.sharding import strategy
 from gmm_jax._src.core.epilogue import NO_ROWS
 from gmm_jax._src.op import primitive
@@ -275,6 +275,8 @@ def _lower(ctx, *operands, platform, **params):
     platform = params["cfg"].platform
   elif platform is None:
     platform = registry.normalize_platform(ctx.module_context.platforms[0])
+  if platform == "cpu":  # XLA:CPU's kernels each hold memory maps while jax caches them
+    host_limits.note_cpu_lowering()
   if platform == "tpu" and _partitioned_by_xla(ctx):
     # No partitioner may split a kernel on TPU (`custom_partitioning` does not run there):
     # the dense reference, a batched dot over the groups that XLA splits like any other.
