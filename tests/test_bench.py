@@ -29,7 +29,26 @@ def test_cpu_table(capsys):
   rows = _rows(capsys.readouterr().out)
   assert len(rows) == 6  # G=1 balanced, G=4 balanced and skewed; fwd and fwd+bwd each
   for row in rows:
-    assert float(row[6]) > 0 and float(row[7]) > 0  # gmm ms, gmm/dense
+    # gmm ms, floor ms (max of dense and the weights' traffic); gmm/floor, gmm/dense
+    assert float(row[6]) > 0 and float(row[7]) > 0, row
+    assert float(row[8]) >= 0 and float(row[9]) >= 0, row
+
+
+def test_the_weights_floor_reads_them_once_per_gmm_that_needs_them():
+  """fwd: one read of every weight; fwd+bwd: two reads and one write (the gradient)."""
+  rhs = np.arange(4 * 8 * 16, dtype=np.float32).reshape(4, 8, 16)
+  fwd = bench_host._weight_passes(rhs, "fwd")
+  both = bench_host._weight_passes(rhs, "fwd+bwd")
+  assert [name for name, _, _ in fwd] == ["read"]
+  assert [name for name, _, _ in both] == ["read", "read", "read+write"]
+  for name, programs, _ in both:
+    for program in programs:
+      out = np.asarray(program(rhs))
+      if name == "read":  # every weight read once, next to nothing written
+        assert out.size <= rhs.size // 16 and out.sum() in (rhs.sum(), rhs.max())
+      else:  # a gradient's worth written
+        np.testing.assert_array_equal(out, 2 * rhs)
+  assert bench_host.weights_seconds(rhs, "fwd+bwd", 1) > 0
 
 
 def test_gpu_table_in_interpret_mode(capsys):

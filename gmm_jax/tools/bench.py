@@ -26,9 +26,13 @@ Every row times, in one process and interleaved, for the same M, K, N, G and dty
   ragged   jax.lax.ragged_dot (skipped where it would take minutes: it does G times the work)
   dense    one [M, K] x [K, N] matmul: the same FLOPs
   batched  einsum("gmk,gkn->gmn") on [G, M/G, K] x [G, K, N]: the same FLOPs and the same
-           weight bytes, the real floor once the G weight matrices dominate memory traffic
-Ratios are to dense and to batched; "fwd+bwd" times the gradient w.r.t. lhs and rhs of
-sum(out * cotangent). Memory is the compiled executable's temporary bytes.
+           weight bytes
+  weights  the weight traffic no gmm avoids: reading the G weight matrices once (a sum over
+           the groups); fwd+bwd: reading them twice and writing their gradient once
+The floor is max(dense, weights): the dense product's FLOPs, or the weight traffic once the
+G weight matrices dominate (many small groups). Ratios are to the floor, dense and batched;
+"fwd+bwd" times the gradient w.r.t. lhs and rhs of sum(out * cotangent). Memory is the
+compiled executable's temporary bytes.
 """
 
 from __future__ import annotations

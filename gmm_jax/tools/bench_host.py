@@ -69,6 +69,13 @@ class Row:
     a, b = self.seconds.get(name), self.seconds.get(base)
     return None if a is None or b is None else a / b
 
+  @property
+  def floor(self) -> float | None:
+    """max(dense, weights): the dense product's time or the time the weight traffic takes
+    (`weights_seconds`), whichever is longer."""
+    times = [self.seconds.get(name) for name in ("dense", "weights")]
+    return None if None in times else max(times)
+
 
 def _candidates(lhs, rhs, sizes, dtype, implementation, with_ragged):
   m, k = lhs.shape
@@ -110,9 +117,36 @@ def fwd_bwd(fn):
   return jax.grad(loss, argnums=(0, 1))
 
 
+def _reads(w):
+  """Programs that read every weight once and write next to nothing: a sum along each
+  matrix row (the innermost axis) and the largest value (XLA:CPU streams the weights at
+  memory speed through one or the other on every jax version; a sum over the groups, the
+  outermost axis, took 60x longer with jax 0.10.2)."""
+  return [jax.jit(lambda w: jnp.sum(w.reshape(-1, w.shape[-1]), axis=1, dtype=jnp.float32)),
+          jax.jit(jnp.max)]
+
+
+def _weight_passes(rhs, mode: str):
+  """The weight traffic no gmm avoids, as (name, programs, times) passes: the forward reads
+  the weights once (`_reads`, the faster of them); forward and backward read them twice
+  (the forward's and the input gradient's products) and write their gradient once (the
+  weights doubled: one read and one write of a new array, as a gradient is)."""
+  passes = [("read", _reads(rhs), 1)]
+  if mode != "fwd":
+    passes += [("read", _reads(rhs), 1),
+               ("read+write", [jax.jit(lambda w: w * jnp.asarray(2, w.dtype))], 1)]
+  return passes
+
+
+def weights_seconds(rhs, mode: str, repeats: int) -> float:
+  """Seconds of `_weight_passes`: the weights' floor of a gmm with these weights."""
+  return sum(min(time_fn(fn, (rhs,), repeats) for fn in programs)
+             for _, programs, _ in _weight_passes(rhs, mode))
+
+
 def run_case(dtype, m, kn, num_groups, distribution, modes=("fwd", "fwd+bwd"),
              implementation="xla", repeats=5, ragged_limit=6e11, seed=0):
-  """Times one shape; returns a Row per mode."""
+  """Times one shape; returns a Row per mode (with "weights": `weights_seconds`)."""
   rng = np.random.default_rng(seed)
   k = n = kn
   lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
@@ -132,6 +166,7 @@ def run_case(dtype, m, kn, num_groups, distribution, modes=("fwd", "fwd+bwd"),
         compiled, args = jax.jit(fwd_bwd(fn)), (lhs, rhs, sizes, cot)
       seconds[name] = time_fn(compiled, args, repeats)
       temps[name] = temp_bytes(compiled, args)
+    seconds["weights"] = weights_seconds(rhs, mode, repeats)
     for name in ("gmm", "ragged", "dense", "batched"):
       seconds.setdefault(name, None)
       temps.setdefault(name, None)
@@ -145,16 +180,21 @@ def fmt(value, spec):
 
 
 def header() -> str:
-  return ("| dtype | M | K=N | G | sizes | mode | gmm ms | gmm/dense | gmm/batched | "
-          "ragged/dense | batched/dense | gmm temp MB | ragged temp MB |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  return ("| dtype | M | K=N | G | sizes | mode | gmm ms | floor ms | gmm/floor | gmm/dense | "
+          "gmm/batched | weights/dense | ragged/dense | batched/dense | gmm temp MB | "
+          "ragged temp MB |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def format_row(row: Row) -> str:
   mb = lambda b: None if b is None else b / 2**20
+  floor = row.floor
   return (f"| {row.dtype} | {row.m} | {row.kn} | {row.groups} | {row.distribution} | "
           f"{row.mode} | {fmt(row.seconds['gmm'] * 1e3, '.1f')} | "
+          f"{fmt(floor and floor * 1e3, '.1f')} | "
+          f"{fmt(floor and row.seconds['gmm'] / floor, '.2f')} | "
           f"{fmt(row.ratio('gmm', 'dense'), '.2f')} | {fmt(row.ratio('gmm', 'batched'), '.2f')} | "
+          f"{fmt(row.ratio('weights', 'dense'), '.2f')} | "
           f"{fmt(row.ratio('ragged', 'dense'), '.1f')} | "
           f"{fmt(row.ratio('batched', 'dense'), '.2f')} | {fmt(mb(row.temp['gmm']), '.1f')} | "
           f"{fmt(mb(row.temp['ragged']), '.1f')} |")
