@@ -58,7 +58,7 @@ STEPS = [
                   "tests/test_aot_pod_deviceless.py tests/test_pallas_mosaic_gpu.py "
                   "tests/test_chips.py tests/test_deviceless_mosaic_fp8.py "
                   "tests/test_deviceless_tpu_fp8.py tests/test_deviceless_decode.py "
-                  "tests/test_smoke.py"),
+                  "tests/test_smoke.py tests/test_jax_private.py"),
     ("python -m gmm_jax.tools.aot", "python -m gmm_jax.tools.aot --require"),
     ("jax_env.sh device", "jax_env.sh device"),
     ("python -m pytest", "python -m pytest -q -ra -p no:cacheprovider -o addopts= "

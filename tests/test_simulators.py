@@ -183,6 +183,22 @@ def test_tpu_blockwise_fp8():
   np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=256))
 
 
+def test_tpu_blockwise_fp8_weight_gradient():
+  """fp8 training's weight gradient: k-grouped over the tokens, both operands in 128 x 1
+  blocks along them (e5m2 cotangent), group boundaries inside the blocks."""
+  rng = np.random.default_rng(22)
+  x = rng.standard_normal((300, 128)).astype(np.float32)
+  dy = rng.standard_normal((300, 128)).astype(np.float32)
+  x_q = gmm_jax.quantize(x, E4M3, channelwise_axes=(1,), tiled_axes={0: 128})
+  dy_q = gmm_jax.quantize(dy, jnp.float8_e5m2, channelwise_axes=(1,), tiled_axes={0: 128})
+  sizes = [100, 0, 150]
+  got = _tpu(x_q, dy_q, sizes, group_type="k", num_groups=3, transpose_lhs=True,
+             preferred_element_type=jnp.float32)
+  want = gmm_oracle(dequantize(x_q), dequantize(dy_q), sizes, "k", transpose_lhs=True)
+  np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=300))
+  np.testing.assert_array_equal(f64(got)[1], 0.0)  # the empty group: exactly 0
+
+
 @pytest.mark.parametrize("mode", ["weight_only", "scaled"])
 def test_tpu_quantized_int8(mode):
   """int8 weights with per-channel scales (weight-only: f32 activations; scaled: int8 x
