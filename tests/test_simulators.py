@@ -170,14 +170,20 @@ def test_tpu_gradients_and_the_cotangent_epilogue():
                                atol=1e-4 * float(np.abs(f64(want)).max()))
 
 
-def test_tpu_blockwise_fp8():
-  """fp8 training's forward layout: e4m3 values, lhs scales in 1 x 128 blocks, rhs in
-  128 x 128; the oracle multiplies the dequantized blocks in float64."""
-  rng = np.random.default_rng(14)
-  lhs = rng.standard_normal((40, 256)).astype(np.float32)
+def _blockwise_fp8(m: int, seed: int):
+  """fp8 training's forward operands: e4m3 lhs ``[M, 256]`` with 1 x 128 block scales, rhs
+  ``[2, 256, 128]`` with 128 x 128 ones."""
+  rng = np.random.default_rng(seed)
+  lhs = rng.standard_normal((m, 256)).astype(np.float32)
   rhs = rng.standard_normal((2, 256, 128)).astype(np.float32)
-  lhs_q = gmm_jax.quantize(lhs, E4M3, channelwise_axes=(0,), tiled_axes={1: 128})
-  rhs_q = gmm_jax.quantize(rhs, E4M3, channelwise_axes=(0,), tiled_axes={1: 128, 2: 128})
+  return (gmm_jax.quantize(lhs, E4M3, channelwise_axes=(0,), tiled_axes={1: 128}),
+          gmm_jax.quantize(rhs, E4M3, channelwise_axes=(0,), tiled_axes={1: 128, 2: 128}))
+
+
+def test_tpu_blockwise_fp8():
+  """fp8 training's forward layout; the oracle multiplies the dequantized blocks in
+  float64."""
+  lhs_q, rhs_q = _blockwise_fp8(40, 14)
   got = _tpu(lhs_q, rhs_q, [24, 10], preferred_element_type=jnp.float32)
   want = gmm_oracle(dequantize(lhs_q), dequantize(rhs_q), [24, 10], "m")
   np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=256))
@@ -278,11 +284,7 @@ def test_mosaic_gpu_kernel_matches_the_oracle(dtype, options, tiling):
 
 @simulators.needs_gpu_simulator
 def test_mosaic_gpu_blockwise_fp8():
-  rng = np.random.default_rng(19)
-  lhs = rng.standard_normal((64, 256)).astype(np.float32)
-  rhs = rng.standard_normal((2, 256, 128)).astype(np.float32)
-  lhs_q = gmm_jax.quantize(lhs, E4M3, channelwise_axes=(0,), tiled_axes={1: 128})
-  rhs_q = gmm_jax.quantize(rhs, E4M3, channelwise_axes=(0,), tiled_axes={1: 128, 2: 128})
+  lhs_q, rhs_q = _blockwise_fp8(64, 19)
   got = _gpu(lhs_q, rhs_q, [40, 17], preferred_element_type=jnp.float32)
   want = gmm_oracle(dequantize(lhs_q), dequantize(rhs_q), [40, 17], "m")
   np.testing.assert_allclose(f64(got), want, **tolerances(jnp.float32, k=256))

@@ -95,9 +95,11 @@ def _child(targets, cases, json_path):
 def _child_env() -> dict[str, str]:
   env = deviceless.child_env(_CHILD_ENV)
   env["TF_CPP_MIN_LOG_LEVEL"] = "0"
-  # nvjitlink: ptxas's report; xtile_compiler: Triton's shared memory (2) and each Triton
-  # kernel's LLVM IR (5), which `mma_report` reads.
-  env["TF_CPP_VMODULE"] = "nvjitlink=3,xtile_compiler=5"
+  # ptxas's report: nvjitlink where the CUDA plugin links with nvJitLink (CUDA 12), and
+  # subprocess_compilation where it runs a ptxas found on PATH (the CUDA 13 plugin of jax
+  # 0.11-0.12); xtile_compiler: Triton's shared memory (2) and each Triton kernel's LLVM IR
+  # (5), which `mma_report` reads.
+  env["TF_CPP_VMODULE"] = "nvjitlink=3,subprocess_compilation=3,xtile_compiler=5"
   env["MOSAIC_GPU_DUMP_PTXAS"] = "1"
   env["MOSAIC_GPU_DUMP_PTX"] = "1"
   flags = env.get("XLA_FLAGS", "")

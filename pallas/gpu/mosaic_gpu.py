@@ -75,7 +75,7 @@ FP8_K_STEP = 128
 
 def _mixed_fp8_wgmma() -> bool:
   """Whether this jax's `plgpu.wgmma` takes an e5m2 x e4m3 pair (PTX takes the two types
-  separately; jax 0.12 accepts the pair, jax 0.10 asks for one element type)."""
+  separately; jax 0.11.2 and 0.12 accept the pair, jax 0.10 asks for one element type)."""
   try:
     return "float8_e5m2" in inspect.getsource(plgpu.wgmma)
   except (OSError, TypeError):
