@@ -209,9 +209,17 @@ def test_the_dispatcher_records_a_missing_table_as_a_refusal(monkeypatch):
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (the deviceless TPU compiles need it)")
-def test_the_tpu_partitioner_registers_once():
+def test_the_tpu_partitioner_registers_once_or_says_it_cannot():
+  """Registered once (a second call does nothing); where libtpu was loaded before without
+  it (an earlier test described a TPU topology), strict raises and lenient says so."""
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    jax_private.register_tpu_partitioner()
-    jax_private.register_tpu_partitioner()  # a second call does nothing
+    loaded_before = jax_private.resolve("xla_client").pjrt_plugin_loaded("tpu")
+    if loaded_before and not jax_private._TPU_PARTITIONER:
+      assert not jax_private.register_tpu_partitioner(strict=False)
+      with pytest.raises(RuntimeError, match="loaded already"):
+        jax_private.register_tpu_partitioner()
+    else:
+      assert jax_private.register_tpu_partitioner()
+      assert jax_private.register_tpu_partitioner()  # a second call does nothing
   assert jax_private.resolve("xla_client").pjrt_plugin_loaded("tpu")

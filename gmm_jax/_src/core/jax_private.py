@@ -305,7 +305,7 @@ def reduction_order_is_free(order) -> bool:
 _TPU_PARTITIONER = []  # non-empty once `register_tpu_partitioner` registered it
 
 
-def register_tpu_partitioner() -> None:
+def register_tpu_partitioner(strict: bool = True) -> bool:
   """Registers `custom_partitioning`'s partitioner with libtpu, as jax does when a TPU
   backend starts: describing a topology loads libtpu without running the plugin callbacks,
   and a deviceless compile of a program with a custom partitioning then fails with "Custom
@@ -314,15 +314,22 @@ def register_tpu_partitioner() -> None:
   before the first TPU topology is described (the plugin's C API is only handed out by the
   load); once it has run, a later call does nothing.
 
+  Returns:
+    Whether the partitioner is registered: False (with `strict` False) where libtpu was
+    loaded already by something else, so that it cannot be any more (a program without
+    custom partitioning, any one-chip program, compiles all the same).
+
   Raises:
-    RuntimeError: libtpu was loaded already by something else, or jax registered no
-      CustomSPMDPartitioning callback.
+    RuntimeError: (`strict`) libtpu was loaded already by something else; or jax
+      registered no CustomSPMDPartitioning callback.
   """
   if _TPU_PARTITIONER:
-    return
+    return True
   resolve("custom_partitioning_module")  # imported for the callback it registers
   xla_client = resolve("xla_client")
   if xla_client.pjrt_plugin_loaded("tpu"):
+    if not strict:
+      return False
     raise RuntimeError("libtpu is loaded already: register the partitioner before describing "
                        "a TPU topology")
   c_api = xla_client.load_pjrt_plugin_dynamically("tpu", resolve("tpu_library_path")())
@@ -335,3 +342,4 @@ def register_tpu_partitioner() -> None:
   for callback in callbacks:
     callback(c_api=c_api)
   _TPU_PARTITIONER.append(True)
+  return True
