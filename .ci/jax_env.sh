@@ -65,10 +65,11 @@ if ! check; then
   [ -n "$PY" ] || { echo "no python3.12 found for the $STACK environment" >&2; exit 1; }
   rm -rf "$VENV"
   "$PY" -m venv "$VENV" >&2
-  # jax pinned beside flax, so that pip keeps it at $JAX.
-  "$VENV/bin/pip" install -q "${PACKAGES[@]}" >&2
+  # jax pinned beside flax, so that pip keeps it at $JAX; no byte-compiling at install (it
+  # would take the CPU from the test suite this runs beside in CI).
+  "$VENV/bin/pip" install -q --no-compile "${PACKAGES[@]}" >&2
   if [ ${#NO_DEPS[@]} -gt 0 ]; then
-    "$VENV/bin/pip" install -q --no-deps "${NO_DEPS[@]}" >&2
+    "$VENV/bin/pip" install -q --no-compile --no-deps "${NO_DEPS[@]}" >&2
   fi
   check || { echo "the $STACK environment $VENV does not import" >&2; exit 1; }
 fi

@@ -63,7 +63,7 @@ STEPS = [
     ("jax_env.sh device", "jax_env.sh device"),
     ("python -m pytest", "python -m pytest -q -ra -p no:cacheprovider -o addopts= "
                          "tests/test_smoke.py tests/test_jax_private.py "
-                         "tests/test_simulators.py tests/test_gpu_script.py"),
+                         "tests/test_gpu_script.py"),
     ("jax_env.sh newest", "jax_env.sh newest"),
     ("python -m pytest", "python -m pytest -q -ra -p no:cacheprovider -o addopts= "
                          "tests/test_smoke.py tests/test_jax_private.py "
