@@ -207,19 +207,20 @@ def documented_refusal(case: Case) -> str | None:
     return ("lhs_activation needs an m-grouped float lhs, not transposed or gathered (fp8 "
             "training included)")
   if case.implementation == "pallas_mosaic_gpu":
-    # Through gmm the dispatcher hands interpret mode to Triton (support.md, footnote 1);
-    # the kernel also refuses k-grouping, f32, a transposed lhs and quantized operands.
-    return "Mosaic GPU in interpret mode through gmm, or a mode its kernel refuses"
+    # The draws run the kernels in Pallas's plain interpret mode, which the Mosaic GPU kernel
+    # refuses (it runs under jax's GPU simulator: tests/test_simulators.py and
+    # tests/test_pallas_mosaic_gpu*.py); it also refuses k-grouping, f32, a transposed lhs
+    # and quantized operands other than blocked fp8.
+    return "Mosaic GPU in plain interpret mode, or a mode its kernel refuses"
   return None
 
 
 @functools.lru_cache(maxsize=None)
 def available_implementations() -> tuple[str, ...]:
-  """The implementations whose interpret mode this jax runs through `gmm`.
+  """The implementations whose plain interpret mode this jax runs through `gmm`.
 
-  A tiny bf16 m-grouped call each (the mode every kernel serves): Mosaic GPU refuses
-  interpret mode through the dispatcher today (support.md, footnote 1), so its value is
-  skipped until it serves one.
+  A tiny bf16 m-grouped call each (the mode every kernel serves): Mosaic GPU refuses plain
+  interpret mode (only jax's GPU simulator runs it), so its value is skipped here.
   """
   lhs = jnp.ones((8, 8), jnp.bfloat16)
   rhs = jnp.ones((1, 8, 8), jnp.bfloat16)

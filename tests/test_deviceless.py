@@ -212,3 +212,19 @@ def test_gated_ends_compile_without_spills_and_b200_uses_tcgen05(tmp_path):
     want = ("tcgen05.mma kind::f8f6f4" if fp8 else "tcgen05.mma kind::f16") if (
         target == "b200") else ("wgmma e4m3.e4m3" if fp8 else "wgmma bf16.bf16")
     assert want in row["mma"].split(", "), (target, case, gmm, row["mma"])
+
+
+def test_autotune_on_a_deviceless_device_compiles_each_candidate(tmp_path):
+  """`device=` a chip described without the hardware: the default and every candidate are
+  compiled for it (an H200's Mosaic GPU kernel; a tile it cannot block is refused), their
+  times NaN, nothing cached."""
+  _require_compiler("gpu")
+  from gmm_jax.tools import deviceless
+  cache = tmp_path / "tuned.json"
+  candidates = [Tiling(tile_m=64, tile_k=64, tile_n=128), Tiling(tile_m=48, tile_k=64,
+                                                                 tile_n=128)]
+  (fwd,) = gmm_jax.autotune(256, 128, 256, 4, dtype=jnp.bfloat16, repeats=1, cache=cache,
+                            candidates=candidates, device=deviceless.chip("h200"))
+  assert fwd.problem.implementation == "pallas_mosaic_gpu" and "H200" in fwd.problem.device_kind
+  assert np.isnan(fwd.seconds) and fwd.timings[1][1] is None  # 48 rows: refused
+  assert not cache.exists()

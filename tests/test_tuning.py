@@ -271,6 +271,15 @@ def test_autotune_writes_the_fastest_tiling_that_gmm_then_uses(tmp_path):
   assert (forward.source, forward.tiling) == ("autotune cache", best["fwd"])
 
 
+def test_autotune_on_a_given_device_times_there(tmp_path):
+  """`device=` a local device: the operands are placed there and the results are times."""
+  device = jax.devices()[1]
+  results = gmm_jax.autotune(M, K, N, G, dtype=jnp.float32, repeats=1, write=False,
+                             candidates=[Tiling(tile_m=16, tile_k=16, tile_n=16)],
+                             device=device, **TRITON)
+  assert results[0].seconds > 0 and results[0].timings[0][1] > 0
+
+
 def test_autotune_rejects_bad_arguments():
   with pytest.raises(ValueError, match="positive int dims"):
     gmm_jax.autotune(0, K, N, G)
